@@ -1,0 +1,81 @@
+"""BatchingConfig: every knob of the engine in one validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+MODES = ("sync", "async")
+OFF_MODES = (None, "off")
+ATTENTION_BACKENDS = ("auto", "reference")
+
+
+@dataclass
+class BatchingConfig:
+    """How the continuous-batching engine runs.
+
+    mode: "sync" (the baseline loop: the CPU waits for every step) or "async" (the pipelined
+        loop: the CPU prepares step N+1 while the device computes step N).
+    page_size: tokens per KV-cache page.
+    num_pages: pages in the KV pool. None sizes the pool from memory: `kv_memory_fraction` of
+        the free GPU memory on CUDA, `cpu_kv_cache_bytes` on the CPU.
+    max_batch_tokens: token budget of one step (decode tokens + prefill chunk tokens). Prompts
+        longer than this are prefilled in chunks.
+    max_running_requests: requests that hold KV pages at once.
+    seed: seed of the device-side random generator used by do_sample.
+    attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
+    trust_untested_model: run model families outside the tested list (see docs/api.md).
+    """
+
+    mode: str = "async"
+    page_size: int = 16
+    num_pages: int | None = None
+    max_batch_tokens: int = 512
+    max_running_requests: int = 256
+    kv_memory_fraction: float = 0.5
+    cpu_kv_cache_bytes: int = 512 * 1024**2
+    seed: int | None = None
+    attention: str = "auto"
+    trust_untested_model: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"BatchingConfig.mode must be one of {MODES}, got {self.mode!r}.")
+        _positive_int("page_size", self.page_size)
+        if self.num_pages is not None:
+            _positive_int("num_pages", self.num_pages)
+        _positive_int("max_batch_tokens", self.max_batch_tokens)
+        _positive_int("max_running_requests", self.max_running_requests)
+        _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(
+                f"BatchingConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}."
+            )
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"BatchingConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}."
+            )
+
+    def with_mode(self, mode: str) -> "BatchingConfig":
+        return replace(self, mode=mode)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"BatchingConfig.{name} must be a positive integer, got {value!r}.")
+
+
+def resolve_mode(value: Any) -> str | None:
+    """Normalise a user's `batching=` value: None/"off" -> None, else "sync" or "async"."""
+    if value in OFF_MODES:
+        return None
+    if isinstance(value, str) and value in MODES:
+        return value
+    valid = ", ".join(repr(v) for v in (None, "off", *MODES))
+    raise ValueError(f"batching must be one of {valid}; got {value!r}.")

@@ -1,0 +1,146 @@
+"""Engine: owns the KV pool, the scheduler, the batch builder, the runner and the loops."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from .batch import BatchBuilder
+from .config import BatchingConfig, resolve_mode
+from .kv_cache import KVLayout, PageAllocator, PagedKVCache
+from .models import check_model_supported, has_learned_positions, max_positions
+from .pipeline import SyncLoop
+from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
+                       as_token_lists)
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+class Engine:
+    """Continuous batching over one transformers model.
+
+    >>> engine = Engine(model, BatchingConfig(mode="sync"))
+    >>> outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=8)
+    """
+
+    def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None) -> None:
+        self.config = config if config is not None else BatchingConfig()
+        self.config.validate()
+        check_model_supported(model, self.config.trust_untested_model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = _model_dtype(model)
+        self.layout = KVLayout.from_config(model.config)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions = max_positions(model.config)
+        self._learned_positions = has_learned_positions(model)
+        page_size = self.config.page_size
+        num_pages = self._num_pages()
+        self.cache = PagedKVCache(self.layout, num_pages, page_size, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
+                                   self.config.max_running_requests)
+        self.builder = BatchBuilder(page_size, self.device)
+        self.runner = ModelRunner(model, self.cache, self.config.seed)
+        logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s", num_pages, page_size,
+                    self.cache.bytes / 2**20, self.device)
+
+    def _num_pages(self) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        bytes_per_page = self.layout.bytes_per_token(self.dtype) * self.config.page_size
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.kv_memory_fraction)
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        num_pages = budget // bytes_per_page
+        if num_pages < 1:
+            raise ValueError(
+                f"no room for a single KV page ({bytes_per_page} bytes): give the pool more memory "
+                "(BatchingConfig.kv_memory_fraction / cpu_kv_cache_bytes) or set num_pages."
+            )
+        return num_pages
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Validate one prompt against the model and the pool; raise ValueError if it cannot run."""
+        (ids,) = as_token_lists([prompt])
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if self.max_positions is not None:
+            if len(ids) > self.max_positions:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens is longer than the model's maximum of {self.max_positions}."
+                )
+            if self._learned_positions and len(ids) + params.max_new_tokens - 1 > self.max_positions:
+                raise ValueError(
+                    f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
+                    f"{self.max_positions} learned positions; lower max_new_tokens."
+                )
+        request = Request(ids, params)
+        self.scheduler.check_fits(request)
+        return request
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        mode: str | None = None,
+        **param_kwargs,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (lists of token ids); outputs come back in prompt order.
+
+        `params` is one SamplingParams for all, one per prompt, or built from keyword arguments
+        (max_new_tokens=..., do_sample=..., eos_token_ids=...).
+        """
+        prompts = as_token_lists(prompts)
+        if params is None:
+            params = SamplingParams(**param_kwargs)
+        elif param_kwargs:
+            raise ValueError("pass either params or keyword sampling arguments, not both.")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        self.run(requests, mode)
+        return [r.to_output() for r in requests]
+
+    def run(self, requests: list[Request], mode: str | None = None) -> None:
+        """Drive the loop until every request in `requests` has finished."""
+        loop_mode = resolve_mode(mode or self.config.mode) or self.config.mode
+        loop = self._make_loop(loop_mode)
+        remaining = {id(r) for r in requests}
+        with self.runner.prepared():
+            try:
+                for r in requests:
+                    self.scheduler.add(r)
+                while remaining:
+                    for r in loop.step():
+                        remaining.discard(id(r))
+                for r in loop.drain():
+                    remaining.discard(id(r))
+            except BaseException:
+                for r in requests:
+                    if not r.is_finished:
+                        self.scheduler.finish(r, RequestStatus.ABORTED)
+                        r.finish_reason = FinishReason.ABORTED
+                raise
+
+    def _make_loop(self, mode: str):
+        # The pipelined AsyncLoop is built on the same scheduler/builder/runner; until it lands,
+        # "async" runs the sync loop so that both modes give the same tokens.
+        return SyncLoop(self.scheduler, self.builder, self.runner)

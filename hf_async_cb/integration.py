@@ -1,0 +1,250 @@
+"""The transformers hook: `model.generate(..., batching="sync" | "async")` runs on our Engine.
+
+install() wraps GenerationMixin.generate. The wrapper takes `batching` and `batching_config` out of
+the call (stock generate would reject them as unused model kwargs), reads `batching` from the call,
+else from the GenerationConfig passed in, else from model.generation_config, and hands off to stock
+generate when it is None or "off". Otherwise it turns the padded batch into requests, runs them on
+an Engine, and pads the results back into stock generate's output format.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+from .config import BatchingConfig, resolve_mode
+from .engine import Engine
+from .requests import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_original_generate = None
+
+# generate() arguments the engine does not implement; each must be left at its default.
+_UNSUPPORTED_ARGUMENTS = (
+    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model", "streamer",
+    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+)
+_ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
+_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
+
+
+def _active(value: Any, neutral: tuple = (None,)) -> bool:
+    return value not in neutral
+
+
+# GenerationConfig options that would add a logits processor, a stopping criterion or another
+# decoding strategy: (attribute, values that leave stock generate's result unchanged).
+_UNSUPPORTED_GENERATION_OPTIONS = (
+    ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
+    ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
+    ("dola_layers", (None,)), ("repetition_penalty", (None, 1.0)), ("encoder_repetition_penalty", (None, 1.0)),
+    ("no_repeat_ngram_size", (None, 0)), ("encoder_no_repeat_ngram_size", (None, 0)),
+    ("bad_words_ids", (None,)), ("min_length", (None, 0)), ("min_new_tokens", (None, 0)),
+    ("typical_p", (None, 1.0)), ("epsilon_cutoff", (None, 0.0)), ("eta_cutoff", (None, 0.0)),
+    ("min_p", (None,)), ("top_h", (None,)), ("suppress_tokens", (None,)), ("begin_suppress_tokens", (None,)),
+    ("forced_bos_token_id", (None,)), ("forced_eos_token_id", (None,)), ("sequence_bias", (None,)),
+    ("guidance_scale", (None, 1.0)), ("exponential_decay_length_penalty", (None,)),
+    ("watermarking_config", (None,)), ("stop_strings", (None,)), ("max_time", (None,)),
+    ("num_return_sequences", (None, 1)), ("output_scores", (None, False)), ("output_logits", (None, False)),
+    ("output_attentions", (None, False)), ("output_hidden_states", (None, False)),
+    ("prompt_lookup_num_tokens", (None,)), ("assistant_early_exit", (None,)), ("token_healing", (None, False)),
+    ("remove_invalid_values", (None, False)), ("use_mtp", (None, False)),
+)
+
+
+def install() -> None:
+    """Make `batching=` available on every transformers generative model (idempotent)."""
+    global _original_generate
+    from transformers import GenerationMixin
+
+    from . import attention
+
+    attention.register()
+    if _original_generate is not None:
+        return
+    _original_generate = GenerationMixin.generate
+    GenerationMixin.generate = _make_generate(_original_generate)
+
+
+def uninstall() -> None:
+    """Restore stock generate."""
+    global _original_generate
+    from transformers import GenerationMixin
+
+    if _original_generate is not None:
+        GenerationMixin.generate = _original_generate
+        _original_generate = None
+
+
+def is_installed() -> bool:
+    return _original_generate is not None
+
+
+def _make_generate(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        has_batching = "batching" in kwargs
+        batching = kwargs.pop("batching", None)
+        batching_config = kwargs.pop("batching_config", None)
+        bound = signature.bind(self, *args, **kwargs)
+        generation_config = bound.arguments.get("generation_config")
+        mode = _resolve_call_mode(self, has_batching, batching, generation_config, batching_config)
+        if mode is None:
+            return original(self, *args, **kwargs)
+        return _engine_generate(self, mode, batching_config, generation_config, bound.arguments)
+
+    generate.__hf_async_cb__ = True
+    return generate
+
+
+def _resolve_call_mode(model, has_batching: bool, batching, generation_config, batching_config) -> str | None:
+    if has_batching:
+        return resolve_mode(batching)
+    for source in (generation_config, getattr(model, "generation_config", None)):
+        if source is not None and getattr(source, "batching", None) is not None:
+            return resolve_mode(source.batching)
+    config = batching_config
+    if config is None and generation_config is not None:
+        config = getattr(generation_config, "batching_config", None)
+    return config.mode if isinstance(config, BatchingConfig) else None
+
+
+@torch.no_grad()
+def _engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
+    for name in _UNSUPPORTED_ARGUMENTS:
+        value = arguments.get(name)
+        if value is not None and not (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
+            raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
+    if arguments.get("synced_gpus"):
+        raise ValueError(f"generate(batching={mode!r}) does not support `synced_gpus`.")
+    kwargs = dict(arguments.get("kwargs", {}))
+    inputs = arguments.get("inputs")
+    if "inputs_embeds" in kwargs:
+        raise ValueError(f"generate(batching={mode!r}) needs input_ids; `inputs_embeds` is not supported.")
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    else:
+        kwargs.pop("input_ids", None)
+    if inputs is None:
+        raise ValueError(f"generate(batching={mode!r}) needs input_ids (a LongTensor [batch, length]).")
+    gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    for key, neutral in _IGNORED_MODEL_KWARGS.items():
+        if model_kwargs.get(key, neutral) == neutral:
+            model_kwargs.pop(key, None)
+    unknown = sorted(set(model_kwargs) - _ALLOWED_MODEL_KWARGS)
+    if unknown:
+        raise ValueError(f"generate(batching={mode!r}) does not support the arguments {unknown}.")
+    bad = [name for name, neutral in _UNSUPPORTED_GENERATION_OPTIONS if getattr(gc, name, None) not in neutral]
+    if bad:
+        values = ", ".join(f"{n}={getattr(gc, n)!r}" for n in bad)
+        raise ValueError(f"generate(batching={mode!r}) does not support {values} yet; use batching='off' for it.")
+
+    input_ids = _check_input_ids(inputs, model)
+    attention_mask = _attention_mask(input_ids, model_kwargs.get("attention_mask"), gc)
+    prompts = _unpad(input_ids, attention_mask)
+    eos = _token_list(gc.eos_token_id)
+    pad = gc.pad_token_id
+    if isinstance(pad, torch.Tensor):
+        pad = int(pad.flatten()[0])
+    if pad is None and eos:
+        logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
+        pad = eos[0]
+    input_len = input_ids.shape[1]
+    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_len
+    if max_new <= 0:
+        raise ValueError(
+            f"nothing to generate: max_length ({gc.max_length}) must be larger than the input length "
+            f"({input_len}); set max_new_tokens instead."
+        )
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        do_sample=bool(gc.do_sample),
+        temperature=float(gc.temperature if gc.temperature is not None else 1.0),
+        top_k=int(gc.top_k or 0),
+        top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+        eos_token_ids=tuple(eos),
+    )
+    config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
+    if not isinstance(config, BatchingConfig):
+        raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
+    engine = Engine(model, config.with_mode(mode))
+    outputs = engine.generate(prompts, params)
+    sequences = _pad_outputs(input_ids, [o.output_token_ids for o in outputs], pad)
+    if gc.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def _check_input_ids(inputs, model) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor):
+        raise ValueError(f"input_ids must be a torch.LongTensor, got {type(inputs).__name__}.")
+    if inputs.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}.")
+    if inputs.dim() == 1:
+        inputs = inputs[None]
+    if inputs.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(inputs.shape)}.")
+    if inputs.shape[0] == 0:
+        raise ValueError("The batch is empty: input_ids has no rows.")
+    if inputs.shape[1] == 0:
+        raise ValueError("input_ids has zero length: every prompt needs at least one token.")
+    return inputs
+
+
+def _attention_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
+    """The mask stock generate would use: the given one, or input_ids != pad when pad is present."""
+    if mask is None:
+        pad = gc.pad_token_id
+        eos = _token_list(gc.eos_token_id)
+        if pad is not None and (input_ids == pad).any() and pad not in eos:
+            return input_ids.ne(pad).long()
+        return torch.ones_like(input_ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask {shape} does not match input_ids {tuple(input_ids.shape)}.")
+    return mask
+
+
+def _unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded rows -> prompts. Right padding or holes would change the result: refuse them."""
+    ids, keep = input_ids.tolist(), mask.bool().tolist()
+    prompts = []
+    for row, (tokens, flags) in enumerate(zip(ids, keep)):
+        if not any(flags):
+            raise ValueError(f"row {row} of attention_mask is all zeros: every prompt needs at least one token.")
+        first = flags.index(True)
+        if not all(flags[first:]):
+            raise ValueError(
+                f"row {row} of attention_mask has padding after its first token: batching needs left padding "
+                "(tokenizer.padding_side = 'left') and no holes."
+            )
+        prompts.append(tokens[first:])
+    return prompts
+
+
+def _pad_outputs(input_ids: torch.Tensor, generated: list[list[int]], pad: int | None) -> torch.Tensor:
+    width = max(len(g) for g in generated)
+    if pad is None and any(len(g) < width for g in generated):
+        raise RuntimeError("rows finished at different lengths but there is no pad_token_id to fill them")
+    rows = [g + [pad] * (width - len(g)) for g in generated]
+    new = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, new], dim=1)
+
+
+def _token_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,57 @@
+"""Which models the engine runs, and the clear errors for those it cannot run correctly."""
+
+from __future__ import annotations
+
+import torch
+
+# Families whose greedy output is tested token for token against stock generate.
+TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"})
+
+# Config attributes that change attention or logits in ways the engine does not implement.
+_UNSUPPORTED_CONFIG = {
+    "attn_logit_softcapping": "attention logit softcapping",
+    "final_logit_softcapping": "final logit softcapping",
+    "alibi": "ALiBi position biases",
+}
+
+
+def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = False) -> None:
+    """Raise ValueError naming why `model` cannot run on the engine, if it cannot."""
+    from transformers import GenerationMixin
+
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None or not isinstance(model, GenerationMixin):
+        raise ValueError(f"{name} is not a transformers generative model.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; hf_async_cb runs decoder-only models.")
+    if type(model).generate is not GenerationMixin.generate:
+        raise ValueError(f"{name} overrides generate(); hf_async_cb runs plain decoder-only language models.")
+    for attr, what in _UNSUPPORTED_CONFIG.items():
+        if getattr(config, attr, None):
+            raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        raise ValueError(f"{name} has non-attention layers ({sorted(set(layer_types))}); hf_async_cb does not support them.")
+    if getattr(config, "is_causal", True) is False:
+        raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TESTED_MODEL_TYPES and not trust_untested_model:
+        raise ValueError(
+            f"model_type {model_type!r} is not among the families hf_async_cb is tested on "
+            f"({', '.join(sorted(TESTED_MODEL_TYPES))}). Pass BatchingConfig(trust_untested_model=True) to run "
+            "it anyway; the engine still refuses models whose layers bypass the attention interface."
+        )
+
+
+def max_positions(config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def has_learned_positions(model: torch.nn.Module) -> bool:
+    """Absolute position tables (GPT-2's wpe) cannot go past their length, unlike RoPE."""
+    return getattr(getattr(model, "transformer", None), "wpe", None) is not None

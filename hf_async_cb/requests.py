@@ -1,0 +1,148 @@
+"""Requests, their sampling/stopping parameters, their status and their outputs."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks and stops its tokens (the subset of GenerationConfig we run).
+
+    top_k=0 and top_p=1.0 switch those filters off; eos_token_ids may be empty.
+    """
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
+        if self.max_new_tokens <= 0:
+            raise ValueError(
+                f"max_new_tokens must be >= 1, got {self.max_new_tokens}: ask for at least one new token "
+                "(with max_length, make it larger than the prompt length)."
+            )
+        if self.do_sample:
+            if not self.temperature > 0.0:
+                raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature}.")
+            if self.top_k < 0:
+                raise ValueError(f"top_k must be >= 0, got {self.top_k}.")
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV pages, scheduled in steps
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    ABORTED = "aborted"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. The scheduler works on counts, never on token values.
+
+    num_computed: tokens whose K/V is in the cache. The next step feeds tokens
+    [num_computed, num_computed + n) of `token_ids` to the model.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_ids))
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Most tokens this request can ever hold in the cache (the last sampled one is never fed)."""
+        return len(self.prompt_token_ids) + self.params.max_new_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def append_token(self, token: int) -> bool:
+        """Record a sampled token; return True when it ends the request (EOS or length)."""
+        self.output_token_ids.append(token)
+        if token in self.params.eos_token_ids:
+            self.finish_reason = FinishReason.EOS
+        elif len(self.output_token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        else:
+            return False
+        return True
+
+    def to_output(self) -> "RequestOutput":
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            output_token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def as_token_lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Validate a batch of prompts given as token-id sequences."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError("prompts must be a list of token-id lists.")
+    if len(prompts) == 0:
+        raise ValueError("The batch is empty: pass at least one prompt.")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise ValueError(f"prompt {i} is a string; tokenize it first (a list of token ids is expected).")
+        ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token.")
+        out.append(ids)
+    return out

@@ -1,0 +1,70 @@
+"""Device work of one step: the model's forward over the packed batch, logits, sampling."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator
+
+import torch
+
+from . import attention
+from .batch import StepInputs
+from .kv_cache import PagedKVCache
+from .sampling import sample
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword of the KV cache: `past_key_values` (<= 5.23) or `cache` (newer)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, seed: int | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.num_layers = cache.layout.num_layers
+        self._cache_kw = cache_keyword(model)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=cache.keys[0].device)
+            self.generator.manual_seed(seed)
+
+    @contextlib.contextmanager
+    def prepared(self) -> Iterator[None]:
+        """Route the model's attention to the paged implementation; restore it afterwards."""
+        attention.register()
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = attention.ATTENTION_NAME
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+            self.cache.step = None
+
+    @torch.no_grad()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the forward; return float32 logits at the sampled rows [S, V]."""
+        meta = inputs.meta
+        self.cache.step = meta
+        out = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            use_cache=True,
+            logits_to_keep=inputs.logits_indices,
+            **{self._cache_kw: self.cache, attention.METADATA_KWARG: meta},
+        )
+        if meta.attention_calls != self.num_layers:
+            raise RuntimeError(
+                f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "
+                "its architecture bypasses the attention interface and is not supported."
+            )
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def step(self, inputs: StepInputs) -> torch.Tensor:
+        """Forward + sampling; returns sampled token ids [S] on the device."""
+        logits = self.forward_logits(inputs)
+        return sample(logits, inputs.sampling, self.generator)

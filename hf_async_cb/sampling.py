@@ -1,0 +1,57 @@
+"""Vectorised per-request sampling on the device: greedy rows and sampled rows share one batch.
+
+Sampled rows follow stock transformers' warpers, in its order: temperature, top-k, top-p, then a
+multinomial draw from the softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .requests import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    do_sample: torch.Tensor  # [S] bool
+    temperature: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    top_p: torch.Tensor  # [S] float32, 1.0 = off
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors | None":
+        if not any(p.do_sample for p in params):
+            return None
+        return cls(
+            do_sample=torch.tensor([p.do_sample for p in params], dtype=torch.bool).to(device),
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long).to(device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
+        )
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors | None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [S, V] float32 -> token ids [S] int64."""
+    greedy = logits.argmax(dim=-1)
+    if params is None or logits.shape[0] == 0:
+        return greedy
+    scores = logits / params.temperature[:, None]
+    vocab = scores.shape[-1]
+    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
+    # top-k: drop scores below the k-th largest (ties kept, as stock); k = 0 keeps all.
+    k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), torch.full_like(params.top_k, vocab))
+    kth = sorted_scores.gather(1, (k - 1)[:, None])
+    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, float("-inf"))
+    # top-p: keep the most likely tokens until their mass reaches p (always at least the first).
+    probs_sorted = sorted_scores.softmax(dim=-1)
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    remove_sorted = mass_before >= params.top_p[:, None]
+    remove_sorted[:, 0] = False
+    sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
+    drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
+    drawn = sorted_idx.gather(1, drawn_rank).squeeze(1)
+    return torch.where(params.do_sample, drawn, greedy)

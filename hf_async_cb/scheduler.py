@@ -1,0 +1,161 @@
+"""Which requests run in the next step. Pure Python: no torch, no device.
+
+Every step gets a token budget (max_batch_tokens). Running requests that decode (one token each)
+come first, oldest first; then running requests still prefilling continue their prompt in chunks;
+then waiting requests are admitted while budget, pages and running slots last. When a running
+request needs a page and none is free, the newest running request is preempted: its pages are
+freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import PageAllocator
+from .requests import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Feed tokens [start, start + num_tokens) of `request`; sample after them when `samples`."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_batch_tokens: int,
+                 max_running_requests: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_requests = max_running_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- queue -----------------------------------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """Raise ValueError if `request` could never fit in the pool, even alone."""
+        capacity = self.allocator.num_pages * self.page_size
+        if request.max_total_tokens > capacity:
+            raise ValueError(
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_new_tokens "
+                f"({request.params.max_new_tokens}) needs up to {request.max_total_tokens} tokens of KV cache "
+                f"but the pool holds {capacity} ({self.allocator.num_pages} pages of {self.page_size}); "
+                "raise BatchingConfig.num_pages (or its memory budget) or lower max_new_tokens."
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed, budget)
+            victims = self._reserve(req, n)
+            if victims:
+                preempted.extend(victims)
+                # A victim may already have a chunk in this step (decodes go before older prefills).
+                budget += sum(c.num_tokens for c in chunks if c.request in victims)
+                chunks = [c for c in chunks if c.request not in victims]
+                if req in victims:
+                    continue
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
+        while (budget > 0 and self.waiting and not preempted
+               and len(self.running) < self.max_running_requests):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed, budget)
+            needed = self._pages_needed(req, n)
+            if needed > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            req.pages.extend(self.allocator.allocate(needed))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        if not chunks and self.has_work:
+            raise RuntimeError(
+                "scheduler made no progress: no request fits in the KV pool "
+                f"({self.allocator.num_free}/{self.allocator.num_pages} pages free)"
+            )
+        return StepPlan(chunks, preempted)
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed
+        return ScheduledChunk(req, start, n, samples=start + n == req.num_tokens)
+
+    def _pages_needed(self, req: Request, n: int) -> int:
+        total = req.num_computed + n
+        return max(0, -(-total // self.page_size) - len(req.pages))
+
+    def _reserve(self, req: Request, n: int) -> list[Request]:
+        """Give `req` pages for n more tokens, preempting the newest running requests if needed.
+
+        Returns the preempted requests; `req` is among them when it was the newest left.
+        """
+        victims: list[Request] = []
+        needed = self._pages_needed(req, n)
+        while needed > self.allocator.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            victims.append(victim)
+            if victim is req:
+                return victims
+        req.pages.extend(self.allocator.allocate(needed))
+        return victims
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # -- after a step --------------------------------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Remove a request and free its pages (the caller knows no queued step reads them)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.status = status
