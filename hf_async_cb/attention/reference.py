@@ -1,4 +1,9 @@
-"""Pure-torch attention over the paged KV cache: the CPU path and the oracle for GPU kernels."""
+"""Pure-torch attention over the paged KV cache: the CPU path and the oracle for GPU kernels.
+
+The packed step is viewed as a padded batch (requests x their longest query x their longest
+context) through index tensors built once per step; each layer then does one gather of its K/V
+pages and one scaled_dot_product_attention call, whatever the number of requests.
+"""
 
 from __future__ import annotations
 
@@ -16,24 +21,17 @@ def paged_attention_reference(
     scaling: float | None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query [1, H, T, D] (packed), pools [slots, KVH, D] -> output [1, T, H, D].
-
-    Each request's queries attend to its own context gathered from the pool, causally.
-    """
+    """query [1, H, T, D] (packed), pools [slots, KVH, D] -> output [1, T, H, D]."""
     _, num_heads, total, head_dim = query.shape
-    num_kv_heads = key_pool.shape[1]
-    n_rep = num_heads // num_kv_heads
-    out = query.new_empty((1, total, num_heads, head_dim))
-    masks = meta.masks(sliding_window, query.device)
-    for i in range(meta.num_requests):
-        qs, ql, ctx, ks = meta.query_start[i], meta.query_lens[i], meta.context_lens[i], meta.kv_start[i]
-        slots = meta.kv_slots[ks : ks + ctx]
-        k = key_pool.index_select(0, slots).transpose(0, 1)  # [KVH, ctx, D]
-        v = value_pool.index_select(0, slots).transpose(0, 1)
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=0)
-            v = v.repeat_interleave(n_rep, dim=0)
-        q = query[0, :, qs : qs + ql]  # [H, ql, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[i], scale=scaling)
-        out[0, qs : qs + ql] = o.transpose(0, 1)
-    return out
+    n_rep = num_heads // key_pool.shape[1]
+    lay = meta.padded()
+    batch, max_q = lay.q_index.shape
+    q = query[0].transpose(0, 1)[lay.q_index].permute(0, 2, 1, 3)  # [B, H, max_q, D]
+    k = key_pool[lay.kv_index].permute(0, 2, 1, 3)  # [B, KVH, max_ctx, D]
+    v = value_pool[lay.kv_index].permute(0, 2, 1, 3)
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask(sliding_window), scale=scaling)
+    o = o.permute(0, 2, 1, 3).reshape(batch * max_q, num_heads, head_dim)[lay.out_index]
+    return o[None]

@@ -1,0 +1,194 @@
+"""Bad input and unsupported options: a ValueError that says what is wrong, never a hang or wrong tokens."""
+
+import pytest
+import torch
+import transformers
+from transformers import LogitsProcessorList, TextStreamer, TopKLogitsWarper
+
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+from models import left_pad, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, BatchingConfig(mode="sync", page_size=4, num_pages=16))
+
+
+def gen(model, ids, **kwargs):
+    return model.generate(ids, batching="sync", **kwargs)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([], "empty"),
+    ([[5, 6], []], "prompt 1 is empty"),
+    ("hello", "list of token-id lists"),
+    (["hello"], "tokenize"),
+    ([[5, 300]], "outside the vocabulary"),
+    ([[5, -1]], "outside the vocabulary"),
+])
+def test_engine_rejects_bad_prompts(engine, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, max_new_tokens=2)
+
+
+def test_prompt_longer_than_model_maximum(engine):
+    with pytest.raises(ValueError, match="longer than the model's maximum of 512"):
+        engine.generate([[5] * 513], max_new_tokens=1)
+
+
+def test_prompt_longer_than_the_pool(engine):
+    with pytest.raises(ValueError, match="pool holds 64.*num_pages"):
+        engine.generate([[5] * 60], max_new_tokens=10)
+
+
+def test_learned_positions_cannot_be_exceeded():
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="learned positions"):
+        Engine(gpt2, BatchingConfig(mode="sync")).generate([[5] * 500], max_new_tokens=20)
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_max_new_tokens_must_be_positive(engine, model, value):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[5, 6]], max_new_tokens=value)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen(model, torch.tensor([[5, 6]]), max_new_tokens=value)
+
+
+def test_max_length_not_above_input(model):
+    with pytest.raises(ValueError, match="max_length"):
+        gen(model, torch.tensor([[5] * 10]), max_length=10)
+
+
+def test_a_failed_request_leaves_the_engine_clean(engine):
+    with pytest.raises(ValueError):
+        engine.generate([[5, 6], [5] * 600], max_new_tokens=2)
+    assert not engine.scheduler.has_work
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.generate([[5, 6]], max_new_tokens=2)[0].finished
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(page_size=0), "page_size"),
+    (dict(page_size=2.5), "page_size"),
+    (dict(max_batch_tokens=0), "max_batch_tokens"),
+    (dict(max_running_requests=-1), "max_running_requests"),
+    (dict(num_pages=0), "num_pages"),
+    (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+    (dict(mode="turbo"), "mode"),
+    (dict(attention="flash"), "attention"),
+])
+def test_config_that_cannot_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BatchingConfig(**kwargs)
+
+
+def test_pool_too_small_for_one_page(model):
+    with pytest.raises(ValueError, match="single KV page"):
+        Engine(model, BatchingConfig(cpu_kv_cache_bytes=16))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_beams=2), "num_beams"),
+    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    (dict(min_new_tokens=3), "min_new_tokens"),
+    (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(stop_strings=["x"]), "stop_strings"),
+    (dict(bad_words_ids=[[7]]), "bad_words_ids"),
+    (dict(suppress_tokens=[7]), "suppress_tokens"),
+    (dict(min_p=0.1, do_sample=True), "min_p"),
+    (dict(logits_processor=LogitsProcessorList([TopKLogitsWarper(3)])), "logits_processor"),
+    (dict(token_type_ids=torch.zeros(1, 3, dtype=torch.long)), "token_type_ids"),
+    (dict(inputs_embeds=torch.zeros(1, 3, 64)), "inputs_embeds"),
+])
+def test_unsupported_generate_options_are_named(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gen(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, **kwargs)
+
+
+def test_streamer_is_refused(model):
+    class Tok:
+        def decode(self, *a, **k):
+            return ""
+
+    with pytest.raises(ValueError, match="streamer"):
+        gen(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, streamer=TextStreamer(Tok()))
+
+
+def test_right_padding_is_refused(model):
+    ids, mask = left_pad([[5, 6, 7], [8, 9]])
+    with pytest.raises(ValueError, match="left padding"):
+        gen(model, ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=2)
+    with pytest.raises(ValueError, match="all zeros"):
+        gen(model, ids, attention_mask=torch.zeros_like(mask), max_new_tokens=2)
+    with pytest.raises(ValueError, match="does not match"):
+        gen(model, ids, attention_mask=mask[:, 1:], max_new_tokens=2)
+
+
+def test_bad_input_ids(model):
+    with pytest.raises(ValueError, match="zero length"):
+        gen(model, torch.zeros(2, 0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        gen(model, torch.zeros(0, 3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="integer"):
+        gen(model, torch.zeros(1, 3), max_new_tokens=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen(model, torch.tensor([[5, 10_000]]), max_new_tokens=2)
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="integer"):
+        SamplingParams(max_new_tokens=2.5)
+
+
+def _tiny(config_cls, **kw):
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, **kw)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_softcapping_architecture_is_refused():
+    gemma2 = _tiny(transformers.Gemma2Config, head_dim=16)
+    with pytest.raises(ValueError, match="softcapping"):
+        gemma2.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
+
+
+def test_untested_family_needs_opt_in():
+    olmo = _tiny(transformers.OlmoConfig)
+    with pytest.raises(ValueError, match="trust_untested_model"):
+        olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
+    # With the opt-in it runs, and still matches stock.
+    expected = olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=4, batching="off")
+    got = olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=4, batching="sync",
+                        batching_config=BatchingConfig(trust_untested_model=True))
+    assert torch.equal(got, expected)
+
+
+def test_encoder_decoder_is_refused():
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        Engine(t5)
+
+
+def test_model_bypassing_the_attention_interface_is_refused(model, monkeypatch):
+    """A layer that never calls the registered attention would silently skip the paged cache."""
+    import copy
+
+    m = copy.deepcopy(model)
+    attn = m.model.layers[1].self_attn
+    monkeypatch.setattr(attn, "forward", lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None))
+    with pytest.raises(RuntimeError, match="1 of its 2 layers"):
+        gen(m, torch.tensor([[5, 6]]), max_new_tokens=2)

@@ -1,0 +1,162 @@
+"""The transformers hook: how `batching` is chosen, the output format, the model left as found."""
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig
+from models import left_pad, random_prompts, stock_generate, tiny_model
+
+
+@pytest.fixture
+def model():
+    m = copy.deepcopy(tiny_model("llama"))
+    yield m
+
+
+@pytest.fixture
+def batch():
+    prompts = random_prompts(4, 2, 20, seed=21)
+    return prompts, *left_pad(prompts)
+
+
+def test_batching_keyword_and_modes(model, batch):
+    prompts, ids, mask = batch
+    expected = stock_generate(model, prompts, max_new_tokens=6)
+    for mode in ("sync", "async"):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, batching=mode), expected)
+    # None and "off" are stock generate itself.
+    for off in (None, "off"):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, batching=off), expected)
+
+
+def test_invalid_batching_value_lists_the_valid_ones(model, batch):
+    _, ids, mask = batch
+    with pytest.raises(ValueError, match="'sync'.*'async'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, batching="fast")
+
+
+def test_generation_config_batching(model, batch, monkeypatch):
+    prompts, ids, mask = batch
+    expected = stock_generate(model, prompts, max_new_tokens=5)
+    calls = []
+    original = hf_async_cb.Engine.generate
+    monkeypatch.setattr(hf_async_cb.Engine, "generate",
+                        lambda self, *a, **k: calls.append(self.config.mode) or original(self, *a, **k))
+    gc = GenerationConfig(max_new_tokens=5, batching="async")
+    assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=gc), expected)
+    assert calls == ["async"]
+    # The attribute survives a save/load round trip of the config.
+    assert GenerationConfig.from_dict(gc.to_dict()).batching == "async"
+    # Set on the model's own generation config, it applies to later calls.
+    model.generation_config.batching = "sync"
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5), expected)
+    assert calls == ["async", "sync"]
+    # The call's keyword wins over the config.
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="off")
+    assert calls == ["async", "sync"]
+
+
+def test_batching_config_is_used(model, batch, monkeypatch):
+    prompts, ids, mask = batch
+    seen = []
+    original = hf_async_cb.Engine.__init__
+
+    def spy(self, m, config=None):
+        seen.append(config)
+        original(self, m, config)
+
+    monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
+    config = BatchingConfig(page_size=4, num_pages=40, max_batch_tokens=9)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync", batching_config=config)
+    assert torch.equal(out, stock_generate(model, prompts, max_new_tokens=5))
+    assert seen[0].page_size == 4 and seen[0].num_pages == 40 and seen[0].mode == "sync"
+    # batching_config alone selects its own mode.
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, batching_config=config.with_mode("async"))
+    assert seen[1].mode == "async"
+
+
+def test_return_dict_in_generate(model, batch):
+    prompts, ids, mask = batch
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="sync", return_dict_in_generate=True)
+    assert isinstance(out, GenerateDecoderOnlyOutput)
+    assert torch.equal(out.sequences, stock_generate(model, prompts, max_new_tokens=4))
+
+
+def test_input_ids_keyword_and_no_mask(model):
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    expected = model.generate(input_ids=ids, max_new_tokens=5, batching="off")
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=5, batching="sync"), expected)
+
+
+def test_model_left_as_found(model, batch):
+    prompts, ids, mask = batch
+    before_impl = model.config._attn_implementation
+    before_config = model.config.to_dict()
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="async")
+    assert model.config._attn_implementation == before_impl
+    assert model.config.to_dict() == before_config
+    with torch.no_grad():
+        after = model(ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    # Training still works: a loss, gradients, an optimiser step.
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_model_restored_after_an_error(model, batch):
+    _, ids, mask = batch
+    impl = model.config._attn_implementation
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    handle = model.model.layers[1].mlp.register_forward_hook(boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync")
+    handle.remove()
+    assert model.config._attn_implementation == impl
+
+
+def test_uninstall_and_install():
+    from transformers import GenerationMixin
+
+    assert hf_async_cb.is_installed()
+    patched = GenerationMixin.generate
+    hf_async_cb.install()  # idempotent
+    assert GenerationMixin.generate is patched
+    hf_async_cb.uninstall()
+    try:
+        assert not hf_async_cb.is_installed()
+        assert not getattr(GenerationMixin.generate, "__hf_async_cb__", False)
+        model = tiny_model("gpt2")
+        with pytest.raises(ValueError, match="batching"):
+            model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, batching="sync")
+    finally:
+        hf_async_cb.install()
+    assert GenerationMixin.generate.__hf_async_cb__
+
+
+def test_sampling_runs_and_is_seeded(model, batch):
+    _, ids, mask = batch
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.9, top_k=20, top_p=0.9)
+    a = model.generate(ids, batching="sync", batching_config=BatchingConfig(seed=1), **kwargs)
+    b = model.generate(ids, batching="async", batching_config=BatchingConfig(seed=1), **kwargs)
+    assert torch.equal(a, b)
+    assert a.shape[0] == ids.shape[0] and a.shape[1] <= ids.shape[1] + 8
+    assert ((a >= 0) & (a < model.config.vocab_size)).all()
+    # top_k=1 sampling is greedy.
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="off")
+    top1 = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1, batching="sync")
+    assert torch.equal(top1, greedy)
