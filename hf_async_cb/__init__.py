@@ -4,10 +4,16 @@
 "sync") runs on the engine; `hf_async_cb.uninstall()` restores stock generate.
 """
 
-from .config import BatchingConfig
-from .engine import Engine
-from .integration import install, is_installed, uninstall
-from .requests import FinishReason, RequestOutput, SamplingParams
+import transformers as _transformers
+from packaging.version import Version as _Version
+
+if _Version(_transformers.__version__) < _Version("5.17"):
+    raise ImportError(f"hf_async_cb needs transformers >= 5.17, found {_transformers.__version__}.")
+
+from .config import BatchingConfig  # noqa: E402
+from .engine import Engine  # noqa: E402
+from .integration import install, is_installed, uninstall  # noqa: E402
+from .requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
