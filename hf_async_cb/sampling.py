@@ -27,7 +27,9 @@ class SamplingTensors:
             return None
         return cls(
             do_sample=torch.tensor([p.do_sample for p in params], dtype=torch.bool).to(device),
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
+            # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
+            temperature=torch.tensor([p.temperature if p.do_sample else 1.0 for p in params],
+                                     dtype=torch.float32).to(device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long).to(device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
         )
