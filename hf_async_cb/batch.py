@@ -1,7 +1,9 @@
-"""Host-side batch building: a StepPlan becomes the packed tensors of one forward.
+"""Host-side batch building: a StepPlan becomes the packed device tensors of one forward.
 
 No padding: the step's tokens form one stream [1, T] with explicit positions; logits are kept only
-at the last token of each chunk that samples.
+at the last token of each chunk that samples. A token the CPU does not know yet (sampled by the
+step still in flight) is written as a placeholder, with `carry_src` naming its row in that step's
+sampled tokens; the runner gathers it on the device before the forward.
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.metadata import StepMetadata
+from .attention.metadata import StepMetadata, padded_layout
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
+from .slots import IOSlot
+
+PLACEHOLDER = 0
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [1, T]
+    input_ids: torch.Tensor  # [1, T], placeholders where carried
+    carry_src: torch.Tensor | None  # [T], row of the previous step's tokens, -1 = known; None = nothing carried
     position_ids: torch.Tensor  # [1, T]
     logits_indices: torch.Tensor  # [S], rows of the stream whose logits are sampled
     meta: StepMetadata
@@ -27,58 +33,68 @@ class StepInputs:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, device: torch.device) -> None:
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.device = device
         self._offsets = torch.arange(page_size)
 
-    def _slots(self, pages: list[int], start: int, stop: int) -> torch.Tensor:
-        """Cache slots of positions [start, stop) of a request holding `pages`."""
-        first, last = start // self.page_size, -(-stop // self.page_size)
-        page_ids = torch.tensor(pages[first:last], dtype=torch.long)
-        slots = (page_ids[:, None] * self.page_size + self._offsets).flatten()
-        offset = first * self.page_size
-        return slots[start - offset : stop - offset]
+    def _context_slots(self, pages: list[int], stop: int) -> torch.Tensor:
+        """Cache slots of positions [0, stop) of a request holding `pages`."""
+        page_ids = torch.tensor(pages[: -(-stop // self.page_size)], dtype=torch.long)
+        return (page_ids[:, None] * self.page_size + self._offsets).flatten()[:stop]
 
-    def build(self, plan: StepPlan) -> StepInputs:
+    def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int]) -> StepInputs:
+        """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight."""
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        new_slots: list[torch.Tensor] = []
-        kv_slots: list[torch.Tensor] = []
-        query_start, query_lens, context_lens, kv_start = [], [], [], []
+        carry: list[int] = []
+        positions, new_slots, contexts = [], [], []
+        query_start, query_lens, context_lens = [], [], []
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
-        kv_total = 0
         for chunk in plan.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
+            known = min(stop, req.num_known_tokens)
             query_start.append(len(ids))
-            ids.extend(req.token_ids(start, stop))
+            ids.extend(req.token_ids(start, known))
+            carry.extend([-1] * (known - start))
+            if stop > known:  # the last token is still on its way from the step in flight
+                if stop - known != 1 or id(req) not in carry_rows:
+                    raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
+                ids.append(PLACEHOLDER)
+                carry.append(carry_rows[id(req)])
             positions.append(torch.arange(start, stop))
-            context = self._slots(req.pages, 0, stop)
-            kv_slots.append(context)
+            context = self._context_slots(req.pages, stop)
+            contexts.append(context)
             new_slots.append(context[start:])
             query_lens.append(n)
             context_lens.append(stop)
-            kv_start.append(kv_total)
-            kv_total += stop
             if chunk.samples:
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
-        dev = self.device
+        max_ctx = max(context_lens)
+        kv_index = torch.stack([torch.cat([c, c[-1:].expand(max_ctx - len(c))]) for c in contexts])
+        layout = padded_layout(query_start, query_lens, context_lens)
+        has_carry = any(c >= 0 for c in carry)
+        params = [r.params for r in sample_requests]
+        sampling_ints, sampling_floats = SamplingTensors.host_parts(params)
+        ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),
+                torch.cat(positions), torch.cat(new_slots), torch.tensor(logits_rows, dtype=torch.long),
+                layout["q_index"], kv_index, layout["out_index"], layout["q_pos"], layout["q_valid"],
+                *sampling_ints]
+        dev, floats = slot.upload(ints, sampling_floats)
+        (input_ids, carry_src, position_ids, slot_mapping, logits_indices,
+         q_index, kv_index_d, out_index, q_pos, q_valid, *dev_sampling_ints) = dev
         meta = StepMetadata(
-            slot_mapping=torch.cat(new_slots).to(dev),
-            kv_slots=torch.cat(kv_slots).to(dev),
-            query_start=query_start,
-            query_lens=query_lens,
+            slot_mapping=slot_mapping, q_index=q_index, kv_index=kv_index_d, out_index=out_index,
+            q_pos=q_pos, q_valid=q_valid != 0, query_start=query_start, query_lens=query_lens,
             context_lens=context_lens,
-            kv_start=kv_start,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev)[None],
-            position_ids=torch.cat(positions).to(dev)[None],
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(dev),
+            input_ids=input_ids[None],
+            carry_src=carry_src if has_carry else None,
+            position_ids=position_ids[None],
+            logits_indices=logits_indices,
             meta=meta,
-            sampling=SamplingTensors.build([r.params for r in sample_requests], dev),
+            sampling=SamplingTensors.from_device(dev_sampling_ints, floats),
             sample_requests=sample_requests,
         )

@@ -11,7 +11,8 @@ from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
 from .models import check_model_supported, has_learned_positions, max_positions
-from .pipeline import SyncLoop
+from .devices import Streams
+from .pipeline import Pipeline
 from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                        as_token_lists)
 from .runner import ModelRunner
@@ -51,7 +52,9 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
                                    self.config.max_running_requests)
-        self.builder = BatchBuilder(page_size, self.device)
+        self.builder = BatchBuilder(page_size)
+        self.streams = Streams(self.device)
+        self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.config.seed)
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s", num_pages, page_size,
                     self.cache.bytes / 2**20, self.device)
@@ -121,8 +124,7 @@ class Engine:
 
     def run(self, requests: list[Request], mode: str | None = None) -> None:
         """Drive the loop until every request in `requests` has finished."""
-        loop_mode = resolve_mode(mode or self.config.mode) or self.config.mode
-        loop = self._make_loop(loop_mode)
+        loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
         remaining = {id(r) for r in requests}
         with self.runner.prepared():
             try:
@@ -131,16 +133,19 @@ class Engine:
                 while remaining:
                     for r in loop.step():
                         remaining.discard(id(r))
-                for r in loop.drain():
-                    remaining.discard(id(r))
+                loop.drain()
             except BaseException:
+                loop.abandon()
                 for r in requests:
                     if not r.is_finished:
                         self.scheduler.finish(r, RequestStatus.ABORTED)
                         r.finish_reason = FinishReason.ABORTED
+                    r.num_pending = 0
                 raise
 
-    def _make_loop(self, mode: str):
-        # The pipelined AsyncLoop is built on the same scheduler/builder/runner; until it lands,
-        # "async" runs the sync loop so that both modes give the same tokens.
-        return SyncLoop(self.scheduler, self.builder, self.runner)
+    def pipeline(self, mode: str) -> Pipeline:
+        """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""
+        if mode not in self._pipelines:
+            self._pipelines[mode] = Pipeline(self.scheduler, self.builder, self.runner, self.streams,
+                                             overlap=(mode == "async"))
+        return self._pipelines[mode]

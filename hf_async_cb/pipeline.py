@@ -1,42 +1,118 @@
-"""The decode loops. SyncLoop: schedule, build, run, wait, update, one step after another.
+"""The decode loop, with the CPU/GPU overlap behind one switch.
 
-Timeline of the sync loop (the baseline): the device idles while the CPU schedules and builds
-step N+1, and the CPU idles while the device computes it.
+    overlap=False (batching="sync", the baseline): launch step N, wait for its tokens, update.
+        CPU  | sched+build N |   wait   | update N | sched+build N+1 |   wait   | ...
+        GPU  |               |  step N  |          |                 | step N+1 |
 
-    CPU  | sched+build N |  wait  | update N | sched+build N+1 |  wait  | ...
-    GPU  |               | step N |          |                 | step N+1 |
+    overlap=True (batching="async"): launch step N+1 before waiting for step N.
+        CPU  | sched+build N+1 | wait N | update N | sched+build N+2 | wait N+1 | ...
+        GPU  |   step N        |  step N+1         |  step N+2 ...
+
+Each step: the builder packs the inputs into an IOSlot (two, alternating) and uploads them on the
+H2D stream; the compute stream waits for that upload, gathers carried-over tokens, runs the
+forward and samples; the D2H stream waits for the compute and copies the tokens into the slot's
+pinned host buffer. The CPU blocks once per step, on that copy's event, for the step before the
+one it just queued.
+
+The CPU's view of requests lags one step: while building N+1 it knows how many tokens N will
+sample but not their values (they are carried over on the device). A request that finished in N
+(EOS) may run once more in N+1; that token is dropped, never emitted or counted. Its pages are
+freed when N's tokens are processed; only steps queued after that can reuse them, and those run
+after N+1 on the compute stream, so no queued step reads a page after it changed hands.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
 from .batch import BatchBuilder
+from .devices import Streams
 from .requests import Request
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
+from .slots import Download, IOSlot
 
 
-class SyncLoop:
-    def __init__(self, scheduler: Scheduler, builder: BatchBuilder, runner: ModelRunner) -> None:
+@dataclass
+class InFlight:
+    plan: StepPlan
+    sample_requests: list[Request]
+    tokens: torch.Tensor  # device tokens, kept alive until the download is done
+    download: Download
+
+
+class Pipeline:
+    def __init__(self, scheduler: Scheduler, builder: BatchBuilder, runner: ModelRunner, streams: Streams,
+                 overlap: bool) -> None:
         self.scheduler = scheduler
         self.builder = builder
         self.runner = runner
+        self.streams = streams
+        self.overlap = overlap
+        self.slots = (IOSlot(streams), IOSlot(streams))
+        self.in_flight: deque[InFlight] = deque()
         self.num_steps = 0
+        self.num_discarded = 0
 
     def step(self) -> list[Request]:
-        """Run one step; return the requests it finished."""
+        """Queue the next step if there is one, then process the oldest step that must be; return
+        the requests that finished."""
+        launched = self._launch()
+        keep = 1 if (self.overlap and launched) else 0
+        finished: list[Request] = []
+        while len(self.in_flight) > keep:
+            finished.extend(self._complete(self.in_flight.popleft()))
+        if not launched and not finished and self.scheduler.has_work:
+            raise RuntimeError(
+                "the scheduler made no progress: no request fits in the KV pool "
+                f"({self.scheduler.allocator.num_free}/{self.scheduler.allocator.num_pages} pages free)"
+            )
+        return finished
+
+    def drain(self) -> list[Request]:
+        finished: list[Request] = []
+        while self.in_flight:
+            finished.extend(self._complete(self.in_flight.popleft()))
+        return finished
+
+    def abandon(self) -> None:
+        """After an error: wait for the queued device work, forget its results."""
+        for flight in self.in_flight:
+            flight.download.done.synchronize()
+        self.in_flight.clear()
+
+    def _launch(self) -> bool:
         plan = self.scheduler.schedule()
-        inputs = self.builder.build(plan)
-        tokens = self.runner.step(inputs).tolist()  # the one host sync of the step
-        self.num_steps += 1
+        if plan.is_empty:
+            return False
+        slot = self.slots[self.num_steps % 2]
+        previous = self.in_flight[-1] if self.in_flight else None
+        carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
+        inputs = self.builder.build(plan, slot, carry_rows)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
+        for req in inputs.sample_requests:
+            req.num_pending += 1
+        computed = self.streams.event()
+        with self.streams.on(self.streams.compute):
+            slot.uploaded.wait()
+            tokens = self.runner.step(inputs, previous.tokens if previous else None)
+            computed.record()
+        self.in_flight.append(InFlight(plan, inputs.sample_requests, tokens, slot.download(tokens, computed)))
+        self.num_steps += 1
+        return True
+
+    def _complete(self, flight: InFlight) -> list[Request]:
         finished = []
-        for req, token in zip(inputs.sample_requests, tokens):
+        for req, token in zip(flight.sample_requests, flight.download.tolist()):
+            req.num_pending -= 1
+            if req.is_finished:
+                self.num_discarded += 1  # it ended in the step before; this token was speculative
+                continue
             if req.append_token(token):
                 self.scheduler.finish(req)
                 finished.append(req)
         return finished
-
-    def drain(self) -> list[Request]:
-        """Nothing is in flight in the sync loop."""
-        return []

@@ -60,8 +60,10 @@ _ids = itertools.count()
 class Request:
     """One sequence being generated. The scheduler works on counts, never on token values.
 
-    num_computed: tokens whose K/V is in the cache. The next step feeds tokens
-    [num_computed, num_computed + n) of `token_ids` to the model.
+    num_computed: tokens whose K/V is in the cache (or will be, once the queued steps ran). The next
+    step feeds tokens [num_computed, num_computed + n) to the model.
+    num_pending: tokens sampled by a queued step whose values the CPU has not seen yet (at most one
+    in the async loop); they count in num_tokens, and the device fills them in (carry-over).
     """
 
     prompt_token_ids: list[int]
@@ -74,10 +76,20 @@ class Request:
     pages: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
+    num_pending: int = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_known_tokens + self.num_pending
+
+    @property
+    def wants_more_tokens(self) -> bool:
+        """False once the tokens sampled so far (pending included) reach max_new_tokens."""
+        return len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output, without building the whole list."""

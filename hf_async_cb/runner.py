@@ -64,7 +64,14 @@ class ModelRunner:
         return out.logits[0].float()
 
     @torch.no_grad()
-    def step(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward + sampling; returns sampled token ids [S] on the device."""
+    def step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Carry-over, forward and sampling, all on the device; returns sampled token ids [S].
+
+        Tokens the CPU did not know when it built the step are gathered first from the sampled
+        tokens of the previous step (`previous_tokens`), which the device already has.
+        """
+        if inputs.carry_src is not None:
+            carried = previous_tokens[inputs.carry_src.clamp(min=0)]
+            inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
         return sample(logits, inputs.sampling, self.generator)

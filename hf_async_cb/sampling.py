@@ -21,18 +21,32 @@ class SamplingTensors:
     top_k: torch.Tensor  # [S] int64, 0 = off
     top_p: torch.Tensor  # [S] float32, 1.0 = off
 
+    @staticmethod
+    def host_parts(params: Sequence[SamplingParams]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host tensors (ints, floats) to upload; empty when no row samples."""
+        if not any(p.do_sample for p in params):
+            return [], []
+        ints = [torch.tensor([p.top_k for p in params], dtype=torch.long)]
+        floats = [
+            torch.tensor([float(p.do_sample) for p in params]),
+            # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
+            torch.tensor([p.temperature if p.do_sample else 1.0 for p in params]),
+            torch.tensor([p.top_p for p in params]),
+        ]
+        return ints, floats
+
+    @classmethod
+    def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "SamplingTensors | None":
+        if not ints:
+            return None
+        (top_k,), (do_sample, temperature, top_p) = ints, floats
+        return cls(do_sample=do_sample != 0, temperature=temperature, top_k=top_k, top_p=top_p)
+
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors | None":
-        if not any(p.do_sample for p in params):
-            return None
-        return cls(
-            do_sample=torch.tensor([p.do_sample for p in params], dtype=torch.bool).to(device),
-            # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
-            temperature=torch.tensor([p.temperature if p.do_sample else 1.0 for p in params],
-                                     dtype=torch.float32).to(device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long).to(device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
-        )
+        """Direct construction (tests, callers outside the pipeline)."""
+        ints, floats = cls.host_parts(params)
+        return cls.from_device([t.to(device) for t in ints], [t.to(device) for t in floats])
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None,

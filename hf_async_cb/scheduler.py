@@ -76,8 +76,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        # A request whose last sampled tokens are all still in flight has nothing left to run.
+        ready = [r for r in self.running if r.wants_more_tokens]
+        decoding = [r for r in ready if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in ready if r.num_tokens - r.num_computed > 1]
         for req in decoding + prefilling:
             if budget == 0:
                 break
@@ -98,6 +100,8 @@ class Scheduler:
         while (budget > 0 and self.waiting and not preempted
                and len(self.running) < self.max_running_requests):
             req = self.waiting[0]
+            if not req.wants_more_tokens:
+                break  # preempted with its last token in flight: it finishes when that token lands
             n = min(req.num_tokens - req.num_computed, budget)
             needed = self._pages_needed(req, n)
             if needed > self.allocator.num_free:
@@ -108,11 +112,6 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
-        if not chunks and self.has_work:
-            raise RuntimeError(
-                "scheduler made no progress: no request fits in the KV pool "
-                f"({self.allocator.num_free}/{self.allocator.num_pages} pages free)"
-            )
         return StepPlan(chunks, preempted)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:

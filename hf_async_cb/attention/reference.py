@@ -2,7 +2,7 @@
 
 The packed step is viewed as a padded batch (requests x their longest query x their longest
 context) through index tensors built once per step; each layer then does one gather of its K/V
-pages and one scaled_dot_product_attention call, whatever the number of requests.
+and one scaled_dot_product_attention call, whatever the number of requests.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ def paged_attention_reference(
     """query [1, H, T, D] (packed), pools [slots, KVH, D] -> output [1, T, H, D]."""
     _, num_heads, total, head_dim = query.shape
     n_rep = num_heads // key_pool.shape[1]
-    lay = meta.padded()
-    batch, max_q = lay.q_index.shape
-    q = query[0].transpose(0, 1)[lay.q_index].permute(0, 2, 1, 3)  # [B, H, max_q, D]
-    k = key_pool[lay.kv_index].permute(0, 2, 1, 3)  # [B, KVH, max_ctx, D]
-    v = value_pool[lay.kv_index].permute(0, 2, 1, 3)
+    batch, max_q = meta.q_index.shape
+    q = query[0].transpose(0, 1)[meta.q_index].permute(0, 2, 1, 3)  # [B, H, max_q, D]
+    k = key_pool[meta.kv_index].permute(0, 2, 1, 3)  # [B, KVH, max_ctx, D]
+    v = value_pool[meta.kv_index].permute(0, 2, 1, 3)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask(sliding_window), scale=scaling)
-    o = o.permute(0, 2, 1, 3).reshape(batch * max_q, num_heads, head_dim)[lay.out_index]
+    o = o.permute(0, 2, 1, 3).reshape(batch * max_q, num_heads, head_dim)[meta.out_index]
     return o[None]

@@ -1,0 +1,53 @@
+"""Streams and events, real on CUDA and stand-ins on the CPU, so one loop serves both.
+
+On the CPU every operation runs when it is issued, so a stand-in stream is a no-op context and a
+stand-in event is always complete: the async loop's slots, carry-over and lagged update still run
+the same code, which is what lets CI test them without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _NoEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class Streams:
+    """Three non-default streams: h2d (inputs up), compute (forward + sampling), d2h (tokens down)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.compute = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        else:
+            self.h2d = self.compute = self.d2h = None
+
+    def on(self, stream):
+        """Context that issues work on `stream` (a no-op on the CPU)."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else _NoEvent()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self.is_cuda else tensor

@@ -1,0 +1,86 @@
+"""IOSlot: one of the two alternating buffer sets of the pipeline.
+
+Each slot owns a pinned host staging buffer and a device buffer for the step's inputs (all the
+small integer tensors packed into one, so that a step costs one H2D copy; the sampling floats in
+a second, only when a row samples), and a pinned host buffer for the sampled tokens coming back.
+Steps alternate between slots, so building step N+1 never overwrites a buffer step N still reads.
+A slot is reused only after the CPU waited for its previous step's D2H event, which orders every
+copy and kernel of that step before the reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .devices import Streams
+
+
+class _Staging:
+    """A growable pinned host buffer and its device twin."""
+
+    def __init__(self, streams: Streams, dtype: torch.dtype, capacity: int) -> None:
+        self.streams = streams
+        self.dtype = dtype
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.host = self.streams.pin(torch.empty(capacity, dtype=self.dtype))
+        self.device = torch.empty(capacity, dtype=self.dtype, device=self.streams.device)
+
+    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pack host tensors, copy them up in one non-blocking H2D (on the current stream), return device views."""
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if total > self.host.numel():
+            self._alloc(max(total, 2 * self.host.numel()))
+        torch.cat([t.reshape(-1).to(self.dtype) for t in tensors], out=self.host[:total])
+        if self.streams.is_cuda:
+            self.device[:total].copy_(self.host[:total], non_blocking=True)
+            flat = self.device[:total]
+        else:
+            flat = self.host[:total].clone()  # the CPU "device" copy: later slots must not alias it
+        return [view.view(t.shape) for view, t in zip(flat.split(sizes), tensors)]
+
+
+@dataclass
+class Download:
+    """Sampled tokens of one step on their way to the host."""
+
+    host: torch.Tensor  # pinned [S]
+    done: object  # event recorded on the D2H stream after the copy
+
+    def tolist(self) -> list[int]:
+        self.done.synchronize()  # the one place the CPU blocks in a step
+        return self.host.tolist()
+
+
+class IOSlot:
+    def __init__(self, streams: Streams, capacity: int = 1 << 14) -> None:
+        self.streams = streams
+        self.ints = _Staging(streams, torch.int64, capacity)
+        self.floats = _Staging(streams, torch.float32, 256)
+        self._tokens = streams.pin(torch.empty(256, dtype=torch.int64))
+        self.uploaded = streams.event()
+
+    def upload(self, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> tuple[list, list]:
+        """All of a step's inputs up on the H2D stream; `uploaded` marks their arrival."""
+        with self.streams.on(self.streams.h2d):
+            dev_ints = self.ints.upload(ints)
+            dev_floats = self.floats.upload(floats) if floats else []
+            self.uploaded.record()
+        return dev_ints, dev_floats
+
+    def download(self, tokens: torch.Tensor, computed) -> Download:
+        """Copy sampled tokens down on the D2H stream once `computed` (an event) has fired."""
+        n = tokens.numel()
+        if n > self._tokens.numel():
+            self._tokens = self.streams.pin(torch.empty(max(n, 2 * self._tokens.numel()), dtype=torch.int64))
+        host = self._tokens[:n]
+        done = self.streams.event()
+        with self.streams.on(self.streams.d2h):
+            computed.wait()
+            host.copy_(tokens, non_blocking=True)
+            done.record()
+        return Download(host, done)
