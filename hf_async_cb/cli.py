@@ -62,6 +62,26 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    import json
+
+    from . import bench as b
+    from .config import BatchingConfig
+
+    paths = tuple(args.compare.split(","))
+    unknown = set(paths) - set(b.PATHS)
+    if unknown:
+        raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {', '.join(b.PATHS)}")
+    config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                            max_running_requests=max(args.requests, 1))
+    report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config)
+    print(b.format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_async_cb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=demo)
+    p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
+    p.add_argument("--shape", default="llama3.2-1b", choices=["llama3-8b", "llama3.2-1b", "tiny"])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, help="also write the full report here")
+    p.set_defaults(func=bench)
     return parser
 
 

@@ -56,6 +56,8 @@ class Pipeline:
         self.in_flight: deque[InFlight] = deque()
         self.num_steps = 0
         self.num_discarded = 0
+        self.record_step_times = False  # CUDA events around each step's compute (benchmarks)
+        self.step_times: list[tuple[bool, object, object]] = []
 
     def step(self) -> list[Request]:
         """Queue the next step if there is one, then process the oldest step that must be; return
@@ -78,6 +80,17 @@ class Pipeline:
             finished.extend(self._complete(self.in_flight.popleft()))
         return finished
 
+    def decode_busy_fraction(self) -> tuple[float | None, float | None]:
+        """(busy fraction, ms per step) of the compute stream over the recorded decode-only steps:
+        time inside steps over the time from the first such step's start to the last one's end."""
+        decode = [(b, e) for d, b, e in self.step_times if d]
+        if len(decode) < 2:
+            return None, None
+        decode[-1][1].synchronize()
+        busy = sum(b.elapsed_time(e) for b, e in decode)
+        span = decode[0][0].elapsed_time(decode[-1][1])
+        return busy / span, span / len(decode)
+
     def abandon(self) -> None:
         """After an error: wait for the queued device work, forget its results."""
         for flight in self.in_flight:
@@ -99,8 +112,16 @@ class Pipeline:
         computed = self.streams.event()
         with self.streams.on(self.streams.compute):
             slot.uploaded.wait()
+            if self.record_step_times:
+                began = self.streams.event(timing=True)
+                began.record()
             tokens = self.runner.step(inputs, previous.tokens if previous else None)
             computed.record()
+            if self.record_step_times:
+                ended = self.streams.event(timing=True)
+                ended.record()
+                decode_only = all(c.num_tokens == 1 for c in plan.chunks)
+                self.step_times.append((decode_only, began, ended))
         self.in_flight.append(InFlight(plan, inputs.sample_requests, tokens, slot.download(tokens, computed)))
         self.num_steps += 1
         return True

@@ -1,0 +1,179 @@
+"""Benchmarks on random weights in real shapes: the same workload through every generation path.
+
+Paths: "stock" (plain generate), "hf-cb-sync" / "hf-cb-async" (transformers' own continuous
+batching), "sync" / "async" (ours). The floor is what memory bandwidth allows: each decode step
+reads every weight once and the KV of every running request, at the copy bandwidth measured on
+the same device in the same process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                        tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
+}
+PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
+
+
+@dataclass
+class Result:
+    path: str
+    seconds: float
+    tokens: int
+    steps: int | None = None
+    gpu_busy: float | None = None  # fraction of steady-decode wall time the compute stream was busy
+    decode_ms_per_step: float | None = None
+    peak_memory_gib: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # benchmarks ignore EOS: every request runs to max_new
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy, read + write counted."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.randn(int(gib * 2**30 / 4), device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    return 2 * gib * 2**30 / seconds
+
+
+def floor_ms_per_step(model, requests: int, prompt: int, new: int, bandwidth: float) -> float:
+    """Weights once + the average KV read of a decode step, at the measured bandwidth."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    avg_context = prompt + new / 2
+    return (weight_bytes + requests * avg_context * kv_per_token) / bandwidth * 1e3
+
+
+def _prompts(requests: int, prompt: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, vocab, (requests, prompt), generator=g).tolist()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_path(path: str, model, prompts: list[list[int]], new: int, config=None) -> Result:
+    device = model.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    extra: dict = {}
+    steps = busy = decode_ms = None
+    if path == "stock":
+        ids = torch.tensor(prompts, device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             batching="off")
+        tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    elif path.startswith("hf-cb"):
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        gcfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"))
+        outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
+        tokens = sum(len(o.generated_tokens) for o in outs.values())
+    else:
+        from .config import BatchingConfig
+        from .engine import Engine
+
+        engine = Engine(model, (config or BatchingConfig()).with_mode(path))
+        pipeline = engine.pipeline(path)
+        pipeline.record_step_times = device.type == "cuda"
+        _sync(device)
+        start = time.perf_counter()  # the pool's allocation is set-up, not generation
+        outs = engine.generate(prompts, max_new_tokens=new)
+        tokens = sum(len(o.output_token_ids) for o in outs)
+        steps = pipeline.num_steps
+        if pipeline.record_step_times:
+            busy, decode_ms = pipeline.decode_busy_fraction()
+        extra["discarded_tokens"] = pipeline.num_discarded
+        del engine
+    _sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return Result(path, seconds, tokens, steps, busy, decode_ms, peak, extra)
+
+
+def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=None, dtype=None,
+        config=None) -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = build_model(shape, device, dtype)
+    prompts = _prompts(requests, prompt, model.config.vocab_size)
+    bandwidth = copy_bandwidth(device)
+    floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
+    # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
+    for path in paths:
+        run_path(path, model, prompts[:2], 2, config)
+    results = [run_path(path, model, prompts, new, config) for path in paths]
+    return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12, "floor_ms_per_step": floor,
+            "floor_tokens_per_s": requests / floor * 1e3, "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s}
+                                                                      for r in results]}
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{report['shape']}, {report['requests']} requests x prompt {report['prompt']} x {report['new']} new, "
+        f"{report['dtype']} on {report['gpu']}; copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; floor "
+        f"{report['floor_ms_per_step']:.2f} ms/step = {report['floor_tokens_per_s']:,.0f} tok/s",
+        "| path | tokens/s | % of floor | s | steps | decode ms/step | GPU busy (decode) | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+        pct = 100 * r["tokens_per_s"] / report["floor_tokens_per_s"]
+        lines.append(f"| {r['path']} | {r['tokens_per_s']:,.0f} | {pct:.1f}% | {r['seconds']:.1f} | "
+                     f"{f(r['steps'], 'd')} | {f(r['decode_ms_per_step'], '.2f')} | "
+                     f"{f(r['gpu_busy'] and 100 * r['gpu_busy'], '.1f')} | {f(r['peak_memory_gib'], '.1f')} |")
+    return "\n".join(lines)
