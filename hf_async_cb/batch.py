@@ -86,7 +86,7 @@ class BatchBuilder:
          q_index, kv_index_d, out_index, q_pos, q_valid, *dev_sampling_ints) = dev
         meta = StepMetadata(
             slot_mapping=slot_mapping, q_index=q_index, kv_index=kv_index_d, out_index=out_index,
-            q_pos=q_pos, q_valid=q_valid != 0, query_start=query_start, query_lens=query_lens,
+            q_pos=q_pos, q_valid=q_valid, query_start=query_start, query_lens=query_lens,
             context_lens=context_lens,
         )
         return StepInputs(

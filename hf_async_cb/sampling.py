@@ -16,7 +16,7 @@ from .requests import SamplingParams
 
 @dataclass
 class SamplingTensors:
-    do_sample: torch.Tensor  # [S] bool
+    do_sample: torch.Tensor  # [S] float32, nonzero = sample (compared inside the step's compute)
     temperature: torch.Tensor  # [S] float32
     top_k: torch.Tensor  # [S] int64, 0 = off
     top_p: torch.Tensor  # [S] float32, 1.0 = off
@@ -40,7 +40,7 @@ class SamplingTensors:
         if not ints:
             return None
         (top_k,), (do_sample, temperature, top_p) = ints, floats
-        return cls(do_sample=do_sample != 0, temperature=temperature, top_k=top_k, top_p=top_p)
+        return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors | None":
@@ -70,4 +70,4 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
     drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
     drawn = sorted_idx.gather(1, drawn_rank).squeeze(1)
-    return torch.where(params.do_sample, drawn, greedy)
+    return torch.where(params.do_sample != 0, drawn, greedy)

@@ -22,7 +22,7 @@ class StepMetadata:
     kv_index: torch.Tensor  # [B, max_ctx] cache slots of each request's context, in position order
     out_index: torch.Tensor  # [T] flat positions in [B * max_q] of the real query rows, packed order
     q_pos: torch.Tensor  # [B, max_q] absolute position of each query row
-    q_valid: torch.Tensor  # [B, max_q] bool
+    q_valid: torch.Tensor  # [B, max_q], nonzero where the query row is real
     query_start: list[int]
     query_lens: list[int]
     context_lens: list[int]
@@ -36,7 +36,8 @@ class StepMetadata:
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Bool [B, 1, max_q, max_ctx]: query at position p sees key k when k <= p (and p - k < window).
 
-        Computed on the device once per step and window. Padding query rows see key 0 only, so
+        Computed on the device, inside the step's compute (nothing of the step runs on another
+        stream), once per step and window. Padding query rows see key 0 only, so
         that no row is fully masked (no NaN anywhere).
         """
         if sliding_window not in self._masks:
@@ -45,7 +46,7 @@ class StepMetadata:
             allowed = k <= p
             if sliding_window is not None:
                 allowed &= (p - k) < sliding_window
-            self._masks[sliding_window] = torch.where(self.q_valid[:, :, None], allowed, k == 0)[:, None]
+            self._masks[sliding_window] = torch.where(self.q_valid[:, :, None].bool(), allowed, k == 0)[:, None]
         return self._masks[sliding_window]
 
 
