@@ -19,6 +19,7 @@ from .scheduler import StepPlan
 from .slots import IOSlot
 
 PLACEHOLDER = 0
+CONTEXT_BUCKET = 64
 
 
 @dataclass
@@ -71,7 +72,8 @@ class BatchBuilder:
             if chunk.samples:
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
-        max_ctx = max(context_lens)
+        # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
+        max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         kv_index = torch.stack([torch.cat([c, c[-1:].expand(max_ctx - len(c))]) for c in contexts])
         layout = padded_layout(query_start, query_lens, context_lens)
         has_carry = any(c >= 0 for c in carry)

@@ -7,8 +7,11 @@ and one scaled_dot_product_attention call, whatever the number of requests.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .metadata import StepMetadata
 
@@ -31,6 +34,15 @@ def paged_attention_reference(
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask(sliding_window), scale=scaling)
+    with _backends(query.device):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask(sliding_window), scale=scaling)
     o = o.permute(0, 2, 1, 3).reshape(batch * max_q, num_heads, head_dim)[meta.out_index]
     return o[None]
+
+
+def _backends(device: torch.device):
+    """On CUDA, keep SDPA off cuDNN: it builds an execution plan per new shape (~4 ms of CPU per
+    layer on the H200 machine), and the padded context length changes every few steps."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
