@@ -5,7 +5,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse HEAD | tee -a "$OUT/gpu.txt"
+echo "commit ${GIT_COMMIT:-unknown}" | tee -a "$OUT/gpu.txt"
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.txt"
 IFS=';' read -ra RUNS <<< "${BENCH_RUNS:-llama3.2-1b 64 128 64}"
 for run in "${RUNS[@]}"; do
