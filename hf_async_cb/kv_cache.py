@@ -30,6 +30,8 @@ class PageAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
@@ -37,14 +39,20 @@ class PageAllocator:
             self._refs[p] = 1
         return pages
 
+    def _check(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is not in the pool [0, {self.num_pages})")
+
     def share(self, pages: list[int]) -> None:
         for p in pages:
+            self._check(p)
             if self._refs[p] <= 0:
                 raise RuntimeError(f"page {p} is not allocated and cannot be shared")
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
+            self._check(p)
             if self._refs[p] <= 0:
                 raise RuntimeError(f"page {p} freed twice")
             self._refs[p] -= 1
