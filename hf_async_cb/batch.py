@@ -31,6 +31,8 @@ class StepInputs:
     meta: StepMetadata
     sampling: SamplingTensors | None  # None when every sampled row is greedy
     sample_requests: list[Request]  # row r of the sampled tokens belongs to sample_requests[r]
+    # Slow path: (row, processor, host history, row of its last token in the previous step or -1).
+    processor_rows: list[tuple[int, object, torch.Tensor, int]]
 
 
 class BatchBuilder:
@@ -51,6 +53,7 @@ class BatchBuilder:
         query_start, query_lens, context_lens = [], [], []
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
+        processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
         for chunk in plan.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
@@ -70,6 +73,11 @@ class BatchBuilder:
             query_lens.append(n)
             context_lens.append(stop)
             if chunk.samples:
+                if req.logits_processor is not None:
+                    history = req.history_prefix + req.token_ids(0, known)
+                    pending_row = carry[-1] if stop > known else -1
+                    processor_rows.append((len(sample_requests), req.logits_processor,
+                                           torch.tensor(history, dtype=torch.long), pending_row))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
         # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
@@ -99,4 +107,5 @@ class BatchBuilder:
             meta=meta,
             sampling=SamplingTensors.from_device(dev_sampling_ints, floats),
             sample_requests=sample_requests,
+            processor_rows=processor_rows,
         )

@@ -77,8 +77,14 @@ class Engine:
         return num_pages
 
     # -- requests ----------------------------------------------------------------------------
-    def make_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Validate one prompt against the model and the pool; raise ValueError if it cannot run."""
+    def make_request(self, prompt: Sequence[int], params: SamplingParams, *, logits_processor=None,
+                     stopping_criteria=None, history_prefix: Sequence[int] = ()) -> Request:
+        """Validate one prompt against the model and the pool; raise ValueError if it cannot run.
+
+        logits_processor / stopping_criteria: transformers LogitsProcessorList / StoppingCriteriaList
+        (or callables of the same signature) applied to this request alone, on its full history
+        `history_prefix + prompt + output` (the slow path: one call per request per step).
+        """
         (ids,) = as_token_lists([prompt])
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -93,7 +99,8 @@ class Engine:
                     f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
                     f"{self.max_positions} learned positions; lower max_new_tokens."
                 )
-        request = Request(ids, params)
+        request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                          history_prefix=[int(t) for t in history_prefix])
         self.scheduler.check_fits(request)
         return request
 
@@ -103,12 +110,15 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         mode: str | None = None,
+        logits_processor=None,
+        stopping_criteria=None,
         **param_kwargs,
     ) -> list[RequestOutput]:
         """Generate for every prompt (lists of token ids); outputs come back in prompt order.
 
         `params` is one SamplingParams for all, one per prompt, or built from keyword arguments
-        (max_new_tokens=..., do_sample=..., eos_token_ids=...).
+        (max_new_tokens=..., do_sample=..., eos_token_ids=...). `logits_processor` and
+        `stopping_criteria` (transformers lists) apply to every request, each on its own history.
         """
         prompts = as_token_lists(prompts)
         if params is None:
@@ -118,7 +128,8 @@ class Engine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        requests = [self.make_request(p, sp, logits_processor=logits_processor, stopping_criteria=stopping_criteria)
+                    for p, sp in zip(prompts, per_prompt)]
         self.run(requests, mode)
         return [r.to_output() for r in requests]
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any
-
 import torch
 
 from .config import BatchingConfig, resolve_mode
@@ -26,35 +24,48 @@ _original_generate = None
 
 # generate() arguments the engine does not implement; each must be left at its default.
 _UNSUPPORTED_ARGUMENTS = (
-    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model", "streamer",
-    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate",
+    "prefix_allowed_tokens_fn", "assistant_model", "streamer", "negative_prompt_ids",
+    "negative_prompt_attention_mask", "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
 _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
 
-
-def _active(value: Any, neutral: tuple = (None,)) -> bool:
-    return value not in neutral
-
-
-# GenerationConfig options that would add a logits processor, a stopping criterion or another
-# decoding strategy: (attribute, values that leave stock generate's result unchanged).
+# GenerationConfig options that stock generate turns into logits processors: run through stock's
+# own processors, per request, on its full history (the slow path). (attribute, neutral values)
+_PROCESSOR_OPTIONS = (
+    ("repetition_penalty", (None, 1.0)), ("no_repeat_ngram_size", (None, 0)), ("bad_words_ids", (None,)),
+    ("min_length", (None, 0)), ("min_new_tokens", (None, 0)), ("typical_p", (None, 1.0)),
+    ("epsilon_cutoff", (None, 0.0)), ("eta_cutoff", (None, 0.0)), ("min_p", (None,)), ("top_h", (None,)),
+    ("suppress_tokens", (None,)), ("begin_suppress_tokens", (None,)), ("forced_bos_token_id", (None,)),
+    ("forced_eos_token_id", (None,)), ("sequence_bias", (None,)), ("exponential_decay_length_penalty", (None,)),
+    ("remove_invalid_values", (None, False)),
+)
+# Options that become stopping criteria, checked per request after each token.
+_STOPPING_OPTIONS = (("stop_strings", (None,)), ("max_time", (None,)))
+# Other decoding strategies and outputs the engine does not produce.
 _UNSUPPORTED_GENERATION_OPTIONS = (
     ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
     ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
-    ("dola_layers", (None,)), ("repetition_penalty", (None, 1.0)), ("encoder_repetition_penalty", (None, 1.0)),
-    ("no_repeat_ngram_size", (None, 0)), ("encoder_no_repeat_ngram_size", (None, 0)),
-    ("bad_words_ids", (None,)), ("min_length", (None, 0)), ("min_new_tokens", (None, 0)),
-    ("typical_p", (None, 1.0)), ("epsilon_cutoff", (None, 0.0)), ("eta_cutoff", (None, 0.0)),
-    ("min_p", (None,)), ("top_h", (None,)), ("suppress_tokens", (None,)), ("begin_suppress_tokens", (None,)),
-    ("forced_bos_token_id", (None,)), ("forced_eos_token_id", (None,)), ("sequence_bias", (None,)),
-    ("guidance_scale", (None, 1.0)), ("exponential_decay_length_penalty", (None,)),
-    ("watermarking_config", (None,)), ("stop_strings", (None,)), ("max_time", (None,)),
-    ("num_return_sequences", (None, 1)), ("output_scores", (None, False)), ("output_logits", (None, False)),
-    ("output_attentions", (None, False)), ("output_hidden_states", (None, False)),
-    ("prompt_lookup_num_tokens", (None,)), ("assistant_early_exit", (None,)), ("token_healing", (None, False)),
-    ("remove_invalid_values", (None, False)), ("use_mtp", (None, False)),
+    ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
+    ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
+    ("watermarking_config", (None,)), ("num_return_sequences", (None, 1)), ("output_scores", (None, False)),
+    ("output_logits", (None, False)), ("output_attentions", (None, False)),
+    ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
+    ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
 )
+
+
+def _active(gc, options) -> list[str]:
+    return [name for name, neutral in options if getattr(gc, name, None) not in neutral]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def install() -> None:
@@ -119,8 +130,7 @@ def _resolve_call_mode(model, has_batching: bool, batching, generation_config, b
 @torch.no_grad()
 def _engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
     for name in _UNSUPPORTED_ARGUMENTS:
-        value = arguments.get(name)
-        if value is not None and not (name in ("logits_processor", "stopping_criteria") and len(value) == 0):
+        if arguments.get(name) is not None:
             raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
     if arguments.get("synced_gpus"):
         raise ValueError(f"generate(batching={mode!r}) does not support `synced_gpus`.")
@@ -134,6 +144,7 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         kwargs.pop("input_ids", None)
     if inputs is None:
         raise ValueError(f"generate(batching={mode!r}) needs input_ids (a LongTensor [batch, length]).")
+    tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     for key, neutral in _IGNORED_MODEL_KWARGS.items():
         if model_kwargs.get(key, neutral) == neutral:
@@ -141,14 +152,14 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     unknown = sorted(set(model_kwargs) - _ALLOWED_MODEL_KWARGS)
     if unknown:
         raise ValueError(f"generate(batching={mode!r}) does not support the arguments {unknown}.")
-    bad = [name for name, neutral in _UNSUPPORTED_GENERATION_OPTIONS if getattr(gc, name, None) not in neutral]
+    bad = _active(gc, _UNSUPPORTED_GENERATION_OPTIONS)
     if bad:
         values = ", ".join(f"{n}={getattr(gc, n)!r}" for n in bad)
         raise ValueError(f"generate(batching={mode!r}) does not support {values} yet; use batching='off' for it.")
 
     input_ids = _check_input_ids(inputs, model)
     attention_mask = _attention_mask(input_ids, model_kwargs.get("attention_mask"), gc)
-    prompts = _unpad(input_ids, attention_mask)
+    prompts, prefixes = _unpad(input_ids, attention_mask)
     eos = _token_list(gc.eos_token_id)
     pad = gc.pad_token_id
     if isinstance(pad, torch.Tensor):
@@ -156,32 +167,81 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     if pad is None and eos:
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
-    input_len = input_ids.shape[1]
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_len
-    if max_new <= 0:
-        raise ValueError(
-            f"nothing to generate: max_length ({gc.max_length}) must be larger than the input length "
-            f"({input_len}); set max_new_tokens instead."
-        )
+    max_new = _max_new_tokens(model, gc, generation_config, kwargs, input_ids)
+    processor, criteria = _slow_path(model, gc, input_ids, arguments, tokenizer)
+    neutral = processor is not None  # stock's processor list then holds the warpers too
     params = SamplingParams(
         max_new_tokens=max_new,
         do_sample=bool(gc.do_sample),
-        temperature=float(gc.temperature if gc.temperature is not None else 1.0),
-        top_k=int(gc.top_k or 0),
-        top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+        temperature=1.0 if neutral or gc.temperature is None else float(gc.temperature),
+        top_k=0 if neutral else int(gc.top_k or 0),
+        top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
         eos_token_ids=tuple(eos),
     )
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
     if not isinstance(config, BatchingConfig):
         raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
     engine = Engine(model, config.with_mode(mode))
-    outputs = engine.generate(prompts, params)
-    sequences = _pad_outputs(input_ids, [o.output_token_ids for o in outputs], pad)
+    slow = processor is not None or criteria is not None
+    requests = [engine.make_request(p, params, logits_processor=processor, stopping_criteria=criteria,
+                                    history_prefix=prefix if slow else ())
+                for p, prefix in zip(prompts, prefixes)]
+    engine.run(requests)
+    sequences = _pad_outputs(input_ids, [r.output_token_ids for r in requests], pad)
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor) -> int:
+    """Stock generate's own length rules (max_new_tokens over max_length, 20 new tokens by default,
+    min_new_tokens -> min_length), applied to `gc` in place as stock applies them."""
+    if gc.max_new_tokens is not None and gc.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be >= 1, got {gc.max_new_tokens}.")
+    defaults = [model.generation_config] + ([generation_config] if generation_config is not None else [])
+    has_default_max = kwargs.get("max_length") is None and all(c.max_length is None for c in defaults)
+    has_default_min = kwargs.get("min_length") is None and all(c.min_length is None for c in defaults)
+    input_len = input_ids.shape[1]
+    model._prepare_generated_length(gc, has_default_max, has_default_min, "input_ids", input_len, input_ids)
+    model._validate_generated_length(gc, input_len, has_default_max)  # ValueError when max_length <= input
+    return gc.max_length - input_len
+
+
+def _slow_path(model, gc, input_ids: torch.Tensor, arguments: dict, tokenizer):
+    """Stock generate's own logits processors and stopping criteria for this call, or None.
+
+    They are built exactly as stock builds them (same GenerationConfig, same padded input length)
+    and applied to each request's row as stock holds it (its left padding included), so that
+    every option behaves as in stock generate, only one request at a time.
+    """
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    user_processors = arguments.get("logits_processor") or None
+    user_criteria = arguments.get("stopping_criteria") or None
+    use_processors = bool(_active(gc, _PROCESSOR_OPTIONS)) or user_processors is not None
+    use_criteria = bool(_active(gc, _STOPPING_OPTIONS)) or user_criteria is not None
+    if not (use_processors or use_criteria):
+        return None, None
+    if gc.stop_strings is not None and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: pass generate(..., tokenizer=tokenizer), as stock does.")
+    model._prepare_special_tokens(gc, True, device=input_ids.device)
+    processor = criteria = None
+    if use_processors:
+        processor = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+            logits_processor=user_processors or LogitsProcessorList(), device=input_ids.device, model_kwargs={},
+        )
+        _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
+                   "the request's full history (correct, but slower than the built-in sampling options).")
+    if use_criteria:
+        stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria
+                                             or StoppingCriteriaList(), tokenizer=tokenizer)
+        # Length and EOS are the engine's own; the rest is checked per request after each token.
+        criteria = StoppingCriteriaList([c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    return processor, criteria
 
 
 def _check_input_ids(inputs, model) -> torch.Tensor:
@@ -214,10 +274,11 @@ def _attention_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
     return mask
 
 
-def _unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Left-padded rows -> prompts. Right padding or holes would change the result: refuse them."""
+def _unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Left-padded rows -> (prompts, their padding). Right padding or holes would change the result:
+    refuse them."""
     ids, keep = input_ids.tolist(), mask.bool().tolist()
-    prompts = []
+    prompts, prefixes = [], []
     for row, (tokens, flags) in enumerate(zip(ids, keep)):
         if not any(flags):
             raise ValueError(f"row {row} of attention_mask is all zeros: every prompt needs at least one token.")
@@ -228,7 +289,8 @@ def _unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
                 "(tokenizer.padding_side = 'left') and no holes."
             )
         prompts.append(tokens[first:])
-    return prompts
+        prefixes.append(tokens[:first])
+    return prompts, prefixes
 
 
 def _pad_outputs(input_ids: torch.Tensor, generated: list[list[int]], pad: int | None) -> torch.Tensor:

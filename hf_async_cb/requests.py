@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class RequestStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     EOS = "eos"
     LENGTH = "length"
+    STOP = "stop"  # a stopping criterion (stop string, max_time, user criterion)
     ABORTED = "aborted"
 
 
@@ -77,6 +80,11 @@ class Request:
     arrival: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
     num_pending: int = 0
+    # The slow path: a transformers LogitsProcessorList / StoppingCriteriaList applied to this
+    # request's own history (history_prefix + prompt + output, the carried-over token included).
+    logits_processor: Any = None
+    stopping_criteria: Any = None
+    history_prefix: list[int] = field(default_factory=list)  # e.g. stock generate's left padding of the row
 
     @property
     def num_known_tokens(self) -> int:
@@ -109,13 +117,20 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
+    def history(self) -> list[int]:
+        """What logits processors and stopping criteria see: the row as stock generate holds it."""
+        return self.history_prefix + self.prompt_token_ids + self.output_token_ids
+
     def append_token(self, token: int) -> bool:
-        """Record a sampled token; return True when it ends the request (EOS or length)."""
+        """Record a sampled token; return True when it ends the request (EOS, length or a criterion)."""
         self.output_token_ids.append(token)
         if token in self.params.eos_token_ids:
             self.finish_reason = FinishReason.EOS
         elif len(self.output_token_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
+        elif self.stopping_criteria is not None and bool(
+                self.stopping_criteria(torch.tensor([self.history()]), None).any()):
+            self.finish_reason = FinishReason.STOP
         else:
             return False
         return True

@@ -74,4 +74,10 @@ class ModelRunner:
             carried = previous_tokens[inputs.carry_src.clamp(min=0)]
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
+        for row, processor, history, pending_row in inputs.processor_rows:
+            # The slow path: a transformers LogitsProcessorList on this request's full history.
+            history = history.to(logits.device)
+            if pending_row >= 0:
+                history = torch.cat([history, previous_tokens[pending_row : pending_row + 1]])
+            logits[row] = processor(history[None], logits[row : row + 1])[0]
         return sample(logits, inputs.sampling, self.generator)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from transformers import LogitsProcessorList, TextStreamer, TopKLogitsWarper
+from transformers import TextStreamer
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
 from models import left_pad, tiny_model
@@ -95,16 +95,12 @@ def test_pool_too_small_for_one_page(model):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_beams=2), "num_beams"),
-    (dict(repetition_penalty=1.3), "repetition_penalty"),
-    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
-    (dict(min_new_tokens=3), "min_new_tokens"),
     (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
-    (dict(stop_strings=["x"]), "stop_strings"),
-    (dict(bad_words_ids=[[7]]), "bad_words_ids"),
-    (dict(suppress_tokens=[7]), "suppress_tokens"),
-    (dict(min_p=0.1, do_sample=True), "min_p"),
-    (dict(logits_processor=LogitsProcessorList([TopKLogitsWarper(3)])), "logits_processor"),
+    (dict(guidance_scale=1.5), "guidance_scale"),
+    (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+    (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [5]), "prefix_allowed_tokens_fn"),
+    (dict(stop_strings=["x"]), "tokenizer"),
     (dict(token_type_ids=torch.zeros(1, 3, dtype=torch.long)), "token_type_ids"),
     (dict(inputs_embeds=torch.zeros(1, 3, 64)), "inputs_embeds"),
 ])

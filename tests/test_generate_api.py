@@ -44,8 +44,8 @@ def test_generation_config_batching(model, batch, monkeypatch):
     prompts, ids, mask = batch
     expected = stock_generate(model, prompts, max_new_tokens=5)
     calls = []
-    original = hf_async_cb.Engine.generate
-    monkeypatch.setattr(hf_async_cb.Engine, "generate",
+    original = hf_async_cb.Engine.run
+    monkeypatch.setattr(hf_async_cb.Engine, "run",
                         lambda self, *a, **k: calls.append(self.config.mode) or original(self, *a, **k))
     gc = GenerationConfig(max_new_tokens=5, batching="async")
     assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=gc), expected)
@@ -85,6 +85,13 @@ def test_return_dict_in_generate(model, batch):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="sync", return_dict_in_generate=True)
     assert isinstance(out, GenerateDecoderOnlyOutput)
     assert torch.equal(out.sequences, stock_generate(model, prompts, max_new_tokens=4))
+
+
+def test_default_length_is_twenty_new_tokens_as_stock(model, batch):
+    prompts, ids, mask = batch
+    expected = model.generate(ids, attention_mask=mask, batching="off")
+    assert expected.shape[1] == ids.shape[1] + 20
+    assert torch.equal(model.generate(ids, attention_mask=mask, batching="sync"), expected)
 
 
 def test_input_ids_keyword_and_no_mask(model):

@@ -36,3 +36,16 @@ def test_smollm2_raw_prompts_with_preemption(smollm2):
     config = BatchingConfig(page_size=4, num_pages=16, max_batch_tokens=16)
     got = model.generate(**inputs, max_new_tokens=24, batching="sync", batching_config=config)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_smollm2_stop_strings_match_stock(smollm2, mode):
+    model, tokenizer = smollm2
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in DEMO_PROMPTS[2:6]]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=40, stop_strings=[".", "\n"], tokenizer=tokenizer)
+    expected = model.generate(**inputs, batching="off", **kwargs)
+    got = model.generate(**inputs, batching=mode, **kwargs)
+    assert torch.equal(got, expected)
+    assert expected.shape[1] < inputs.input_ids.shape[1] + 40, "the stop strings should have ended every row early"

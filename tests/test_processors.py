@@ -1,0 +1,128 @@
+"""Logits processors and stopping criteria on the slow path: every option behaves as in stock
+generate (greedy: the same tokens), in sync and async, with the carried-over token in the history."""
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from hf_async_cb import BatchingConfig, Engine
+from models import left_pad, random_prompts, stock_generate, tiny_model
+
+MODES = ("sync", "async")
+
+
+def both(model, prompts, mode, **kwargs):
+    ids, mask = left_pad(prompts)
+    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
+    got = model.generate(ids, attention_mask=mask, batching=mode,
+                         batching_config=BatchingConfig(page_size=4, max_batch_tokens=32), **kwargs)
+    return got, expected
+
+
+@pytest.fixture(scope="module")
+def eos_candidates():
+    """Tokens the tiny Llama generates early, to make min_new_tokens and EOS matter."""
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    rows = stock_generate(model, prompts, max_new_tokens=12, eos_token_id=None)[:, max(map(len, prompts)):]
+    return rows[0, 1].item(), rows[2, 3].item()
+
+
+OPTIONS = {
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "bad_words_ids": dict(bad_words_ids=[[5], [7, 8]]),
+    "suppress_tokens": dict(suppress_tokens=list(range(10, 60))),
+    "sequence_bias": dict(sequence_bias={(9,): 5.0}),
+    "forced_eos_token_id": dict(forced_eos_token_id=3, max_new_tokens=6),
+    "exponential_decay": dict(exponential_decay_length_penalty=(3, 1.5), eos_token_id=4),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_processor_options_match_stock(option, mode):
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    kwargs = {"max_new_tokens": 12, **OPTIONS[option]}
+    got, expected = both(model, prompts, mode, **kwargs)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_min_new_tokens_holds_eos_back(mode, eos_candidates):
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    eos = list(eos_candidates)
+    got, expected = both(model, prompts, mode, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, min_new_tokens=5)
+    assert torch.equal(got, expected)
+    plain, _ = both(model, prompts, mode, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert not torch.equal(plain, got), "min_new_tokens should have changed where rows stop"
+
+
+class EvenOnly(LogitsProcessor):
+    """A user processor that depends on the history: after an odd token, only even tokens."""
+
+    def __call__(self, input_ids, scores):
+        odd_last = (input_ids[:, -1] % 2 == 1)[:, None]
+        odd_vocab = (torch.arange(scores.shape[-1], device=scores.device) % 2 == 1)[None]
+        return scores.masked_fill(odd_last & odd_vocab, float("-inf"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_user_logits_processor_sees_the_full_history(mode):
+    model = tiny_model("qwen3")
+    prompts = random_prompts(5, 3, 20, seed=32)
+    got, expected = both(model, prompts, mode, max_new_tokens=10, logits_processor=LogitsProcessorList([EvenOnly()]))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_with_processors_runs_and_respects_them(mode):
+    model = tiny_model("llama")
+    prompts = random_prompts(4, 3, 10, seed=33)
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, batching=mode, max_new_tokens=10, do_sample=True, top_k=20,
+                         min_p=0.05, suppress_tokens=list(range(0, 128)), batching_config=BatchingConfig(seed=0))
+    assert (out[:, ids.shape[1]:] >= 128).all()
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_user_stopping_criteria_stop_where_stock_does(mode, eos_candidates):
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    criteria = StoppingCriteriaList([StopAfterToken(eos_candidates[0])])
+    got, expected = both(model, prompts, mode, max_new_tokens=12, pad_token_id=0, stopping_criteria=criteria)
+    assert torch.equal(got, expected)
+
+
+def test_engine_api_takes_processors_and_criteria():
+    model = tiny_model("gpt2")
+    prompts = random_prompts(3, 2, 8, seed=34)
+    engine = Engine(model, BatchingConfig(mode="async"))
+    outs = engine.generate(prompts, max_new_tokens=8, logits_processor=LogitsProcessorList([EvenOnly()]),
+                           stopping_criteria=StoppingCriteriaList([StopAfterToken(40)]))
+    for o in outs:
+        history = o.prompt_token_ids + o.output_token_ids
+        for prev, tok in zip(history[len(o.prompt_token_ids) - 1:], o.output_token_ids):
+            assert not (prev % 2 == 1 and tok % 2 == 1)
+        assert 40 not in o.output_token_ids[:-1]
+        if o.output_token_ids[-1] == 40 and len(o.output_token_ids) < 8:
+            assert o.finish_reason.value == "stop"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_time_zero_stops_after_one_token_like_stock(mode):
+    model = tiny_model("llama")
+    prompts = random_prompts(4, 2, 10, seed=35)
+    got, expected = both(model, prompts, mode, max_new_tokens=12, max_time=0.0, pad_token_id=0)
+    assert expected.shape[1] == max(map(len, prompts)) + 1
+    assert torch.equal(got, expected)
