@@ -35,7 +35,10 @@ class Engine:
     >>> outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=8)
     """
 
-    def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None,
+                 max_pages_needed: int | None = None) -> None:
+        """`max_pages_needed`: when the whole workload is known (generate), a pool sized from memory
+        is capped at what it can use, so that a small call does not claim half the GPU."""
         self.config = config if config is not None else BatchingConfig()
         self.config.validate()
         check_model_supported(model, self.config.trust_untested_model)
@@ -48,6 +51,8 @@ class Engine:
         self._learned_positions = has_learned_positions(model)
         page_size = self.config.page_size
         num_pages = self._num_pages()
+        if self.config.num_pages is None and max_pages_needed is not None:
+            num_pages = max(1, min(num_pages, max_pages_needed))
         self.cache = PagedKVCache(self.layout, num_pages, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,

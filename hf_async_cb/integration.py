@@ -181,7 +181,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
     if not isinstance(config, BatchingConfig):
         raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
-    engine = Engine(model, config.with_mode(mode))
+    page = config.page_size
+    pages_needed = sum(-(-(len(p) + max_new) // page) for p in prompts)
+    engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
     slow = processor is not None or criteria is not None
     requests = [engine.make_request(p, params, logits_processor=processor, stopping_criteria=criteria,
                                     history_prefix=prefix if slow else ())

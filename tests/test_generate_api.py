@@ -66,9 +66,9 @@ def test_batching_config_is_used(model, batch, monkeypatch):
     seen = []
     original = hf_async_cb.Engine.__init__
 
-    def spy(self, m, config=None):
+    def spy(self, m, config=None, **kwargs):
         seen.append(config)
-        original(self, m, config)
+        original(self, m, config, **kwargs)
 
     monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
     config = BatchingConfig(page_size=4, num_pages=40, max_batch_tokens=9)
@@ -167,3 +167,19 @@ def test_sampling_runs_and_is_seeded(model, batch):
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="off")
     top1 = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=1, batching="sync")
     assert torch.equal(top1, greedy)
+
+
+def test_pool_sized_to_the_call(model, batch, monkeypatch):
+    """A pool sized from memory is capped at what the call can use."""
+    prompts, ids, mask = batch
+    sizes = []
+    original = hf_async_cb.Engine.__init__
+
+    def spy(self, *a, **k):
+        original(self, *a, **k)
+        sizes.append(self.allocator.num_pages)
+
+    monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync",
+                   batching_config=BatchingConfig(page_size=4))
+    assert sizes[0] == sum(-(-(len(p) + 5) // 4) for p in prompts)
