@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 MODES = ("sync", "async")
@@ -61,9 +61,6 @@ class BatchingConfig:
 
     def with_mode(self, mode: str) -> "BatchingConfig":
         return replace(self, mode=mode)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _positive_int(name: str, value: Any) -> None:

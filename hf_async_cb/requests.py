@@ -77,7 +77,6 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
-    arrival: int = field(default_factory=lambda: next(_ids))
     num_preemptions: int = 0
     num_pending: int = 0
     # The slow path: a transformers LogitsProcessorList / StoppingCriteriaList applied to this
