@@ -36,8 +36,10 @@ class StepInputs:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, trash_slot: int) -> None:
+        """`trash_slot`: a cache slot outside the page pool, written by padding rows, never read."""
         self.page_size = page_size
+        self.trash_slot = trash_slot
         self._offsets = torch.arange(page_size)
 
     def _context_slots(self, pages: list[int], stop: int) -> torch.Tensor:
@@ -45,8 +47,13 @@ class BatchBuilder:
         page_ids = torch.tensor(pages[: -(-stop // self.page_size)], dtype=torch.long)
         return (page_ids[:, None] * self.page_size + self._offsets).flatten()[:stop]
 
-    def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int]) -> StepInputs:
-        """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight."""
+    def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
+              pad_to: tuple[int, int] | None = None) -> StepInputs:
+        """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight.
+
+        `pad_to` = (batch, context): a decode step padded to a CUDA-graph bucket. Padding rows are
+        one-token requests at position 0 that write to and read from the trash slot.
+        """
         ids: list[int] = []
         carry: list[int] = []
         positions, new_slots, contexts = [], [], []
@@ -80,11 +87,25 @@ class BatchBuilder:
                                            torch.tensor(history, dtype=torch.long), pending_row))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
-        # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
-        max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+        if pad_to is not None:
+            trash = torch.tensor([self.trash_slot])
+            for _ in range(pad_to[0] - len(plan.chunks)):
+                query_start.append(len(ids))
+                ids.append(PLACEHOLDER)
+                carry.append(-1)
+                positions.append(torch.zeros(1, dtype=torch.long))
+                contexts.append(trash)
+                new_slots.append(trash)
+                query_lens.append(1)
+                context_lens.append(1)
+                logits_rows.append(len(ids) - 1)
+            max_ctx = pad_to[1]
+        else:
+            # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
+            max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         kv_index = torch.stack([torch.cat([c, c[-1:].expand(max_ctx - len(c))]) for c in contexts])
         layout = padded_layout(query_start, query_lens, context_lens)
-        has_carry = any(c >= 0 for c in carry)
+        has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
         sampling_ints, sampling_floats = SamplingTensors.host_parts(params)
         ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),

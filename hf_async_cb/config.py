@@ -25,6 +25,8 @@ class BatchingConfig:
     seed: seed of the device-side random generator used by do_sample.
     attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
     trust_untested_model: run model families outside the tested list (see docs/api.md).
+    cuda_graphs: replay decode steps from CUDA graphs (None: on CUDA devices). On the CPU, True runs
+        the same padded static-buffer path eagerly (for tests).
     """
 
     mode: str = "async"
@@ -37,6 +39,7 @@ class BatchingConfig:
     seed: int | None = None
     attention: str = "auto"
     trust_untested_model: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -11,6 +11,7 @@ from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
 from .models import check_model_supported, has_learned_positions, max_positions
+from .cuda_graphs import DecodeGraphs
 from .devices import Streams
 from .pipeline import Pipeline
 from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
@@ -53,14 +54,18 @@ class Engine:
         num_pages = self._num_pages()
         if self.config.num_pages is None and max_pages_needed is not None:
             num_pages = max(1, min(num_pages, max_pages_needed))
-        self.cache = PagedKVCache(self.layout, num_pages, page_size, self.dtype, self.device)
+        # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
+        self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
                                    self.config.max_running_requests)
-        self.builder = BatchBuilder(page_size)
+        self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.config.seed)
+        use_graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.runner, self.config.max_running_requests,
+                                   is_cuda=self.device.type == "cuda") if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s", num_pages, page_size,
                     self.cache.bytes / 2**20, self.device)
 
@@ -163,5 +168,5 @@ class Engine:
         """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""
         if mode not in self._pipelines:
             self._pipelines[mode] = Pipeline(self.scheduler, self.builder, self.runner, self.streams,
-                                             overlap=(mode == "async"))
+                                             overlap=(mode == "async"), graphs=self.graphs)
         return self._pipelines[mode]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import BatchBuilder
+from .cuda_graphs import DecodeGraphs
 from .devices import Streams
 from .requests import Request
 from .runner import ModelRunner
@@ -46,12 +47,13 @@ class InFlight:
 
 class Pipeline:
     def __init__(self, scheduler: Scheduler, builder: BatchBuilder, runner: ModelRunner, streams: Streams,
-                 overlap: bool) -> None:
+                 overlap: bool, graphs: DecodeGraphs | None = None) -> None:
         self.scheduler = scheduler
         self.builder = builder
         self.runner = runner
         self.streams = streams
         self.overlap = overlap
+        self.graphs = graphs
         self.slots = (IOSlot(streams), IOSlot(streams))
         self.in_flight: deque[InFlight] = deque()
         self.num_steps = 0
@@ -104,7 +106,8 @@ class Pipeline:
         slot = self.slots[self.num_steps % 2]
         previous = self.in_flight[-1] if self.in_flight else None
         carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
-        inputs = self.builder.build(plan, slot, carry_rows)
+        key = self.graphs.key_for(plan) if self.graphs is not None else None
+        inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context) if key else None)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
         for req in inputs.sample_requests:
@@ -115,7 +118,11 @@ class Pipeline:
             if self.record_step_times:
                 began = self.streams.event(timing=True)
                 began.record()
-            tokens = self.runner.step(inputs, previous.tokens if previous else None)
+            previous_tokens = previous.tokens if previous else None
+            if key is not None:
+                tokens = self.graphs.step(key, inputs, previous_tokens)
+            else:
+                tokens = self.runner.step(inputs, previous_tokens)
             computed.record()
             if self.record_step_times:
                 ended = self.streams.event(timing=True)

@@ -48,6 +48,7 @@ class ModelRunner:
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Run the forward; return float32 logits at the sampled rows [S, V]."""
         meta = inputs.meta
+        meta.begin_forward()
         self.cache.step = meta
         out = self.model(
             input_ids=inputs.input_ids,

@@ -39,6 +39,19 @@ def test_async_equals_sync_on_cuda(family, case):
     assert results["async"] == results["sync"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_graphs_give_the_eager_tokens(mode):
+    model = cuda_model("llama")
+    prompts = random_prompts(13, 1, 80, seed=8)
+    results = []
+    for graphs in (False, True):
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, max_batch_tokens=64))
+        results.append([o.output_token_ids for o in engine.generate(prompts, max_new_tokens=40)])
+        if graphs:
+            assert engine.graphs.num_replays > 0
+    assert results[0] == results[1]
+
+
 def test_cuda_fp32_matches_stock_generate():
     model = cuda_model("llama", torch.float32)
     prompts = random_prompts(8, 5, 40, seed=4)
@@ -58,7 +71,7 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch):
     model = cuda_model("llama")
     prompts = random_prompts(16, 8, 40, seed=5)
     engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64))
-    engine.generate(prompts[:2], max_new_tokens=4)  # warm-up: first-use allocations and kernels
+    engine.generate(prompts, max_new_tokens=32)  # warm-up: allocations, kernels, graph captures
     waits = []
     original = slots_module.Download.tolist
     monkeypatch.setattr(slots_module.Download, "tolist", lambda self: waits.append(1) or original(self))

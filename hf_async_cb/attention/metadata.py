@@ -29,6 +29,11 @@ class StepMetadata:
     attention_calls: int = 0
     _masks: dict = field(default_factory=dict, repr=False)
 
+    def begin_forward(self) -> None:
+        """Forget per-forward state: a static (CUDA-graph) metadata is reused with new values."""
+        self.attention_calls = 0
+        self._masks.clear()
+
     @property
     def num_requests(self) -> int:
         return len(self.query_lens)

@@ -1,0 +1,132 @@
+"""CUDA graphs for decode steps: one graph per (batch bucket, context bucket), captured on first use.
+
+A decode-only, all-greedy step is padded to a bucket: the batch to a power of two (padding rows
+write to a trash slot outside the page pool and are never read back), the context to a power of
+two >= 64. Each graph owns static copies of every input tensor of the step; a step copies its
+freshly uploaded inputs (and the previous step's tokens, for carry-over) into them on the device,
+replays the graph, and clones the sampled tokens out, so that the next replay cannot overwrite
+tokens still on their way to the host. The graphs do not depend on the I/O slot, so the sync and
+async loops share them, and all of them share one memory pool (they never run at the same time).
+
+On the CPU there is nothing to capture: a "graph" runs the same function eagerly on its static
+tensors, which lets CI test the padding, the static buffers and the carry-over through them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .attention.metadata import StepMetadata
+from .batch import StepInputs
+from .runner import ModelRunner
+from .scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+MIN_CONTEXT_BUCKET = 64
+
+_STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
+_STATIC_META = ("slot_mapping", "q_index", "kv_index", "out_index", "q_pos", "q_valid")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    context: int
+
+
+class _Graph:
+    def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
+                 max_previous: int, pool) -> None:
+        """Static tensors start as this step's inputs, so the warm-up and the capture run on real data."""
+        device = inputs.input_ids.device
+        self.tensors = {name: getattr(inputs, name).clone() for name in _STATIC}
+        self.tensors.update({name: getattr(inputs.meta, name).clone() for name in _STATIC_META})
+        self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
+        t = self.tensors
+        meta = StepMetadata(
+            slot_mapping=t["slot_mapping"], q_index=t["q_index"], kv_index=t["kv_index"],
+            out_index=t["out_index"], q_pos=t["q_pos"], q_valid=t["q_valid"],
+            query_start=inputs.meta.query_start, query_lens=inputs.meta.query_lens,
+            context_lens=inputs.meta.context_lens,
+        )
+        static = StepInputs(
+            input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
+            logits_indices=t["logits_indices"], meta=meta, sampling=None, sample_requests=[], processor_rows=[],
+        )
+        self._fn = lambda: runner.step(static, self.previous)
+        self.out: torch.Tensor | None = None
+        self.graph = None
+        self.load(inputs, previous_tokens)
+        if device.type == "cuda":
+            self._capture(pool)
+
+    def _capture(self, pool) -> None:
+        # Warm-up on a side stream (cuBLAS workspaces, lazy kernels); it writes the same K/V as
+        # the step itself will, at the same slots, so it changes nothing.
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._fn()
+        current.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self._fn()
+
+    def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
+        for name in _STATIC:
+            self.tensors[name].copy_(getattr(inputs, name))
+        for name in _STATIC_META:
+            self.tensors[name].copy_(getattr(inputs.meta, name))
+        if previous_tokens is not None:
+            self.previous[: previous_tokens.numel()].copy_(previous_tokens)
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self._fn()
+        return self.out.clone()
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool) -> None:
+        self.runner = runner
+        self.max_batch = _pow2(max_batch)
+        self.pool = torch.cuda.graph_pool_handle() if is_cuda else None
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self.num_replays = 0
+
+    def key_for(self, plan: StepPlan) -> GraphKey | None:
+        """The bucket of a decode-only, all-greedy step without logits processors, else None."""
+        chunks = plan.chunks
+        if len(chunks) > self.max_batch:
+            return None
+        for c in chunks:
+            r = c.request
+            if c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None:
+                return None
+        context = max(c.start + 1 for c in chunks)
+        return GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))
+
+    def step(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Run a padded decode step through its graph (captured now if it is the bucket's first)."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            logger.info("capturing a decode graph for batch %d, context %d", key.batch, key.context)
+            graph = self._graphs[key] = _Graph(self.runner, inputs, previous_tokens, self.max_batch, self.pool)
+        else:
+            graph.load(inputs, previous_tokens)
+        self.num_replays += 1
+        return graph.replay()
+
+    def __len__(self) -> int:
+        return len(self._graphs)

@@ -1,0 +1,52 @@
+"""The CUDA-graph decode path, run on the CPU through its eager stand-in: padding to buckets, the
+trash slot, static buffers and carry-over through them must leave every token as stock's."""
+
+import pytest
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.cuda_graphs import GraphKey
+from models import generated_rows, random_prompts, stock_generate, tiny_model
+
+
+def expected_rows(model, prompts, new):
+    out = stock_generate(model, prompts, max_new_tokens=new, eos_token_id=[2], pad_token_id=0)
+    return generated_rows(out, max(map(len, prompts)), pad=0, eos=(2,))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("family, batch, pages", [
+    ("llama", 5, None),     # 5 rows padded to 8
+    ("gpt2", 13, None),     # 13 -> 16, learned positions
+    ("mistral", 9, None),   # sliding window inside the graph
+    ("llama", 12, 40),      # preemption changes the batch between graph steps
+])
+def test_graph_path_matches_stock(family, batch, pages, mode):
+    model = tiny_model(family)
+    prompts = random_prompts(batch, 3, 70, seed=batch)
+    engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=True, page_size=4, num_pages=pages,
+                                          max_batch_tokens=64))
+    outs = engine.generate(prompts, max_new_tokens=16, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 16)
+    assert engine.graphs.num_replays > 0 and len(engine.graphs) > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_graph_buckets():
+    model = tiny_model("llama")
+    engine = Engine(model, BatchingConfig(mode="sync", cuda_graphs=True, max_running_requests=20))
+    prompts = random_prompts(3, 60, 70, seed=1)
+    engine.generate(prompts, max_new_tokens=10)
+    keys = set(engine.graphs._graphs)
+    assert keys <= {GraphKey(4, 64), GraphKey(4, 128)}, keys
+    assert engine.graphs.max_batch == 32
+
+
+def test_sampled_and_processor_steps_stay_eager():
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("llama")
+    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
+    prompts = random_prompts(4, 3, 10, seed=2)
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, top_k=5))
+    assert engine.graphs.num_replays == 0
+    assert len(engine.graphs) == 0
