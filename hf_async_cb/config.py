@@ -25,8 +25,9 @@ class BatchingConfig:
     seed: seed of the device-side random generator used by do_sample.
     attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
     trust_untested_model: run model families outside the tested list (see docs/api.md).
-    cuda_graphs: replay decode steps from CUDA graphs (None: on CUDA devices). On the CPU, True runs
-        the same padded static-buffer path eagerly (for tests).
+    cuda_graphs: replay greedy decode steps from CUDA graphs. None: on CUDA, for the families checked
+        under graphs (models.GRAPH_TESTED_MODEL_TYPES). On the CPU, True runs the same padded
+        static-buffer path eagerly (for tests).
     """
 
     mode: str = "async"
