@@ -73,7 +73,7 @@ def bench(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {', '.join(b.PATHS)}")
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                            max_running_requests=max(args.requests, 1))
+                            max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs)
     report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config)
     print(b.format_table(report))
     if args.json:
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--device", default=None)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay greedy decode steps from CUDA graphs (our paths; default: on)")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)
     return parser

@@ -25,9 +25,9 @@ class BatchingConfig:
     seed: seed of the device-side random generator used by do_sample.
     attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
     trust_untested_model: run model families outside the tested list (see docs/api.md).
-    cuda_graphs: replay greedy decode steps from CUDA graphs. None: on CUDA, for the families checked
-        under graphs (models.GRAPH_TESTED_MODEL_TYPES). On the CPU, True runs the same padded
-        static-buffer path eagerly (for tests).
+    cuda_graphs: replay greedy decode steps from CUDA graphs (off by default until the GPU check of
+        graph == eager tokens has run; see docs/benchmarks.md). On the CPU, True runs the same
+        padded static-buffer path eagerly (for tests).
     """
 
     mode: str = "async"
@@ -40,7 +40,7 @@ class BatchingConfig:
     seed: int | None = None
     attention: str = "auto"
     trust_untested_model: bool = False
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

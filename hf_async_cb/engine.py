@@ -10,7 +10,7 @@ import torch
 from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
-from .models import GRAPH_TESTED_MODEL_TYPES, check_model_supported, has_learned_positions, max_positions
+from .models import check_model_supported, has_learned_positions, max_positions
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
 from .pipeline import Pipeline
@@ -64,8 +64,6 @@ class Engine:
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.config.seed)
         use_graphs = self.config.cuda_graphs
-        if use_graphs is None:  # auto: on CUDA, for the families whose graphs were checked on a GPU
-            use_graphs = self.device.type == "cuda" and model.config.model_type in GRAPH_TESTED_MODEL_TYPES
         self.graphs = DecodeGraphs(self.runner, self.config.max_running_requests,
                                    is_cuda=self.device.type == "cuda") if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s", num_pages, page_size,

@@ -7,11 +7,6 @@ import torch
 # Families whose greedy output is tested token for token against stock generate.
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"})
 
-# Families whose decode steps were checked under CUDA graphs on a GPU (async == sync == eager).
-# GPT-2 is not among them: its capture failed once a chunked prefill had run (cudaErrorStreamCapture-
-# Invalidated); until that is understood it runs eagerly unless BatchingConfig(cuda_graphs=True).
-GRAPH_TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen3"})
-
 # Config attributes that change attention or logits in ways the engine does not implement.
 _UNSUPPORTED_CONFIG = {
     "attn_logit_softcapping": "attention logit softcapping",

@@ -33,7 +33,7 @@ def test_async_equals_sync_on_cuda(family, case):
     prompts = random_prompts(16, 1, 50, seed=3)
     results = {}
     for mode in ("sync", "async"):
-        engine = Engine(model, BatchingConfig(mode=mode, **CASES[case]))
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=family != "gpt2", **CASES[case]))
         results[mode] = [o.output_token_ids for o in engine.generate(prompts, max_new_tokens=24, eos_token_ids=(2,))]
         assert engine.allocator.num_free == engine.allocator.num_pages
     assert results["async"] == results["sync"]
@@ -70,7 +70,7 @@ def test_cuda_fp32_matches_stock_generate():
 def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch):
     model = cuda_model("llama")
     prompts = random_prompts(16, 8, 40, seed=5)
-    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64))
+    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64, cuda_graphs=True))
     engine.generate(prompts, max_new_tokens=32)  # warm-up: allocations, kernels, graph captures
     waits = []
     original = slots_module.Download.tolist
@@ -87,7 +87,7 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch):
 
 def test_no_loop_kernel_on_the_default_stream(tmp_path):
     model = cuda_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async"))
+    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True))
     prompts = random_prompts(8, 8, 30, seed=6)
     engine.generate(prompts, max_new_tokens=4)
     torch.cuda.synchronize()
