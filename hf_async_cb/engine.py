@@ -88,7 +88,7 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], params: SamplingParams, *, logits_processor=None,
-                     stopping_criteria=None, history_prefix: Sequence[int] = ()) -> Request:
+                     stopping_criteria=None, history_prefix: Sequence[int] = (), on_token=None) -> Request:
         """Validate one prompt against the model and the pool; raise ValueError if it cannot run.
 
         logits_processor / stopping_criteria: transformers LogitsProcessorList / StoppingCriteriaList
@@ -110,7 +110,7 @@ class Engine:
                     f"{self.max_positions} learned positions; lower max_new_tokens."
                 )
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                          history_prefix=[int(t) for t in history_prefix])
+                          history_prefix=[int(t) for t in history_prefix], on_token=on_token)
         self.scheduler.check_fits(request)
         return request
 

@@ -17,6 +17,7 @@ import torch
 from .config import BatchingConfig, resolve_mode
 from .engine import Engine
 from .requests import SamplingParams
+from .streaming import LockstepStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,8 @@ _original_generate = None
 
 # generate() arguments the engine does not implement; each must be left at its default.
 _UNSUPPORTED_ARGUMENTS = (
-    "prefix_allowed_tokens_fn", "assistant_model", "streamer", "negative_prompt_ids",
-    "negative_prompt_attention_mask", "custom_generate",
+    "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
 _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
@@ -185,10 +186,18 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     pages_needed = sum(-(-(len(p) + max_new) // page) for p in prompts)
     engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
     slow = processor is not None or criteria is not None
+    streamer = None
+    if arguments.get("streamer") is not None:
+        streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
     requests = [engine.make_request(p, params, logits_processor=processor, stopping_criteria=criteria,
-                                    history_prefix=prefix if slow else ())
+                                    history_prefix=prefix if slow else (),
+                                    on_token=streamer.on_token if streamer else None)
                 for p, prefix in zip(prompts, prefixes)]
+    if streamer is not None:
+        streamer.watch(requests)
     engine.run(requests)
+    if streamer is not None:
+        streamer.end()
     sequences = _pad_outputs(input_ids, [r.output_token_ids for r in requests], pad)
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput

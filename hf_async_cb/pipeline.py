@@ -143,4 +143,6 @@ class Pipeline:
             if req.append_token(token):
                 self.scheduler.finish(req)
                 finished.append(req)
+            if req.on_token is not None:
+                req.on_token(req, token)
         return finished

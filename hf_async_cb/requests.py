@@ -84,6 +84,9 @@ class Request:
     logits_processor: Any = None
     stopping_criteria: Any = None
     history_prefix: list[int] = field(default_factory=list)  # e.g. stock generate's left padding of the row
+    # Called as on_token(request, token) for every token the request emits, after its status is updated;
+    # never for a dropped speculative token.
+    on_token: Any = None
 
     @property
     def num_known_tokens(self) -> int:

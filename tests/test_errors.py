@@ -109,13 +109,14 @@ def test_unsupported_generate_options_are_named(model, kwargs, match):
         gen(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, **kwargs)
 
 
-def test_streamer_is_refused(model):
+def test_text_streamer_refuses_batches_as_in_stock(model):
     class Tok:
         def decode(self, *a, **k):
             return ""
 
-    with pytest.raises(ValueError, match="streamer"):
-        gen(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, streamer=TextStreamer(Tok()))
+    ids, mask = left_pad([[5, 6, 7], [8, 9]])
+    with pytest.raises(ValueError, match="batch size 1"):
+        gen(model, ids, attention_mask=mask, max_new_tokens=3, streamer=TextStreamer(Tok()))
 
 
 def test_right_padding_is_refused(model):
