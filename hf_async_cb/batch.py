@@ -107,7 +107,9 @@ class BatchBuilder:
         layout = padded_layout(query_start, query_lens, context_lens)
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
-        sampling_ints, sampling_floats = SamplingTensors.host_parts(params)
+        # Index of the token each row samples in its request's output (what seeded sampling hashes).
+        token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
+        sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),
                 torch.cat(positions), torch.cat(new_slots), torch.tensor(logits_rows, dtype=torch.long),
                 layout["q_index"], kv_index, layout["out_index"], layout["q_pos"], layout["q_valid"],

@@ -1,7 +1,10 @@
 """Vectorised per-request sampling on the device: greedy rows and sampled rows share one batch.
 
 Sampled rows follow stock transformers' warpers, in its order: temperature, top-k, top-p, then a
-multinomial draw from the softmax.
+draw from the softmax: a multinomial draw from the engine's generator, or, for a request with its
+own seed, a Gumbel-max draw whose noise is a hash of (seed, index of the token in the request's
+output, token id). That noise depends on nothing else, so a seeded request samples the same tokens
+whatever else shares its batches, in sync and async, preempted or not.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ class SamplingTensors:
     temperature: torch.Tensor  # [S] float32
     top_k: torch.Tensor  # [S] int64, 0 = off
     top_p: torch.Tensor  # [S] float32, 1.0 = off
+    seed: torch.Tensor  # [S] int64, -1 = no seed of its own (use the engine's generator)
+    token_index: torch.Tensor  # [S] int64, index of the token being sampled in the request's output
 
     @staticmethod
-    def host_parts(params: Sequence[SamplingParams]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Host tensors (ints, floats) to upload; empty when no row samples."""
         if not any(p.do_sample for p in params):
             return [], []
-        ints = [torch.tensor([p.top_k for p in params], dtype=torch.long)]
+        ints = [
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([-1 if p.seed is None else p.seed for p in params], dtype=torch.long),
+            torch.tensor(list(token_index) if token_index is not None else [0] * len(params), dtype=torch.long),
+        ]
         floats = [
             torch.tensor([float(p.do_sample) for p in params]),
             # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
@@ -39,13 +49,15 @@ class SamplingTensors:
     def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "SamplingTensors | None":
         if not ints:
             return None
-        (top_k,), (do_sample, temperature, top_p) = ints, floats
-        return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        (top_k, seed, token_index), (do_sample, temperature, top_p) = ints, floats
+        return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   token_index=token_index)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], device: torch.device) -> "SamplingTensors | None":
+    def build(cls, params: Sequence[SamplingParams], device: torch.device,
+              token_index: Sequence[int] | None = None) -> "SamplingTensors | None":
         """Direct construction (tests, callers outside the pipeline)."""
-        ints, floats = cls.host_parts(params)
+        ints, floats = cls.host_parts(params, token_index)
         return cls.from_device([t.to(device) for t in ints], [t.to(device) for t in floats])
 
 
@@ -70,4 +82,33 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
     drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
     drawn = sorted_idx.gather(1, drawn_rank).squeeze(1)
+    # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
+    gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
+    seeded_rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
+    seeded = sorted_idx.gather(1, seeded_rank).squeeze(1)
+    drawn = torch.where(params.seed >= 0, seeded, drawn)
     return torch.where(params.do_sample != 0, drawn, greedy)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def hash_uniform(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float64 from a SplitMix64-style mix of three int64 tensors (broadcast).
+
+    A pure function of its inputs, on any device, with no generator state to keep.
+    """
+    x = seed * _GOLDEN + index * _MIX2 + token * _MIX1 + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return (_shift_right(x, 11).double() + 0.5) * 2.0**-53

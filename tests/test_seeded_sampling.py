@@ -1,0 +1,79 @@
+"""Per-request seeds: a seeded request's samples follow stock's distribution and do not depend on
+the other requests sharing its batches, on the loop mode, or on preemption."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+from hf_async_cb.sampling import SamplingTensors, hash_uniform, sample
+from models import random_prompts, tiny_model
+
+
+def test_hash_uniform_is_uniform_and_deterministic():
+    seed = torch.arange(200)[:, None]
+    u = hash_uniform(seed, torch.tensor(3), torch.arange(500)[None])
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.equal(u, hash_uniform(seed, torch.tensor(3), torch.arange(500)[None]))
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    hist = torch.histc(u.float(), bins=10, min=0, max=1) / u.numel()
+    assert (hist - 0.1).abs().max() < 0.01
+    assert not torch.equal(u, hash_uniform(seed, torch.tensor(4), torch.arange(500)[None]))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_seeded_draws_follow_the_stock_distribution(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    vocab, n = 40, 20000
+    logits = torch.randn(1, vocab) * 2
+    target = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        target = TopKLogitsWarper(top_k)(None, target)
+    if top_p < 1.0:
+        target = TopPLogitsWarper(top_p)(None, target)
+    target = target.softmax(-1)[0]
+    params = [SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+              for s in range(n)]
+    tokens = sample(logits.expand(n, vocab).clone(), SamplingTensors.build(params, torch.device("cpu")))
+    empirical = torch.bincount(tokens, minlength=vocab).double() / n
+    assert (empirical[target == 0] == 0).all()
+    # Total variation: E <= 0.5 * sqrt(K / n) ~ 0.022 for K = 40 tokens, n = 20000; 0.04 leaves room.
+    assert 0.5 * (empirical - target.double()).abs().sum() < 0.04
+
+
+def _seeded_outputs(engine, prompts, params):
+    return [o.output_token_ids for o in engine.generate(prompts, params)]
+
+
+def test_seeded_request_ignores_its_batch_mates_mode_and_preemption():
+    model = tiny_model("llama")
+    target_prompt = random_prompts(1, 12, 12, seed=51)[0]
+    target = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.2, top_k=50, seed=1234)
+    alone = _seeded_outputs(Engine(model, BatchingConfig(mode="sync")), [target_prompt], [target])[0]
+    assert len(set(alone)) > 3, "the request should really sample"
+
+    others = random_prompts(7, 1, 40, seed=52)
+    mates = [SamplingParams(max_new_tokens=n, do_sample=i % 2 == 0, seed=i if i % 3 else None, temperature=0.8)
+             for i, n in enumerate([3, 20, 7, 16, 1, 12, 9])]
+    for mode in ("sync", "async"):
+        for config in (BatchingConfig(mode=mode), BatchingConfig(mode=mode, page_size=4, num_pages=30,
+                                                                  max_batch_tokens=16, seed=9)):
+            engine = Engine(model, config)
+            for position in (0, 4):
+                prompts = others[:position] + [target_prompt] + others[position:]
+                params = mates[:position] + [target] + mates[position:]
+                assert _seeded_outputs(engine, prompts, params)[position] == alone
+
+
+def test_different_seeds_differ_and_unseeded_rows_still_sample():
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 8, 8, seed=53)[0]
+    engine = Engine(model, BatchingConfig(mode="async"))
+    params = [SamplingParams(max_new_tokens=12, do_sample=True, temperature=1.5, seed=s) for s in (1, 2)]
+    a, b = _seeded_outputs(engine, [prompt, prompt], params)
+    assert a != b
+
+
+def test_seed_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
