@@ -41,7 +41,7 @@ from .slots import Download, IOSlot
 class InFlight:
     plan: StepPlan
     sample_requests: list[Request]
-    tokens: torch.Tensor  # device tokens, kept alive until the download is done
+    sampled: torch.Tensor  # device [2, S] tokens + log-probabilities, kept alive until downloaded
     download: Download
 
 
@@ -118,29 +118,30 @@ class Pipeline:
             if self.record_step_times:
                 began = self.streams.event(timing=True)
                 began.record()
-            previous_tokens = previous.tokens if previous else None
+            previous_tokens = previous.sampled[0] if previous else None
             if key is not None:
-                tokens = self.graphs.step(key, inputs, previous_tokens)
+                sampled = self.graphs.step(key, inputs, previous_tokens)
             else:
-                tokens = self.runner.step(inputs, previous_tokens)
+                sampled = self.runner.step(inputs, previous_tokens)
             computed.record()
             if self.record_step_times:
                 ended = self.streams.event(timing=True)
                 ended.record()
                 decode_only = all(c.num_tokens == 1 for c in plan.chunks)
                 self.step_times.append((decode_only, began, ended))
-        self.in_flight.append(InFlight(plan, inputs.sample_requests, tokens, slot.download(tokens, computed)))
+        self.in_flight.append(InFlight(plan, inputs.sample_requests, sampled, slot.download(sampled, computed)))
         self.num_steps += 1
         return True
 
     def _complete(self, flight: InFlight) -> list[Request]:
         finished = []
-        for req, token in zip(flight.sample_requests, flight.download.tolist()):
+        tokens, logprobs = flight.download.tolist()
+        for req, token, logprob in zip(flight.sample_requests, tokens, logprobs):
             req.num_pending -= 1
             if req.is_finished:
                 self.num_discarded += 1  # it ended in the step before; this token was speculative
                 continue
-            if req.append_token(token):
+            if req.append_token(token, logprob):
                 self.scheduler.finish(req)
                 finished.append(req)
             if req.on_token is not None:

@@ -77,6 +77,7 @@ class Request:
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0
@@ -127,9 +128,10 @@ class Request:
         """What logits processors and stopping criteria see: the row as stock generate holds it."""
         return self.history_prefix + self.prompt_token_ids + self.output_token_ids
 
-    def append_token(self, token: int) -> bool:
+    def append_token(self, token: int, logprob: float = float("nan")) -> bool:
         """Record a sampled token; return True when it ends the request (EOS, length or a criterion)."""
         self.output_token_ids.append(token)
+        self.output_logprobs.append(logprob)
         if token in self.params.eos_token_ids:
             self.finish_reason = FinishReason.EOS
         elif len(self.output_token_ids) >= self.params.max_new_tokens:
@@ -146,6 +148,7 @@ class Request:
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
             output_token_ids=list(self.output_token_ids),
+            logprobs=list(self.output_logprobs),
             finish_reason=self.finish_reason,
             num_preemptions=self.num_preemptions,
         )
@@ -158,6 +161,7 @@ class RequestOutput:
     output_token_ids: list[int]
     finish_reason: FinishReason | None
     num_preemptions: int = 0
+    logprobs: list[float] = field(default_factory=list)  # of each output token, under the distribution it was drawn from
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 from . import attention
 from .batch import StepInputs
 from .kv_cache import PagedKVCache
-from .sampling import sample
+from .sampling import pack, sample
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -66,7 +66,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Carry-over, forward and sampling, all on the device; returns sampled token ids [S].
+        """Carry-over, forward and sampling, all on the device; returns the packed [2, S] tokens and
+        log-probabilities (sampling.pack).
 
         Tokens the CPU did not know when it built the step are gathered first from the sampled
         tokens of the previous step (`previous_tokens`), which the device already has.
@@ -81,4 +82,4 @@ class ModelRunner:
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1]])
             logits[row] = processor(history[None], logits[row : row + 1])[0]
-        return sample(logits, inputs.sampling, self.generator)
+        return pack(*sample(logits, inputs.sampling, self.generator))

@@ -62,11 +62,16 @@ class SamplingTensors:
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [S, V] float32 -> token ids [S] int64."""
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 -> (token ids [S] int64, their log-probabilities [S] float32).
+
+    A log-probability is taken under the distribution the token was drawn from: the logits for
+    greedy rows, the temperature/top-k/top-p-filtered distribution for sampled rows.
+    """
     greedy = logits.argmax(dim=-1)
+    greedy_logprob = logits.log_softmax(dim=-1).gather(1, greedy[:, None]).squeeze(1)
     if params is None or logits.shape[0] == 0:
-        return greedy
+        return greedy, greedy_logprob
     scores = logits / params.temperature[:, None]
     vocab = scores.shape[-1]
     sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
@@ -81,13 +86,19 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     remove_sorted[:, 0] = False
     sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
     drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
-    drawn = sorted_idx.gather(1, drawn_rank).squeeze(1)
     # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
     gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
     seeded_rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
-    seeded = sorted_idx.gather(1, seeded_rank).squeeze(1)
-    drawn = torch.where(params.seed >= 0, seeded, drawn)
-    return torch.where(params.do_sample != 0, drawn, greedy)
+    rank = torch.where(params.seed[:, None] >= 0, seeded_rank, drawn_rank)
+    drawn = sorted_idx.gather(1, rank).squeeze(1)
+    drawn_logprob = sorted_scores.log_softmax(dim=-1).gather(1, rank).squeeze(1)
+    sampled = params.do_sample != 0
+    return torch.where(sampled, drawn, greedy), torch.where(sampled, drawn_logprob, greedy_logprob)
+
+
+def pack(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """[2, S] int64: tokens, then the float64 bits of their log-probabilities (one D2H copy for both)."""
+    return torch.stack([tokens, logprobs.double().view(torch.int64)])
 
 
 def _signed(c: int) -> int:

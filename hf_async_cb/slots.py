@@ -46,14 +46,14 @@ class _Staging:
 
 @dataclass
 class Download:
-    """Sampled tokens of one step on their way to the host."""
+    """Sampled tokens (and their log-probabilities) of one step on their way to the host."""
 
-    host: torch.Tensor  # pinned [S]
+    host: torch.Tensor  # pinned [2, S] int64, as sampling.pack lays it out
     done: object  # event recorded on the D2H stream after the copy
 
-    def tolist(self) -> list[int]:
+    def tolist(self) -> tuple[list[int], list[float]]:
         self.done.synchronize()  # the one place the CPU blocks in a step
-        return self.host.tolist()
+        return self.host[0].tolist(), self.host[1].view(torch.float64).tolist()
 
 
 class IOSlot:
@@ -72,15 +72,15 @@ class IOSlot:
             self.uploaded.record()
         return dev_ints, dev_floats
 
-    def download(self, tokens: torch.Tensor, computed) -> Download:
-        """Copy sampled tokens down on the D2H stream once `computed` (an event) has fired."""
-        n = tokens.numel()
+    def download(self, sampled: torch.Tensor, computed) -> Download:
+        """Copy a step's packed [2, S] output down on the D2H stream once `computed` has fired."""
+        n = sampled.numel()
         if n > self._tokens.numel():
             self._tokens = self.streams.pin(torch.empty(max(n, 2 * self._tokens.numel()), dtype=torch.int64))
-        host = self._tokens[:n]
+        host = self._tokens[:n].view(sampled.shape)
         done = self.streams.event()
         with self.streams.on(self.streams.d2h):
             computed.wait()
-            host.copy_(tokens, non_blocking=True)
+            host.copy_(sampled, non_blocking=True)
             done.record()
         return Download(host, done)

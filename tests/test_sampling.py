@@ -23,7 +23,12 @@ from transformers.generation.logits_process import (
 )
 
 from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampling import SamplingTensors, sample
+from hf_async_cb.sampling import SamplingTensors, sample as sample_with_logprobs
+
+
+def sample(*args, **kwargs):
+    """The sampled tokens alone."""
+    return sample_with_logprobs(*args, **kwargs)[0]
 
 CPU = torch.device("cpu")
 VOCAB = 50

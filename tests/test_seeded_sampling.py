@@ -6,7 +6,12 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from hf_async_cb.sampling import SamplingTensors, hash_uniform, sample
+from hf_async_cb.sampling import SamplingTensors, hash_uniform, sample as sample_with_logprobs
+
+
+def sample(*args, **kwargs):
+    """The sampled tokens alone."""
+    return sample_with_logprobs(*args, **kwargs)[0]
 from models import random_prompts, tiny_model
 
 
@@ -77,3 +82,34 @@ def test_different_seeds_differ_and_unseeded_rows_still_sample():
 def test_seed_must_be_a_non_negative_integer():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-1)
+
+
+def test_logprobs_are_those_of_the_drawing_distribution():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 30)
+    params = [SamplingParams(), SamplingParams(do_sample=True, temperature=0.5, top_k=4, seed=3),
+              SamplingParams(do_sample=True, top_p=0.5, seed=4)]
+    tokens, logprobs = sample_with_logprobs(logits, SamplingTensors.build(params, torch.device("cpu")))
+    assert logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[tokens[0]].item(), abs=1e-6)
+    warped = TopKLogitsWarper(4)(None, TemperatureLogitsWarper(0.5)(None, logits[1:2].clone()))
+    assert logprobs[1] == pytest.approx(warped.log_softmax(-1)[0, tokens[1]].item(), abs=1e-5)
+    nucleus = TopPLogitsWarper(0.5)(None, logits[2:3].clone())
+    assert logprobs[2] == pytest.approx(nucleus.log_softmax(-1)[0, tokens[2]].item(), abs=1e-5)
+
+
+def test_engine_outputs_carry_logprobs_in_both_modes():
+    model = tiny_model("qwen2")
+    prompts = random_prompts(5, 2, 20, seed=54)
+    results = []
+    for mode in ("sync", "async"):
+        outs = Engine(model, BatchingConfig(mode=mode)).generate(prompts, max_new_tokens=8)
+        for o in outs:
+            assert len(o.logprobs) == len(o.output_token_ids)
+            assert all(lp <= 0 for lp in o.logprobs)
+        results.append([o.logprobs for o in outs])
+    # Greedy logprobs are the model's own: recompute the first one with a plain forward.
+    with torch.no_grad():
+        first = model(torch.tensor([prompts[0]])).logits[0, -1].log_softmax(-1).max().item()
+    assert results[0][0][0] == pytest.approx(first, abs=1e-4)
+    for sync_row, async_row in zip(*results):
+        assert sync_row == pytest.approx(async_row, abs=1e-5)
