@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -20,6 +21,13 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def copy_params(params: SamplingParams, copy: int) -> SamplingParams:
+    """The parameters of copy `copy` of a request: its own seed, so that seeded copies differ."""
+    if copy == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed * 1_000_003 + copy) % (1 << 62))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -122,6 +130,7 @@ class Engine:
         mode: str | None = None,
         logits_processor=None,
         stopping_criteria=None,
+        num_return_sequences: int = 1,
         **param_kwargs,
     ) -> list[RequestOutput]:
         """Generate for every prompt (lists of token ids); outputs come back in prompt order.
@@ -129,6 +138,8 @@ class Engine:
         `params` is one SamplingParams for all, one per prompt, or built from keyword arguments
         (max_new_tokens=..., do_sample=..., eos_token_ids=...). `logits_processor` and
         `stopping_criteria` (transformers lists) apply to every request, each on its own history.
+        `num_return_sequences` copies of each prompt come back next to each other (as stock orders
+        them); the copies share the first copy's cached prompt pages instead of recomputing them.
         """
         prompts = as_token_lists(prompts)
         if params is None:
@@ -138,8 +149,18 @@ class Engine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
-        requests = [self.make_request(p, sp, logits_processor=logits_processor, stopping_criteria=stopping_criteria)
-                    for p, sp in zip(prompts, per_prompt)]
+        if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
+                or num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
+        requests = []
+        for p, sp in zip(prompts, per_prompt):
+            leader = None
+            for copy in range(num_return_sequences):
+                req = self.make_request(p, copy_params(sp, copy), logits_processor=logits_processor,
+                                        stopping_criteria=stopping_criteria)
+                req.share_from = leader
+                leader = leader or req
+                requests.append(req)
         self.run(requests, mode)
         return [r.to_output() for r in requests]
 

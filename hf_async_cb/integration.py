@@ -49,7 +49,7 @@ _UNSUPPORTED_GENERATION_OPTIONS = (
     ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
     ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
     ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
-    ("watermarking_config", (None,)), ("num_return_sequences", (None, 1)), ("output_scores", (None, False)),
+    ("watermarking_config", (None,)), ("output_scores", (None, False)),
     ("output_logits", (None, False)), ("output_attentions", (None, False)),
     ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
     ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
@@ -183,8 +183,16 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     if not isinstance(config, BatchingConfig):
         raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
     page = config.page_size
-    pages_needed = sum(-(-(len(p) + max_new) // page) for p in prompts)
+    pages_needed = sum(-(-(len(p) + max_new) // page) for p in prompts) * (gc.num_return_sequences or 1)
     engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
+    copies = gc.num_return_sequences or 1
+    if copies > 1:
+        if not gc.do_sample:
+            raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
+                             "as in stock generate.")
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        prompts = [p for p in prompts for _ in range(copies)]
+        prefixes = [p for p in prefixes for _ in range(copies)]
     slow = processor is not None or criteria is not None
     streamer = None
     if arguments.get("streamer") is not None:
@@ -193,6 +201,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
                                     history_prefix=prefix if slow else (),
                                     on_token=streamer.on_token if streamer else None)
                 for p, prefix in zip(prompts, prefixes)]
+    for i, req in enumerate(requests):
+        if i % copies:
+            req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
     if streamer is not None:
         streamer.watch(requests)
     engine.run(requests)

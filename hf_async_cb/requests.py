@@ -92,6 +92,9 @@ class Request:
     # Called as on_token(request, token) for every token the request emits, after its status is updated;
     # never for a dropped speculative token.
     on_token: Any = None
+    # A copy of another request's prompt (num_return_sequences): it starts from that request's
+    # cached prompt pages when they are still there.
+    share_from: "Request | None" = None
 
     @property
     def num_known_tokens(self) -> int:

@@ -49,6 +49,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_shared_tokens = 0  # prompt tokens copies took from their leader instead of recomputing
 
     # -- queue -----------------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -97,14 +98,20 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
+        deferred: list[Request] = []
         while (budget > 0 and self.waiting and not preempted
                and len(self.running) < self.max_running_requests):
             req = self.waiting[0]
             if not req.wants_more_tokens:
                 break  # preempted with its last token in flight: it finishes when that token lands
+            if self._waits_for_leader(req):
+                deferred.append(self.waiting.popleft())  # admitted once its leader's prompt is cached
+                continue
+            self._attach_shared_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             needed = self._pages_needed(req, n)
             if needed > self.allocator.num_free:
+                self._detach_shared_prefix(req)
                 break
             self.waiting.popleft()
             req.pages.extend(self.allocator.allocate(needed))
@@ -112,7 +119,37 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return StepPlan(chunks, preempted)
+
+    # -- prompt sharing (num_return_sequences) --------------------------------------------------
+    def _shared_length(self, req: Request) -> int:
+        """Tokens of the prompt a copy can take from its leader: its full pages, the last token excluded
+        (each copy feeds that one itself, to sample its own first token)."""
+        return (len(req.prompt_token_ids) - 1) // self.page_size * self.page_size
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        leader = req.share_from
+        return (leader is not None and req.num_computed == 0 and leader.status is RequestStatus.RUNNING
+                and leader.num_computed < self._shared_length(req))
+
+    def _attach_shared_prefix(self, req: Request) -> None:
+        """Start a copy from its leader's cached prompt pages, if they are still there."""
+        leader, length = req.share_from, self._shared_length(req)
+        if (leader is None or req.num_computed or length == 0 or leader.status is not RequestStatus.RUNNING
+                or leader.num_computed < length):
+            return
+        req.pages = leader.pages[: length // self.page_size]
+        self.allocator.share(req.pages)
+        req.num_computed = length
+        self.num_shared_tokens += length
+
+    def _detach_shared_prefix(self, req: Request) -> None:
+        if req.pages:
+            self.num_shared_tokens -= req.num_computed
+            self.allocator.free(req.pages)
+            req.pages = []
+            req.num_computed = 0
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
