@@ -11,6 +11,7 @@ import torch
 from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
+from .online import BackgroundLoop, RequestHandle
 from .models import check_model_supported, has_learned_positions, max_positions
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
@@ -45,10 +46,12 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None,
-                 max_pages_needed: int | None = None) -> None:
+                 max_pages_needed: int | None = None, tokenizer=None) -> None:
         """`max_pages_needed`: when the whole workload is known (generate), a pool sized from memory
         is capped at what it can use, so that a small call does not claim half the GPU."""
         self.config = config if config is not None else BatchingConfig()
+        self.tokenizer = tokenizer  # lets add_request take text
+        self._background: BackgroundLoop | None = None
         self.config.validate()
         check_model_supported(model, self.config.trust_untested_model)
         self.model = model
@@ -166,6 +169,8 @@ class Engine:
 
     def run(self, requests: list[Request], mode: str | None = None) -> None:
         """Drive the loop until every request in `requests` has finished."""
+        if self._background is not None:
+            raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
         loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
         remaining = {id(r) for r in requests}
         with self.runner.prepared():
@@ -184,6 +189,45 @@ class Engine:
                         r.finish_reason = FinishReason.ABORTED
                     r.num_pending = 0
                 raise
+
+    # -- online API ---------------------------------------------------------------------------
+    def start(self, mode: str | None = None) -> None:
+        """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
+        if self._background is not None:
+            raise RuntimeError("the engine's background loop is already running.")
+        self._background = BackgroundLoop(self, resolve_mode(mode or self.config.mode) or self.config.mode)
+        self._background.start()
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
+                    stopping_criteria=None, **param_kwargs) -> RequestHandle:
+        """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle."""
+        if self._background is None:
+            raise RuntimeError("start() the engine before add_request().")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs Engine(..., tokenizer=...); or pass token ids.")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if params is None:
+            params = SamplingParams(**param_kwargs)
+        handle = RequestHandle(self.make_request(prompt, params, logits_processor=logits_processor,
+                                                 stopping_criteria=stopping_criteria))
+        self._background.submit(handle)
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a request; it ends with FinishReason.ABORTED and the tokens it had."""
+        if self._background is not None:
+            self._background.abort(handle)
+
+    def shutdown(self, cancel: bool = False, timeout: float | None = 60.0) -> None:
+        """Stop the background loop: cancel=True aborts what is queued or running, else it finishes
+        first. Waits at most `timeout` seconds; raises TimeoutError if the loop is still busy then."""
+        if self._background is None:
+            return
+        background = self._background
+        if not background.stop(cancel, timeout):
+            raise TimeoutError(f"the engine's loop did not stop within {timeout} s")
+        self._background = None
 
     def pipeline(self, mode: str) -> Pipeline:
         """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""

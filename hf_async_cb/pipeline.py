@@ -66,10 +66,11 @@ class Pipeline:
         the requests that finished."""
         launched = self._launch()
         keep = 1 if (self.overlap and launched) else 0
+        completed = len(self.in_flight) > keep
         finished: list[Request] = []
         while len(self.in_flight) > keep:
             finished.extend(self._complete(self.in_flight.popleft()))
-        if not launched and not finished and self.scheduler.has_work:
+        if not launched and not completed and self.scheduler.has_work:
             raise RuntimeError(
                 "the scheduler made no progress: no request fits in the KV pool "
                 f"({self.scheduler.allocator.num_free}/{self.scheduler.allocator.num_pages} pages free)"

@@ -1,0 +1,179 @@
+"""The online API: a background thread runs the loop; requests come and go while it runs.
+
+    engine.start()
+    handle = engine.add_request([1, 2, 3], max_new_tokens=32)     # or text, with a tokenizer
+    for token in handle: ...                                       # blocking stream
+    async for token in handle.astream(): ...                       # asyncio stream
+    handle.result(timeout=10)                                      # the RequestOutput
+    engine.abort(handle)
+    engine.shutdown()                                              # bounded; queued requests end ABORTED
+
+Requests join the running batches at the next step. Aborts and new requests are applied by the
+loop thread between steps; a request aborted while a step computing it is in flight simply has
+that token dropped. An exception inside a step fails the requests that were active (each handle
+re-raises it), and the loop goes on serving new ones. While the loop runs, the model's attention
+is routed to the engine: do not run the model elsewhere meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+from .requests import FinishReason, Request, RequestOutput, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class RequestHandle:
+    """A request submitted to the background loop."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.error: BaseException | None = None
+        self._tokens: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._abort = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # called on the loop thread
+    def _on_token(self, request: Request, token: int) -> None:
+        self._tokens.put(token)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+        self._tokens.put(_END)
+
+    # called by users
+    def __iter__(self):
+        while True:
+            item = self._tokens.get()
+            if item is _END:
+                if self.error is not None:
+                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+                return
+            yield item
+
+    async def astream(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await loop.run_in_executor(None, self._tokens.get)
+            if item is _END:
+                if self.error is not None:
+                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+        return self.request.to_output()
+
+
+class BackgroundLoop:
+    def __init__(self, engine, mode: str) -> None:
+        self.engine = engine
+        self.pipeline = engine.pipeline(mode)
+        self._intake: queue.Queue[RequestHandle] = queue.Queue()
+        self._active: dict[int, RequestHandle] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._cancel = False
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="hf_async_cb-loop", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
+            handle.request.on_token = handle._on_token
+            self._intake.put(handle)
+        self._wake.set()
+
+    def abort(self, handle: RequestHandle) -> None:
+        handle._abort = True
+        self._wake.set()
+
+    def stop(self, cancel: bool, timeout: float | None) -> bool:
+        with self._lock:
+            self._stopping = True
+            self._cancel = cancel
+        self._wake.set()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    # -- the loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        scheduler = self.engine.scheduler
+        with self.engine.runner.prepared():
+            while True:
+                self._admit()
+                self._apply_aborts(cancel_all=self._cancel)
+                busy = scheduler.has_work or bool(self.pipeline.in_flight)
+                if not busy:
+                    if self._stopping and self._intake.empty():
+                        break
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                try:
+                    finished = self.pipeline.step()
+                except BaseException as error:  # noqa: BLE001 - reported to every affected caller
+                    logger.exception("a step failed; failing its requests")
+                    self.pipeline.abandon()
+                    self._fail_active(error)
+                    continue
+                for req in finished:
+                    handle = self._active.pop(id(req), None)
+                    if handle is not None:
+                        handle._finish()
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                handle = self._intake.get_nowait()
+            except queue.Empty:
+                return
+            self._active[id(handle.request)] = handle
+            try:
+                self.engine.scheduler.add(handle.request)
+            except ValueError as error:
+                self._active.pop(id(handle.request))
+                handle._finish(error)
+
+    def _apply_aborts(self, cancel_all: bool) -> None:
+        for key, handle in list(self._active.items()):
+            if handle._abort or cancel_all:
+                req = handle.request
+                if not req.is_finished:
+                    self.engine.scheduler.finish(req, RequestStatus.ABORTED)
+                    req.finish_reason = FinishReason.ABORTED
+                del self._active[key]
+                handle._finish()
+
+    def _fail_active(self, error: BaseException) -> None:
+        for handle in self._active.values():
+            req = handle.request
+            if not req.is_finished:
+                self.engine.scheduler.finish(req, RequestStatus.ABORTED)
+                req.finish_reason = FinishReason.ABORTED
+            req.num_pending = 0
+            handle._finish(error)
+        self._active.clear()

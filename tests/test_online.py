@@ -1,0 +1,145 @@
+"""The online API: concurrent producers, streaming (iterator and asyncio), aborts, faults, shutdown.
+
+While its loop runs, an engine owns its model's attention routing, so the stock oracle runs on
+the shared tiny model and each engine on a copy of it."""
+
+import asyncio
+import copy
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
+from models import generated_rows, random_prompts, stock_generate, tiny_model
+
+
+def stock_rows(prompts, new):
+    return generated_rows(stock_generate(tiny_model("llama"), prompts, max_new_tokens=new, eos_token_id=[2],
+                                         pad_token_id=0), max(map(len, prompts)), pad=0, eos=(2,))
+
+
+def own_model(family="llama"):
+    return copy.deepcopy(tiny_model(family))
+
+
+@pytest.fixture(params=["sync", "async"])
+def engine(request):
+    engine = Engine(own_model(), BatchingConfig(mode=request.param, max_batch_tokens=48))
+    engine.start()
+    yield engine
+    engine.shutdown(cancel=True, timeout=30)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_concurrent_producers_get_stock_tokens(engine):
+    prompts = random_prompts(24, 1, 40, seed=71)
+    expected = stock_rows(prompts, 10)
+    handles = [None] * len(prompts)
+
+    def produce(indices):
+        for i in indices:
+            handles[i] = engine.add_request(prompts[i], max_new_tokens=10, eos_token_ids=(2,))
+
+    threads = [threading.Thread(target=produce, args=(range(k, len(prompts), 4),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    results = [h.result(timeout=60).output_token_ids for h in handles]
+    assert results == expected
+
+
+def test_streams_match_results(engine):
+    prompts = random_prompts(3, 5, 20, seed=72)
+    handles = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+    streamed = [list(h) for h in handles[:2]]
+
+    async def consume(handle):
+        return [tok async for tok in handle.astream()]
+
+    streamed.append(asyncio.run(consume(handles[2])))
+    assert streamed == [h.result(timeout=30).output_token_ids for h in handles]
+
+
+def test_abort_mid_flight_keeps_the_others(engine):
+    long = engine.add_request(random_prompts(1, 10, 10, seed=73)[0], max_new_tokens=400)
+    short_prompts = random_prompts(4, 3, 12, seed=74)
+    shorts = [engine.add_request(p, max_new_tokens=8, eos_token_ids=(2,)) for p in short_prompts]
+    seen = []
+    for token in long:
+        seen.append(token)
+        if len(seen) == 3:
+            engine.abort(long)
+    out = long.result(timeout=30)
+    assert out.finish_reason is FinishReason.ABORTED
+    assert 3 <= len(out.output_token_ids) < 400 and out.output_token_ids == seen
+    assert [h.result(timeout=30).output_token_ids for h in shorts] == stock_rows(short_prompts, 8)
+
+
+class Explodes(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > 9:
+            raise ValueError("processor exploded")
+        return scores
+
+
+def test_a_fault_reaches_its_caller_and_the_loop_keeps_serving(engine):
+    prompt = random_prompts(1, 6, 6, seed=75)[0]
+    bad = engine.add_request(prompt, max_new_tokens=20, logits_processor=LogitsProcessorList([Explodes()]))
+    with pytest.raises(RuntimeError, match="processor exploded"):
+        bad.result(timeout=30)
+    good = engine.add_request(prompt, max_new_tokens=5, eos_token_ids=(2,))
+    assert good.result(timeout=30).output_token_ids == stock_rows([prompt], 5)[0]
+
+
+def test_shutdown_with_queued_requests_loses_none():
+    engine = Engine(own_model(), BatchingConfig(mode="async", max_running_requests=2))
+    engine.start()
+    handles = [engine.add_request(p, max_new_tokens=50) for p in random_prompts(10, 5, 30, seed=76)]
+    engine.shutdown(cancel=True, timeout=30)
+    outs = [h.result(timeout=1) for h in handles]
+    assert all(o.finish_reason in (FinishReason.ABORTED, FinishReason.LENGTH, FinishReason.EOS) for o in outs)
+    assert any(o.finish_reason is FinishReason.ABORTED for o in outs)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    with pytest.raises(RuntimeError, match="start"):
+        engine.add_request([5, 6], max_new_tokens=2)
+    # A graceful shutdown finishes what was accepted.
+    engine.start()
+    handles = [engine.add_request(p, max_new_tokens=6) for p in random_prompts(5, 5, 30, seed=77)]
+    engine.shutdown(timeout=30)
+    assert all(len(h.result(timeout=1).output_token_ids) == 6 for h in handles)
+
+
+def test_misuse_is_refused():
+    model = own_model()
+    engine = Engine(model, BatchingConfig(mode="sync"))
+    with pytest.raises(RuntimeError, match="start"):
+        engine.add_request([5, 6])
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="background loop"):
+            engine.generate([[5, 6]], max_new_tokens=2)
+        with pytest.raises(ValueError, match="tokenizer"):
+            engine.add_request("hello")
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.add_request([5, 100_000])
+    finally:
+        engine.shutdown(timeout=10)
+    assert model.config._attn_implementation != "hf_async_cb_paged"
+
+
+def test_text_prompts_with_a_tokenizer():
+    class Tok:
+        def __call__(self, text):
+            return {"input_ids": [3 + (ord(c) % 200) for c in text]}
+
+    engine = Engine(own_model("gpt2"), BatchingConfig(mode="async"), tokenizer=Tok())
+    engine.start()
+    try:
+        out = engine.add_request("hello world", SamplingParams(max_new_tokens=4)).result(timeout=30)
+    finally:
+        engine.shutdown(timeout=10)
+    assert out.prompt_token_ids == Tok()("hello world")["input_ids"] and len(out.output_token_ids) == 4
+    assert torch.is_tensor(torch.tensor(out.output_token_ids))
