@@ -8,7 +8,7 @@ sampled tokens; the runner gathers it on the device before the forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class StepInputs:
     sample_requests: list[Request]  # row r of the sampled tokens belongs to sample_requests[r]
     # Slow path: (row, processor, host history, row of its last token in the previous step or -1).
     processor_rows: list[tuple[int, object, torch.Tensor, int]]
+    # Slow path: rows whose raw logits and processed scores go back to the host (output_scores/logits).
+    keep_rows: list[int] = field(default_factory=list)
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
 
 
 class BatchBuilder:
@@ -131,4 +134,5 @@ class BatchBuilder:
             sampling=SamplingTensors.from_device(dev_sampling_ints, floats),
             sample_requests=sample_requests,
             processor_rows=processor_rows,
+            keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
         )

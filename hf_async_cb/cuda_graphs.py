@@ -112,7 +112,8 @@ class DecodeGraphs:
             return None
         for c in chunks:
             r = c.request
-            if c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None:
+            if (c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None
+                    or r.keep_scores):
                 return None
         context = max(c.start + 1 for c in chunks)
         return GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))

@@ -49,8 +49,7 @@ _UNSUPPORTED_GENERATION_OPTIONS = (
     ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
     ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
     ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
-    ("watermarking_config", (None,)), ("output_scores", (None, False)),
-    ("output_logits", (None, False)), ("output_attentions", (None, False)),
+    ("watermarking_config", (None,)), ("output_attentions", (None, False)),
     ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
     ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
 )
@@ -197,11 +196,14 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     streamer = None
     if arguments.get("streamer") is not None:
         streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
-    requests = [engine.make_request(p, params, logits_processor=processor, stopping_criteria=criteria,
-                                    history_prefix=prefix if slow else (),
+    row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
+    requests = [engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
+                                    stopping_criteria=criteria, history_prefix=prefix if slow else (),
                                     on_token=streamer.on_token if streamer else None)
-                for p, prefix in zip(prompts, prefixes)]
+                for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
+    keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
     for i, req in enumerate(requests):
+        req.keep_scores = keep
         if i % copies:
             req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
     if streamer is not None:
@@ -213,8 +215,24 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        steps = sequences.shape[1] - input_ids.shape[1]
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=_per_step([r.output_scores for r in requests], steps) if gc.output_scores else None,
+            logits=_per_step([r.output_logits for r in requests], steps) if gc.output_logits else None,
+        )
     return sequences
+
+
+def _per_step(rows: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...]:
+    """Per-request lists of [V] tensors -> stock's tuple of [batch, V] per step. Steps after a row
+    finished hold NaN (stock computes values there from pad inputs; nobody should read them)."""
+    vocab = next(len(r[0]) for r in rows if r)
+    out = []
+    for t in range(steps):
+        filler = torch.full((vocab,), float("nan"))
+        out.append(torch.stack([r[t] if t < len(r) else filler for r in rows]))
+    return tuple(out)
 
 
 def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor) -> int:
@@ -232,7 +250,8 @@ def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch
 
 
 def _slow_path(model, gc, input_ids: torch.Tensor, arguments: dict, tokenizer):
-    """Stock generate's own logits processors and stopping criteria for this call, or None.
+    """Stock generate's own logits processors (a factory: row mask -> list) and stopping criteria for
+    this call, or None.
 
     They are built exactly as stock builds them (same GenerationConfig, same padded input length)
     and applied to each request's row as stock holds it (its left padding included), so that
@@ -252,10 +271,14 @@ def _slow_path(model, gc, input_ids: torch.Tensor, arguments: dict, tokenizer):
     model._prepare_special_tokens(gc, True, device=input_ids.device)
     processor = criteria = None
     if use_processors:
-        processor = model._get_logits_processor(
-            generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-            logits_processor=user_processors or LogitsProcessorList(), device=input_ids.device, model_kwargs={},
-        )
+        # One list per row, built with that row's attention mask: some processors read the mask (e.g.
+        # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
+        def processor(row_mask: torch.Tensor):
+            return model._get_logits_processor(
+                generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+                logits_processor=user_processors or LogitsProcessorList(), device=input_ids.device,
+                model_kwargs={"attention_mask": row_mask[None]},
+            )
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history (correct, but slower than the built-in sampling options).")
     if use_criteria:

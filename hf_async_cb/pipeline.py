@@ -43,6 +43,8 @@ class InFlight:
     sample_requests: list[Request]
     sampled: torch.Tensor  # device [2, S] tokens + log-probabilities, kept alive until downloaded
     download: Download
+    keep_rows: list[int]
+    kept: tuple[torch.Tensor, torch.Tensor] | None  # device (raw logits, processed scores) of keep_rows
 
 
 class Pipeline:
@@ -130,13 +132,22 @@ class Pipeline:
                 ended.record()
                 decode_only = all(c.num_tokens == 1 for c in plan.chunks)
                 self.step_times.append((decode_only, began, ended))
-        self.in_flight.append(InFlight(plan, inputs.sample_requests, sampled, slot.download(sampled, computed)))
+        self.in_flight.append(InFlight(plan, inputs.sample_requests, sampled, slot.download(sampled, computed),
+                                       inputs.keep_rows, inputs.kept))
         self.num_steps += 1
         return True
 
     def _complete(self, flight: InFlight) -> list[Request]:
         finished = []
         tokens, logprobs = flight.download.tolist()
+        if flight.kept is not None:
+            with self.streams.on(self.streams.d2h):  # after the step's compute: the event above fired
+                raw, processed = (t.cpu() for t in flight.kept)
+            for i, row in enumerate(flight.keep_rows):
+                req = flight.sample_requests[row]
+                if not req.is_finished:
+                    req.output_logits.append(raw[i])
+                    req.output_scores.append(processed[i])
         for req, token, logprob in zip(flight.sample_requests, tokens, logprobs):
             req.num_pending -= 1
             if req.is_finished:

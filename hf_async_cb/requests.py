@@ -95,6 +95,10 @@ class Request:
     # A copy of another request's prompt (num_return_sequences): it starts from that request's
     # cached prompt pages when they are still there.
     share_from: "Request | None" = None
+    # Slow path: keep each step's raw logits and processed scores (generate's output_logits/scores).
+    keep_scores: bool = False
+    output_scores: list = field(default_factory=list)  # CPU [V] float32 per output token
+    output_logits: list = field(default_factory=list)
 
     @property
     def num_known_tokens(self) -> int:

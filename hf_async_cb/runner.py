@@ -11,7 +11,7 @@ import torch
 from . import attention
 from .batch import StepInputs
 from .kv_cache import PagedKVCache
-from .sampling import pack, sample
+from .sampling import pack, processed_scores, sample
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -76,10 +76,18 @@ class ModelRunner:
             carried = previous_tokens[inputs.carry_src.clamp(min=0)]
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
+        raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
         for row, processor, history, pending_row in inputs.processor_rows:
             # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1]])
             logits[row] = processor(history[None], logits[row : row + 1])[0]
+        if inputs.keep_rows:
+            # The slow path: output_scores / output_logits (rows kept on the device, read after the step).
+            rows = inputs.keep_rows
+            sampling = inputs.sampling
+            if sampling is not None:
+                sampling = type(sampling)(**{k: v[rows] for k, v in vars(sampling).items()})
+            inputs.kept = (raw, processed_scores(logits[rows], sampling))
         return pack(*sample(logits, inputs.sampling, self.generator))

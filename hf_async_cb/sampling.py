@@ -72,6 +72,20 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     greedy_logprob = logits.log_softmax(dim=-1).gather(1, greedy[:, None]).squeeze(1)
     if params is None or logits.shape[0] == 0:
         return greedy, greedy_logprob
+    sorted_scores, sorted_idx = _warp_sorted(logits, params)
+    drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
+    # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
+    gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
+    seeded_rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
+    rank = torch.where(params.seed[:, None] >= 0, seeded_rank, drawn_rank)
+    drawn = sorted_idx.gather(1, rank).squeeze(1)
+    drawn_logprob = sorted_scores.log_softmax(dim=-1).gather(1, rank).squeeze(1)
+    sampled = params.do_sample != 0
+    return torch.where(sampled, drawn, greedy), torch.where(sampled, drawn_logprob, greedy_logprob)
+
+
+def _warp_sorted(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p (stock's order), on the scores sorted in descending order."""
     scores = logits / params.temperature[:, None]
     vocab = scores.shape[-1]
     sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
@@ -84,16 +98,17 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     remove_sorted = mass_before >= params.top_p[:, None]
     remove_sorted[:, 0] = False
-    sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
-    drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
-    # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
-    gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
-    seeded_rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
-    rank = torch.where(params.seed[:, None] >= 0, seeded_rank, drawn_rank)
-    drawn = sorted_idx.gather(1, rank).squeeze(1)
-    drawn_logprob = sorted_scores.log_softmax(dim=-1).gather(1, rank).squeeze(1)
-    sampled = params.do_sample != 0
-    return torch.where(sampled, drawn, greedy), torch.where(sampled, drawn_logprob, greedy_logprob)
+    return sorted_scores.masked_fill(remove_sorted, float("-inf")), sorted_idx
+
+
+def processed_scores(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
+    """What stock generate reports as `scores`: the logits after processors and, for sampled rows,
+    after its warpers (filtered tokens at -inf), in vocabulary order."""
+    if params is None:
+        return logits.clone()
+    sorted_scores, sorted_idx = _warp_sorted(logits, params)
+    warped = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_scores)
+    return torch.where((params.do_sample != 0)[:, None], warped, logits)
 
 
 def pack(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def test_pool_too_small_for_one_page(model):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_beams=2), "num_beams"),
     (dict(num_return_sequences=2), "do_sample"),
-    (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(guidance_scale=1.5), "guidance_scale"),
     (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
     (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [5]), "prefix_allowed_tokens_fn"),
