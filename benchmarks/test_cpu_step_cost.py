@@ -1,0 +1,65 @@
+"""CPU-side cost of one step, which the async loop must hide behind the GPU's step.
+
+    python -m pytest benchmarks --benchmark-enable                     # measure
+    python -m pytest benchmarks --benchmark-enable --benchmark-autosave
+    python -m pytest benchmarks --benchmark-enable --benchmark-compare  # against the last saved run
+
+CI runs them once with benchmarks disabled (pyproject addopts), so they cannot rot.
+"""
+
+import pytest
+import torch
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.batch import BatchBuilder
+from hf_async_cb.devices import Streams
+from hf_async_cb.kv_cache import PageAllocator
+from hf_async_cb.requests import Request, SamplingParams
+from hf_async_cb.scheduler import Scheduler
+from hf_async_cb.slots import IOSlot
+
+
+def decoding_scheduler(running: int, context: int = 512, page_size: int = 16) -> Scheduler:
+    """`running` requests in steady decode, each `context` tokens deep."""
+    pages_each = -(-(context + 64) // page_size)
+    scheduler = Scheduler(PageAllocator(running * pages_each + 8), page_size, max_batch_tokens=running,
+                          max_running_requests=running)
+    for i in range(running):
+        req = Request(list(range(3, 3 + context)), SamplingParams(max_new_tokens=64))
+        scheduler.add(req)
+    while scheduler.waiting:  # admit and "compute" the prompts
+        for chunk in scheduler.schedule().chunks:
+            chunk.request.num_computed += chunk.num_tokens
+    for req in scheduler.running:
+        req.output_token_ids.append(5)
+    return scheduler
+
+
+@pytest.mark.parametrize("running", [32, 256, 1024])
+def test_schedule_and_build_one_decode_step(benchmark, running):
+    scheduler = decoding_scheduler(running)
+    builder = BatchBuilder(page_size=16, trash_slot=0)
+    slot = IOSlot(Streams(torch.device("cpu")))
+
+    def step():
+        plan = scheduler.schedule()
+        inputs = builder.build(plan, slot, {})
+        for chunk in plan.chunks:  # undo, so that every round measures the same step
+            chunk.request.num_computed = chunk.start
+        return inputs
+
+    inputs = benchmark(step)
+    assert inputs.input_ids.shape[1] == running
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tiny_model_end_to_end(benchmark, mode):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    engine = Engine(model, BatchingConfig(mode=mode))
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(16)] for i in range(32)]
+    outputs = benchmark(lambda: engine.generate(prompts, max_new_tokens=16))
+    assert all(len(o.output_token_ids) == 16 for o in outputs)
