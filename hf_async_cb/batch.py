@@ -40,15 +40,24 @@ class StepInputs:
 
 class BatchBuilder:
     def __init__(self, page_size: int, trash_slot: int) -> None:
-        """`trash_slot`: a cache slot outside the page pool, written by padding rows, never read."""
+        """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read."""
         self.page_size = page_size
-        self.trash_slot = trash_slot
-        self._offsets = torch.arange(page_size)
+        self.trash_page = trash_slot // page_size
 
-    def _context_slots(self, pages: list[int], stop: int) -> torch.Tensor:
-        """Cache slots of positions [0, stop) of a request holding `pages`."""
-        page_ids = torch.tensor(pages[: -(-stop // self.page_size)], dtype=torch.long)
-        return (page_ids[:, None] * self.page_size + self._offsets).flatten()[:stop]
+    def _slots(self, page_lists, query_start, query_lens, context_lens, max_ctx):
+        """Positions and cache slots of the step's new tokens, and each request's context slots
+        padded to max_ctx (padding repeats the last slot), from a block table, in a few batched ops."""
+        ps = self.page_size
+        width = max(len(p) for p in page_lists)
+        table = torch.tensor([p + p[-1:] * (width - len(p)) for p in page_lists], dtype=torch.long)
+        ql = torch.tensor(query_lens)
+        ctx = torch.tensor(context_lens)
+        k = torch.minimum(torch.arange(max_ctx)[None, :], ctx[:, None] - 1)
+        kv_index = table.gather(1, k // ps) * ps + k % ps
+        rows = torch.repeat_interleave(torch.arange(len(page_lists)), ql)
+        positions = (ctx - ql)[rows] + torch.arange(int(ql.sum())) - torch.tensor(query_start)[rows]
+        slot_mapping = table[rows, positions // ps] * ps + positions % ps
+        return positions, slot_mapping, kv_index
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
               pad_to: tuple[int, int] | None = None) -> StepInputs:
@@ -59,7 +68,7 @@ class BatchBuilder:
         """
         ids: list[int] = []
         carry: list[int] = []
-        positions, new_slots, contexts = [], [], []
+        page_lists: list[list[int]] = []
         query_start, query_lens, context_lens = [], [], []
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -76,10 +85,7 @@ class BatchBuilder:
                     raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
                 ids.append(PLACEHOLDER)
                 carry.append(carry_rows[id(req)])
-            positions.append(torch.arange(start, stop))
-            context = self._context_slots(req.pages, stop)
-            contexts.append(context)
-            new_slots.append(context[start:])
+            page_lists.append(req.pages)
             query_lens.append(n)
             context_lens.append(stop)
             if chunk.samples:
@@ -91,14 +97,11 @@ class BatchBuilder:
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
         if pad_to is not None:
-            trash = torch.tensor([self.trash_slot])
             for _ in range(pad_to[0] - len(plan.chunks)):
                 query_start.append(len(ids))
                 ids.append(PLACEHOLDER)
                 carry.append(-1)
-                positions.append(torch.zeros(1, dtype=torch.long))
-                contexts.append(trash)
-                new_slots.append(trash)
+                page_lists.append([self.trash_page])
                 query_lens.append(1)
                 context_lens.append(1)
                 logits_rows.append(len(ids) - 1)
@@ -106,7 +109,7 @@ class BatchBuilder:
         else:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
-        kv_index = torch.stack([torch.cat([c, c[-1:].expand(max_ctx - len(c))]) for c in contexts])
+        positions, slot_mapping, kv_index = self._slots(page_lists, query_start, query_lens, context_lens, max_ctx)
         layout = padded_layout(query_start, query_lens, context_lens)
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
@@ -114,14 +117,14 @@ class BatchBuilder:
         token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
         sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),
-                torch.cat(positions), torch.cat(new_slots), torch.tensor(logits_rows, dtype=torch.long),
+                positions, slot_mapping, torch.tensor(logits_rows, dtype=torch.long),
                 layout["q_index"], kv_index, layout["out_index"], layout["q_pos"], layout["q_valid"],
                 *sampling_ints]
         dev, floats = slot.upload(ints, sampling_floats)
-        (input_ids, carry_src, position_ids, slot_mapping, logits_indices,
+        (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices,
          q_index, kv_index_d, out_index, q_pos, q_valid, *dev_sampling_ints) = dev
         meta = StepMetadata(
-            slot_mapping=slot_mapping, q_index=q_index, kv_index=kv_index_d, out_index=out_index,
+            slot_mapping=slot_mapping_d, q_index=q_index, kv_index=kv_index_d, out_index=out_index,
             q_pos=q_pos, q_valid=q_valid, query_start=query_start, query_lens=query_lens,
             context_lens=context_lens,
         )
