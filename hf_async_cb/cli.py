@@ -26,6 +26,7 @@ def _sync(device: torch.device) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from .config import BatchingConfig
     from .demo_model import load_smollm2
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -40,7 +41,8 @@ def demo(args: argparse.Namespace) -> int:
     for mode in ("off", "sync", "async"):
         _sync(device)
         start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, batching=mode)
+        kwargs = {} if mode == "off" else {"batching_config": BatchingConfig(progress=True)}
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, batching=mode, **kwargs)
         _sync(device)
         seconds = time.perf_counter() - start
         new_tokens = int((out[:, width:] != tokenizer.pad_token_id).sum())
@@ -73,7 +75,8 @@ def bench(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {', '.join(b.PATHS)}")
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                            max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs)
+                            max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs,
+                            progress=args.progress)
     report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config)
     print(b.format_table(report))
     if args.json:
@@ -100,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay greedy decode steps from CUDA graphs (our paths; default: on)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)
     return parser

@@ -25,6 +25,7 @@ class BatchingConfig:
     seed: seed of the device-side random generator used by do_sample.
     attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
     trust_untested_model: run model families outside the tested list (see docs/api.md).
+    progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay greedy decode steps from CUDA graphs (off by default until the GPU check of
         graph == eager tokens has run; see docs/benchmarks.md). On the CPU, True runs the same
         padded static-buffer path eagerly (for tests).
@@ -41,6 +42,7 @@ class BatchingConfig:
     attention: str = "auto"
     trust_untested_model: bool = False
     cuda_graphs: bool = False
+    progress: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -36,6 +37,33 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.float32
+
+
+class _Progress:
+    """A tqdm bar over finished requests, with generated tokens per second; a no-op when off."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="req", desc="hf_async_cb")
+            self.tokens = 0
+            self.start = time.perf_counter()
+
+    def update(self, finished: list[Request]) -> None:
+        if self.bar is not None and finished:
+            self.tokens += sum(len(r.output_token_ids) for r in finished)
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+            self.bar.update(len(finished))
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class Engine:
@@ -177,9 +205,12 @@ class Engine:
             try:
                 for r in requests:
                     self.scheduler.add(r)
-                while remaining:
-                    for r in loop.step():
-                        remaining.discard(id(r))
+                with _Progress(len(requests), self.config.progress) as progress:
+                    while remaining:
+                        done = [r for r in loop.step() if id(r) in remaining]
+                        for r in done:
+                            remaining.discard(id(r))
+                        progress.update(done)
                 loop.drain()
             except BaseException:
                 loop.abandon()

@@ -183,3 +183,12 @@ def test_pool_sized_to_the_call(model, batch, monkeypatch):
     model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync",
                    batching_config=BatchingConfig(page_size=4))
     assert sizes[0] == sum(-(-(len(p) + 5) // 4) for p in prompts)
+
+
+def test_progress_bar(model, batch, capsys):
+    prompts, ids, mask = batch
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="async",
+                         batching_config=BatchingConfig(progress=True))
+    assert torch.equal(out, stock_generate(model, prompts, max_new_tokens=4))
+    err = capsys.readouterr().err
+    assert "hf_async_cb" in err and f"{len(prompts)}/{len(prompts)}" in err and "tok/s" in err
