@@ -52,6 +52,9 @@ class ModelRunner:
         self.cache.step = meta
         out = self.model(
             input_ids=inputs.input_ids,
+            # Never read (causality comes from the step metadata), but its presence keeps models
+            # from probing input_ids for padding, a host sync (GPT-2's warn_if_padding_and_no_attention_mask).
+            attention_mask=torch.ones_like(inputs.input_ids),
             position_ids=inputs.position_ids,
             use_cache=True,
             logits_to_keep=inputs.logits_indices,
