@@ -192,3 +192,22 @@ def test_progress_bar(model, batch, capsys):
     assert torch.equal(out, stock_generate(model, prompts, max_new_tokens=4))
     err = capsys.readouterr().err
     assert "hf_async_cb" in err and f"{len(prompts)}/{len(prompts)}" in err and "tok/s" in err
+
+
+def test_keyboard_interrupt_leaves_the_model_usable(model, batch):
+    prompts, ids, mask = batch
+    impl = model.config._attn_implementation
+    calls = {"n": 0}
+
+    def interrupt(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+
+    handle = model.model.norm.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="async")
+    handle.remove()
+    assert model.config._attn_implementation == impl
+    expected = stock_generate(model, prompts, max_new_tokens=8)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="async"), expected)
