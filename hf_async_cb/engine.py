@@ -11,11 +11,11 @@ import torch
 
 from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
-from .kv_cache import KVLayout, PageAllocator, PagedKVCache
-from .online import BackgroundLoop, RequestHandle
-from .models import check_model_supported, has_learned_positions, max_positions
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
+from .kv_cache import KVLayout, PageAllocator, PagedKVCache
+from .models import check_model_supported, has_learned_positions, max_positions
+from .online import BackgroundLoop, RequestHandle
 from .pipeline import Pipeline
 from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                        as_token_lists)
