@@ -143,3 +143,18 @@ def test_text_prompts_with_a_tokenizer():
         engine.shutdown(timeout=10)
     assert out.prompt_token_ids == Tok()("hello world")["input_ids"] and len(out.output_token_ids) == 4
     assert torch.is_tensor(torch.tensor(out.output_token_ids))
+
+
+def test_asyncio_producers_and_consumers(engine):
+    prompts = random_prompts(12, 2, 30, seed=78)
+    expected = stock_rows(prompts, 9)
+
+    async def client(prompt):
+        await asyncio.sleep(0.001 * (len(prompt) % 5))  # arrive at different times
+        handle = engine.add_request(prompt, max_new_tokens=9, eos_token_ids=(2,))
+        return [tok async for tok in handle.astream()]
+
+    async def main():
+        return await asyncio.gather(*(client(p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
