@@ -33,13 +33,12 @@ from .cuda_graphs import DecodeGraphs
 from .devices import Streams
 from .requests import Request
 from .runner import ModelRunner
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler
 from .slots import Download, IOSlot
 
 
 @dataclass
 class InFlight:
-    plan: StepPlan
     sample_requests: list[Request]
     sampled: torch.Tensor  # device [2, S] tokens + log-probabilities, kept alive until downloaded
     download: Download
@@ -132,7 +131,7 @@ class Pipeline:
                 ended.record()
                 decode_only = all(c.num_tokens == 1 for c in plan.chunks)
                 self.step_times.append((decode_only, began, ended))
-        self.in_flight.append(InFlight(plan, inputs.sample_requests, sampled, slot.download(sampled, computed),
+        self.in_flight.append(InFlight(inputs.sample_requests, sampled, slot.download(sampled, computed),
                                        inputs.keep_rows, inputs.kept))
         self.num_steps += 1
         return True
