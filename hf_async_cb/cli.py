@@ -85,6 +85,29 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile(args: argparse.Namespace) -> int:
+    from .bench import _prompts, build_model
+    from .config import BatchingConfig
+    from .engine import Engine
+    from .profiling import plot_timelines
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_model(args.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    prompts = _prompts(args.requests, args.prompt, model.config.vocab_size)
+    profiles = {}
+    for mode in ("sync", "async"):
+        engine = Engine(model, BatchingConfig(mode=mode, profile=True, cuda_graphs=args.cuda_graphs,
+                                              max_running_requests=max(args.requests, 1)))
+        engine.generate(prompts, max_new_tokens=args.new)  # warm-up
+        engine.generate(prompts, max_new_tokens=args.new)
+        profiles[mode] = engine.last_profile
+        summary = engine.last_profile.summary()
+        print(mode, ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    plot_timelines(profiles, args.out, last_seconds=args.last_ms / 1e3 if args.last_ms else None)
+    print(f"timeline written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_async_cb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)
+    p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG")
+    p.add_argument("--shape", default="tiny", choices=["llama3-8b", "llama3.2-1b", "tiny"])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--device", default=None)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--last-ms", type=float, default=None, help="draw only the last N ms of each run")
+    p.add_argument("--out", default="timeline.png")
+    p.set_defaults(func=profile)
     return parser
 
 

@@ -25,6 +25,8 @@ class BatchingConfig:
     seed: seed of the device-side random generator used by do_sample.
     attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
     trust_untested_model: run model families outside the tested list (see docs/api.md).
+    profile: record each step's CPU spans (and GPU spans on CUDA) into Engine.last_profile
+        (see profiling.py).
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay greedy decode steps from CUDA graphs (off by default until the GPU check of
         graph == eager tokens has run; see docs/benchmarks.md). On the CPU, True runs the same
@@ -43,6 +45,7 @@ class BatchingConfig:
     trust_untested_model: bool = False
     cuda_graphs: bool = False
     progress: bool = False
+    profile: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

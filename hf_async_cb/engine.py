@@ -17,6 +17,7 @@ from .kv_cache import KVLayout, PageAllocator, PagedKVCache
 from .models import check_model_supported, has_learned_positions, max_positions
 from .online import BackgroundLoop, RequestHandle
 from .pipeline import Pipeline
+from .profiling import StepProfile
 from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                        as_token_lists)
 from .runner import ModelRunner
@@ -80,6 +81,7 @@ class Engine:
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
+        self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
         check_model_supported(model, self.config.trust_untested_model)
         self.model = model
@@ -200,6 +202,8 @@ class Engine:
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
         loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
+        if self.config.profile:
+            loop.profile = self.last_profile = StepProfile(self.streams)
         remaining = {id(r) for r in requests}
         with self.runner.prepared():
             try:

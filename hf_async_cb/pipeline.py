@@ -23,6 +23,7 @@ after N+1 on the compute stream, so no queued step reads a page after it changed
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ import torch
 from .batch import BatchBuilder
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
+from .profiling import StepProfile
 from .requests import Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -61,6 +63,7 @@ class Pipeline:
         self.num_discarded = 0
         self.record_step_times = False  # CUDA events around each step's compute (benchmarks)
         self.step_times: list[tuple[bool, object, object]] = []
+        self.profile: StepProfile | None = None  # BatchingConfig(profile=True)
 
     def step(self) -> list[Request]:
         """Queue the next step if there is one, then process the oldest step that must be; return
@@ -101,10 +104,22 @@ class Pipeline:
             flight.download.done.synchronize()
         self.in_flight.clear()
 
+    def _span(self, lane: str):
+        return self.profile.cpu(lane, self.num_steps) if self.profile is not None else contextlib.nullcontext()
+
     def _launch(self) -> bool:
+        with self._span("schedule+build"):
+            inputs = self._prepare()
+        if inputs is None:
+            return False
+        with self._span("launch"):
+            self._enqueue(*inputs)
+        return True
+
+    def _prepare(self):
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return False
+            return None
         slot = self.slots[self.num_steps % 2]
         previous = self.in_flight[-1] if self.in_flight else None
         carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
@@ -114,10 +129,14 @@ class Pipeline:
             chunk.request.num_computed += chunk.num_tokens
         for req in inputs.sample_requests:
             req.num_pending += 1
+        return plan, slot, previous, key, inputs
+
+    def _enqueue(self, plan, slot, previous, key, inputs) -> None:
         computed = self.streams.event()
+        timing = self.record_step_times or self.profile is not None
         with self.streams.on(self.streams.compute):
             slot.uploaded.wait()
-            if self.record_step_times:
+            if timing:
                 began = self.streams.event(timing=True)
                 began.record()
             previous_tokens = previous.sampled[0] if previous else None
@@ -126,19 +145,26 @@ class Pipeline:
             else:
                 sampled = self.runner.step(inputs, previous_tokens)
             computed.record()
-            if self.record_step_times:
+            if timing:
                 ended = self.streams.event(timing=True)
                 ended.record()
+            if self.record_step_times:
                 decode_only = all(c.num_tokens == 1 for c in plan.chunks)
                 self.step_times.append((decode_only, began, ended))
+            if self.profile is not None:
+                self.profile.gpu(self.num_steps, began, ended)
         self.in_flight.append(InFlight(inputs.sample_requests, sampled, slot.download(sampled, computed),
                                        inputs.keep_rows, inputs.kept))
         self.num_steps += 1
-        return True
 
     def _complete(self, flight: InFlight) -> list[Request]:
+        with self._span("wait"):
+            tokens, logprobs = flight.download.tolist()
+        with self._span("update"):
+            return self._update(flight, tokens, logprobs)
+
+    def _update(self, flight: InFlight, tokens: list[int], logprobs: list[float]) -> list[Request]:
         finished = []
-        tokens, logprobs = flight.download.tolist()
         if flight.kept is not None:
             with self.streams.on(self.streams.d2h):  # after the step's compute: the event above fired
                 raw, processed = (t.cpu() for t in flight.kept)

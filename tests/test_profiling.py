@@ -1,0 +1,44 @@
+"""The profiler: spans per lane ordered and disjoint, adding up to the wall time; the timeline PNG."""
+
+import pytest
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.profiling import CPU_LANES, plot_timelines
+from models import random_prompts, tiny_model
+
+
+def profiled(mode):
+    engine = Engine(tiny_model("llama"), BatchingConfig(mode=mode, profile=True))
+    engine.generate(random_prompts(8, 3, 30, seed=91), max_new_tokens=12)
+    return engine.last_profile
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_spans_are_ordered_disjoint_and_cover_the_run(mode):
+    profile = profiled(mode)
+    lanes = profile.lanes()
+    assert set(lanes) == set(CPU_LANES)
+    for spans in lanes.values():
+        for a, b in zip(spans, spans[1:]):
+            assert a.start <= a.end <= b.start
+    # The CPU lanes never overlap each other either (one thread), and they fill most of the run.
+    everything = sorted((s for spans in lanes.values() for s in spans), key=lambda s: s.start)
+    for a, b in zip(everything, everything[1:]):
+        assert a.end <= b.start + 1e-6
+    summary = profile.summary()
+    covered = sum(summary[f"{lane}_share"] for lane in CPU_LANES)
+    assert 0.8 < covered <= 1.0 + 1e-6
+    assert summary["steps"] == len(lanes["launch"]) == 12  # one prefill step samples the first token
+
+
+def test_timeline_png(tmp_path):
+    path = tmp_path / "timeline.png"
+    plot_timelines({"sync": profiled("sync"), "async": profiled("async")}, str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_profiling_is_off_by_default():
+    engine = Engine(tiny_model("llama"), BatchingConfig(mode="async"))
+    engine.generate([[5, 6, 7]], max_new_tokens=3)
+    assert engine.last_profile is None and engine.pipeline("async").profile is None
