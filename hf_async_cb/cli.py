@@ -108,6 +108,19 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workload_args(p: argparse.ArgumentParser, shape: str, requests: int, prompt: int, new: int) -> None:
+    """The random-weights workload shared by bench and profile."""
+    from .bench import SHAPES
+
+    p.add_argument("--shape", default=shape, choices=sorted(SHAPES))
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--prompt", type=int, default=prompt)
+    p.add_argument("--new", type=int, default=new)
+    p.add_argument("--device", default=None)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay greedy decode steps from CUDA graphs (our paths; default: on)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_async_cb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,26 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
-    p.add_argument("--shape", default="llama3.2-1b", choices=["llama3-8b", "llama3.2-1b", "tiny"])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=256)
+    _workload_args(p, shape="llama3.2-1b", requests=64, prompt=128, new=256)
     p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--device", default=None)
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay greedy decode steps from CUDA graphs (our paths; default: on)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG")
-    p.add_argument("--shape", default="tiny", choices=["llama3-8b", "llama3.2-1b", "tiny"])
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--device", default=None)
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    _workload_args(p, shape="tiny", requests=16, prompt=32, new=32)
     p.add_argument("--last-ms", type=float, default=None, help="draw only the last N ms of each run")
     p.add_argument("--out", default="timeline.png")
     p.set_defaults(func=profile)

@@ -34,10 +34,6 @@ class StepMetadata:
         self.attention_calls = 0
         self._masks.clear()
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.query_lens)
-
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Bool [B, 1, max_q, max_ctx]: query at position p sees key k when k <= p (and p - k < window).
 
