@@ -31,19 +31,8 @@ _UNSUPPORTED_ARGUMENTS = (
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
 _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
 
-# GenerationConfig options that stock generate turns into logits processors: run through stock's
-# own processors, per request, on its full history (the slow path). (attribute, neutral values)
-_PROCESSOR_OPTIONS = (
-    ("repetition_penalty", (None, 1.0)), ("no_repeat_ngram_size", (None, 0)), ("bad_words_ids", (None,)),
-    ("min_length", (None, 0)), ("min_new_tokens", (None, 0)), ("typical_p", (None, 1.0)),
-    ("epsilon_cutoff", (None, 0.0)), ("eta_cutoff", (None, 0.0)), ("min_p", (None,)), ("top_h", (None,)),
-    ("suppress_tokens", (None,)), ("begin_suppress_tokens", (None,)), ("forced_bos_token_id", (None,)),
-    ("forced_eos_token_id", (None,)), ("sequence_bias", (None,)), ("exponential_decay_length_penalty", (None,)),
-    ("remove_invalid_values", (None, False)),
-)
-# Options that become stopping criteria, checked per request after each token.
-_STOPPING_OPTIONS = (("stop_strings", (None,)), ("max_time", (None,)))
-# Other decoding strategies and outputs the engine does not produce.
+# Other decoding strategies and outputs the engine does not produce, named in the error. (Anything
+# missing here is still caught: by the generation-mode check, and by probing stock's processors.)
 _UNSUPPORTED_GENERATION_OPTIONS = (
     ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
     ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
@@ -156,6 +145,10 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     if bad:
         values = ", ".join(f"{n}={getattr(gc, n)!r}" for n in bad)
         raise ValueError(f"generate(batching={mode!r}) does not support {values} yet; use batching='off' for it.")
+    strategy = gc.get_generation_mode()
+    if strategy.value not in ("greedy_search", "sample"):
+        raise ValueError(f"generate(batching={mode!r}) runs greedy search and sampling; this GenerationConfig "
+                         f"asks for {strategy.value!r}. Use batching='off' for it.")
 
     input_ids = _check_input_ids(inputs, model)
     attention_mask = _attention_mask(input_ids, model_kwargs.get("attention_mask"), gc)
@@ -168,7 +161,7 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
     max_new = _max_new_tokens(model, gc, generation_config, kwargs, input_ids)
-    processor, criteria = _slow_path(model, gc, input_ids, arguments, tokenizer)
+    processor, criteria = _slow_path(model, gc, input_ids, attention_mask, arguments, tokenizer)
     neutral = processor is not None  # stock's processor list then holds the warpers too
     params = SamplingParams(
         max_new_tokens=max_new,
@@ -249,44 +242,45 @@ def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch
     return gc.max_length - input_len
 
 
-def _slow_path(model, gc, input_ids: torch.Tensor, arguments: dict, tokenizer):
+def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor, arguments: dict, tokenizer):
     """Stock generate's own logits processors (a factory: row mask -> list) and stopping criteria for
-    this call, or None.
+    this call, each None when stock would build nothing beyond what the engine does natively.
 
-    They are built exactly as stock builds them (same GenerationConfig, same padded input length)
-    and applied to each request's row as stock holds it (its left padding included), so that
+    Whether they are needed is asked of stock itself: its processor list for this call is built and
+    anything but the temperature/top-k/top-p warpers (which the device sampler implements) sends the
+    call to the slow path, so an option this module has never heard of is never silently dropped.
+    They are applied to each request's row as stock holds it (its left padding included), so that
     every option behaves as in stock generate, only one request at a time.
     """
     from transformers import LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    user_processors = arguments.get("logits_processor") or None
-    user_criteria = arguments.get("stopping_criteria") or None
-    use_processors = bool(_active(gc, _PROCESSOR_OPTIONS)) or user_processors is not None
-    use_criteria = bool(_active(gc, _STOPPING_OPTIONS)) or user_criteria is not None
-    if not (use_processors or use_criteria):
-        return None, None
     if gc.stop_strings is not None and tokenizer is None:
         raise ValueError("stop_strings needs the tokenizer: pass generate(..., tokenizer=tokenizer), as stock does.")
     model._prepare_special_tokens(gc, True, device=input_ids.device)
-    processor = criteria = None
-    if use_processors:
-        # One list per row, built with that row's attention mask: some processors read the mask (e.g.
-        # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
-        def processor(row_mask: torch.Tensor):
-            return model._get_logits_processor(
-                generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-                logits_processor=user_processors or LogitsProcessorList(), device=input_ids.device,
-                model_kwargs={"attention_mask": row_mask[None]},
-            )
+    user_processors = arguments.get("logits_processor") or LogitsProcessorList()
+
+    # One list per row, built with that row's attention mask: some processors read the mask (e.g.
+    # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
+    def processor(row_mask: torch.Tensor):
+        return model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+            logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
+        )
+
+    native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    if all(isinstance(p, native) for p in processor(attention_mask[0])):
+        processor = None
+    else:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history (correct, but slower than the built-in sampling options).")
-    if use_criteria:
-        stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria
-                                             or StoppingCriteriaList(), tokenizer=tokenizer)
-        # Length and EOS are the engine's own; the rest is checked per request after each token.
-        criteria = StoppingCriteriaList([c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
-    return processor, criteria
+    stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=arguments.get("stopping_criteria")
+                                         or StoppingCriteriaList(), tokenizer=tokenizer)
+    # Length and EOS are the engine's own; the rest is checked per request after each token.
+    extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    return processor, (StoppingCriteriaList(extra) if extra else None)
 
 
 def _check_input_ids(inputs, model) -> torch.Tensor:
