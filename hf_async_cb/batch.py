@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.metadata import StepMetadata, padded_layout
+from .attention.metadata import StepMetadata, block_table_rows
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
@@ -39,25 +39,20 @@ class StepInputs:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, trash_slot: int) -> None:
+    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference") -> None:
         """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read."""
         self.page_size = page_size
+        self.attention_backend = attention_backend
         self.trash_page = trash_slot // page_size
 
-    def _slots(self, page_lists, query_start, query_lens, context_lens, max_ctx):
-        """Positions and cache slots of the step's new tokens, and each request's context slots
-        padded to max_ctx (padding repeats the last slot), from a block table, in a few batched ops."""
+    def _slots(self, table, query_start, query_lens, context_lens):
+        """Position and cache slot of each new token, from the block table, in a few batched ops."""
         ps = self.page_size
-        width = max(len(p) for p in page_lists)
-        table = torch.tensor([p + p[-1:] * (width - len(p)) for p in page_lists], dtype=torch.long)
         ql = torch.tensor(query_lens)
-        ctx = torch.tensor(context_lens)
-        k = torch.minimum(torch.arange(max_ctx)[None, :], ctx[:, None] - 1)
-        kv_index = table.gather(1, k // ps) * ps + k % ps
-        rows = torch.repeat_interleave(torch.arange(len(page_lists)), ql)
-        positions = (ctx - ql)[rows] + torch.arange(int(ql.sum())) - torch.tensor(query_start)[rows]
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), ql)
+        positions = (torch.tensor(context_lens) - ql)[rows] + torch.arange(int(ql.sum())) - torch.tensor(query_start)[rows]
         slot_mapping = table[rows, positions // ps] * ps + positions % ps
-        return positions, slot_mapping, kv_index
+        return positions, slot_mapping
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
               pad_to: tuple[int, int] | None = None) -> StepInputs:
@@ -109,24 +104,24 @@ class BatchBuilder:
         else:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
-        positions, slot_mapping, kv_index = self._slots(page_lists, query_start, query_lens, context_lens, max_ctx)
-        layout = padded_layout(query_start, query_lens, context_lens)
+        width = -(-max_ctx // self.page_size)
+        table = torch.tensor(block_table_rows(page_lists, context_lens, self.page_size, width), dtype=torch.long)
+        positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
         # Index of the token each row samples in its request's output (what seeded sampling hashes).
         token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
         sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),
-                positions, slot_mapping, torch.tensor(logits_rows, dtype=torch.long),
-                layout["q_index"], kv_index, layout["out_index"], layout["q_pos"], layout["q_valid"],
-                *sampling_ints]
+                positions, slot_mapping, torch.tensor(logits_rows, dtype=torch.long), table,
+                torch.tensor([*query_start, len(ids)]), torch.tensor(context_lens), *sampling_ints]
         dev, floats = slot.upload(ints, sampling_floats)
-        (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices,
-         q_index, kv_index_d, out_index, q_pos, q_valid, *dev_sampling_ints) = dev
+        (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
+         context_lens_d, *dev_sampling_ints) = dev
         meta = StepMetadata(
-            slot_mapping=slot_mapping_d, q_index=q_index, kv_index=kv_index_d, out_index=out_index,
-            q_pos=q_pos, q_valid=q_valid, query_start=query_start, query_lens=query_lens,
-            context_lens=context_lens,
+            slot_mapping=slot_mapping_d, block_table=table_d, query_start=query_start_d,
+            context_lens=context_lens_d, page_size=self.page_size, max_query_len=max(query_lens),
+            max_context=max_ctx, backend=self.attention_backend,
         )
         return StepInputs(
             input_ids=input_ids[None],

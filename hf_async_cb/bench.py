@@ -1,7 +1,10 @@
 """Benchmarks on random weights in real shapes: the same workload through every generation path.
 
 Paths: "stock" (plain generate), "hf-cb-sync" / "hf-cb-async" (transformers' own continuous
-batching), "sync" / "async" (ours). The floor is what memory bandwidth allows: each decode step
+batching), "sync" / "async" (ours), and ablations of ours: a suffix "-ref" runs the pure-torch
+reference attention, "-unfused" leaves the projections unfused, "-eager" runs without CUDA graphs
+(e.g. "async-ref-unfused"). The "mixed" workload gives each request its own prompt and output
+length (our paths only: the others take one length for a whole batch). The floor is what memory bandwidth allows: each decode step
 reads every weight once and the KV of every running request, at the copy bandwidth measured on
 the same device in the same process.
 """
@@ -27,6 +30,32 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
 PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
+ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False}, "eager": {"cuda_graphs": False}}
+
+
+def our_path_config(path: str, config):
+    """"async-ref-eager" -> ("async", the config with those ablations applied); None if not ours."""
+    from dataclasses import replace
+
+    mode, *variants = path.split("-")
+    if mode not in ("sync", "async") or any(v not in ABLATIONS for v in variants):
+        return None
+    changes = {k: v for variant in variants for k, v in ABLATIONS[variant].items()}
+    return mode, replace(config, mode=mode, **changes)
+
+
+def check_paths(paths, mixed: bool = False) -> None:
+    for path in paths:
+        if path not in PATHS and our_path_config(path, _default_config()) is None:
+            raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} (ours with -ref/-unfused/-eager)")
+        if mixed and path in PATHS[:3]:
+            raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
+
+
+def _default_config():
+    from .config import BatchingConfig
+
+    return BatchingConfig()
 
 
 @dataclass
@@ -97,7 +126,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_path(path: str, model, prompts: list[list[int]], new: int, config=None) -> Result:
+def run_path(path: str, model, prompts: list[list[int]], new, config=None) -> Result:
+    """`new`: new tokens per request, one int for all or a list (mixed workload, our paths only)."""
     device = model.device
     gc.collect()
     if device.type == "cuda":
@@ -121,20 +151,23 @@ def run_path(path: str, model, prompts: list[list[int]], new: int, config=None) 
         outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
         tokens = sum(len(o.generated_tokens) for o in outs.values())
     else:
-        from .config import BatchingConfig
         from .engine import Engine
+        from .requests import SamplingParams
 
-        engine = Engine(model, (config or BatchingConfig()).with_mode(path))
-        pipeline = engine.pipeline(path)
+        mode, engine_config = our_path_config(path, config or _default_config())
+        engine = Engine(model, engine_config)
+        pipeline = engine.pipeline(mode)
+        params = [SamplingParams(max_new_tokens=n) for n in new] if isinstance(new, list) \
+            else SamplingParams(max_new_tokens=new)
         # Warm-up: the same workload once (graph captures, kernel selection), timed on its own.
         warm = time.perf_counter()
-        engine.generate(prompts, max_new_tokens=new)
+        engine.generate(prompts, params)
         _sync(device)
         extra["warmup_s"] = time.perf_counter() - warm
         pipeline.record_step_times = device.type == "cuda"
         pipeline.num_steps = 0
         start = time.perf_counter()
-        outs = engine.generate(prompts, max_new_tokens=new)
+        outs = engine.generate(prompts, params)
         tokens = sum(len(o.output_token_ids) for o in outs)
         steps = pipeline.num_steps
         if pipeline.record_step_times:
@@ -142,25 +175,40 @@ def run_path(path: str, model, prompts: list[list[int]], new: int, config=None) 
         extra["discarded_tokens"] = pipeline.num_discarded
         if engine.graphs is not None:
             extra["graphs"] = len(engine.graphs)
-        del engine
+        engine.close()
     _sync(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return Result(path, seconds, tokens, steps, busy, decode_ms, peak, extra)
 
 
+def mixed_workload(requests: int, vocab: int, lo: int = 64, hi: int = 1024) -> tuple[list[list[int]], list[int]]:
+    """Prompts and output lengths drawn uniformly from [lo, hi], fixed seed."""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(lo, hi + 1, (2, requests), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths[0]]
+    return prompts, lengths[1]
+
+
 def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=None, dtype=None,
-        config=None) -> dict:
+        config=None, mixed: bool = False) -> dict:
+    check_paths(paths, mixed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = build_model(shape, device, dtype)
-    prompts = _prompts(requests, prompt, model.config.vocab_size)
     bandwidth = copy_bandwidth(device)
-    floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
+    if mixed:
+        prompts, new = mixed_workload(requests, model.config.vocab_size)
+        floor = float("nan")  # no single step shape: compare the paths with each other
+    else:
+        prompts = _prompts(requests, prompt, model.config.vocab_size)
+        floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
         run_path(path, model, prompts[:2], 2, config)
     results = [run_path(path, model, prompts, new, config) for path in paths]
+    if mixed:
+        prompt, new = "64..1024", "64..1024"
     return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12, "floor_ms_per_step": floor,
@@ -179,8 +227,8 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         def f(v, fmt):
             return "-" if v is None else format(v, fmt)
-        pct = 100 * r["tokens_per_s"] / report["floor_tokens_per_s"]
-        lines.append(f"| {r['path']} | {r['tokens_per_s']:,.0f} | {pct:.1f}% | {r['seconds']:.1f} | "
+        pct = 100 * r["tokens_per_s"] / report["floor_tokens_per_s"]  # nan for the mixed workload
+        lines.append(f"| {r['path']} | {r['tokens_per_s']:,.0f} | {'-' if pct != pct else f'{pct:.1f}%'} | {r['seconds']:.1f} | "
                      f"{f(r['steps'], 'd')} | {f(r['decode_ms_per_step'], '.2f')} | "
                      f"{f(r['gpu_busy'] and 100 * r['gpu_busy'], '.1f')} | {f(r['peak_memory_gib'], '.1f')} | "
                      f"{f(r['extra'].get('warmup_s'), '.1f')} |")

@@ -71,13 +71,15 @@ def bench(args: argparse.Namespace) -> int:
     from .config import BatchingConfig
 
     paths = tuple(args.compare.split(","))
-    unknown = set(paths) - set(b.PATHS)
-    if unknown:
-        raise SystemExit(f"unknown paths {sorted(unknown)}; choose from {', '.join(b.PATHS)}")
+    try:
+        b.check_paths(paths, args.mixed)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress)
-    report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config)
+    report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config,
+                   mixed=args.mixed)
     print(b.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -117,8 +119,8 @@ def _workload_args(p: argparse.ArgumentParser, shape: str, requests: int, prompt
     p.add_argument("--prompt", type=int, default=prompt)
     p.add_argument("--new", type=int, default=new)
     p.add_argument("--device", default=None)
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="replay greedy decode steps from CUDA graphs (our paths; default: on)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay greedy decode steps from CUDA graphs (our paths; default: on CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
     _workload_args(p, shape="llama3.2-1b", requests=64, prompt=128, new=256)
-    p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async")
+    p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async",
+                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -eager")
+    p.add_argument("--mixed", action="store_true",
+                   help="prompts and outputs of 64..1024 tokens per request (our paths only)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")

@@ -7,7 +7,7 @@ from typing import Any
 
 MODES = ("sync", "async")
 OFF_MODES = (None, "off")
-ATTENTION_BACKENDS = ("auto", "reference")
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass
@@ -23,14 +23,19 @@ class BatchingConfig:
         longer than this are prefilled in chunks.
     max_running_requests: requests that hold KV pages at once.
     seed: seed of the device-side random generator used by do_sample.
-    attention: "auto" picks the fastest available kernel, "reference" forces the pure-torch one.
+    attention: "auto" runs the Triton paged-attention kernels on CUDA (when Triton is installed)
+        and the pure-torch reference elsewhere; "reference" forces the pure-torch one; "triton"
+        forces the kernels (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1).
     trust_untested_model: run model families outside the tested list (see docs/api.md).
     profile: record each step's CPU spans (and GPU spans on CUDA) into Engine.last_profile
         (see profiling.py).
+    fuse_projections: run each layer's q/k/v (and gate/up) projections as one GEMM over their
+        concatenated weights (fusion.py; the model's own weights become views, nothing is copied
+        twice). None: on CUDA only. Engine.close() restores the model.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
-    cuda_graphs: replay greedy decode steps from CUDA graphs (off by default until the GPU check of
-        graph == eager tokens has run; see docs/benchmarks.md). On the CPU, True runs the same
-        padded static-buffer path eagerly (for tests).
+    cuda_graphs: replay greedy decode steps from CUDA graphs, one per (batch, context) bucket,
+        captured on first use. None: on CUDA. On the CPU, True runs the same padded static-buffer
+        path eagerly (for tests).
     """
 
     mode: str = "async"
@@ -43,7 +48,8 @@ class BatchingConfig:
     seed: int | None = None
     attention: str = "auto"
     trust_untested_model: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
+    fuse_projections: bool | None = None
     progress: bool = False
     profile: bool = False
 

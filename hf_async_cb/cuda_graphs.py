@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 MIN_CONTEXT_BUCKET = 64
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
-_STATIC_META = ("slot_mapping", "q_index", "kv_index", "out_index", "q_pos", "q_valid")
+_STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
 
 
 def _pow2(n: int) -> int:
@@ -52,10 +52,9 @@ class _Graph:
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
         t = self.tensors
         meta = StepMetadata(
-            slot_mapping=t["slot_mapping"], q_index=t["q_index"], kv_index=t["kv_index"],
-            out_index=t["out_index"], q_pos=t["q_pos"], q_valid=t["q_valid"],
-            query_start=inputs.meta.query_start, query_lens=inputs.meta.query_lens,
-            context_lens=inputs.meta.context_lens,
+            **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
+            max_query_len=inputs.meta.max_query_len, max_context=inputs.meta.max_context,
+            backend=inputs.meta.backend,
         )
         static = StepInputs(
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],

@@ -9,10 +9,12 @@ from typing import Sequence
 
 import torch
 
+from . import attention
 from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
+from .fusion import fuse_projections
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
 from .models import check_model_supported, has_learned_positions, max_positions
 from .online import BackgroundLoop, RequestHandle
@@ -86,6 +88,10 @@ class Engine:
         check_model_supported(model, self.config.trust_untested_model)
         self.model = model
         self.device = next(model.parameters()).device
+        fuse = self.config.fuse_projections
+        self._fusion = fuse_projections(model) if (self.device.type == "cuda" if fuse is None else fuse) else None
+        if self._fusion is not None:
+            logger.info("hf_async_cb: %s", self._fusion.summary())
         self.dtype = _model_dtype(model)
         self.layout = KVLayout.from_config(model.config)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -100,15 +106,19 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
                                    self.config.max_running_requests)
-        self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size)
+        self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
+        self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size,
+                                    attention_backend=self.attention_backend)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.config.seed)
         use_graphs = self.config.cuda_graphs
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
         self.graphs = DecodeGraphs(self.runner, self.config.max_running_requests,
                                    is_cuda=self.device.type == "cuda") if use_graphs else None
-        logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s", num_pages, page_size,
-                    self.cache.bytes / 2**20, self.device)
+        logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
+                    page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
 
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
@@ -263,6 +273,23 @@ class Engine:
         if not background.stop(cancel, timeout):
             raise TimeoutError(f"the engine's loop did not stop within {timeout} s")
         self._background = None
+
+    def close(self) -> None:
+        """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give
+        the model back as it was (unfused). Idempotent; the engine is unusable afterwards."""
+        if self._background is not None:
+            self.shutdown(cancel=True)
+        self.graphs = None
+        self._pipelines.clear()
+        if self._fusion is not None:
+            self._fusion.restore()
+            self._fusion = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def pipeline(self, mode: str) -> Pipeline:
         """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""

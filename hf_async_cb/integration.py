@@ -177,33 +177,36 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     page = config.page_size
     pages_needed = sum(-(-(len(p) + max_new) // page) for p in prompts) * (gc.num_return_sequences or 1)
     engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
-    copies = gc.num_return_sequences or 1
-    if copies > 1:
-        if not gc.do_sample:
-            raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
-                             "as in stock generate.")
-        input_ids = input_ids.repeat_interleave(copies, dim=0)
-        prompts = [p for p in prompts for _ in range(copies)]
-        prefixes = [p for p in prefixes for _ in range(copies)]
-    slow = processor is not None or criteria is not None
-    streamer = None
-    if arguments.get("streamer") is not None:
-        streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
-    row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
-    requests = [engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
-                                    stopping_criteria=criteria, history_prefix=prefix if slow else (),
-                                    on_token=streamer.on_token if streamer else None)
-                for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
-    keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
-    for i, req in enumerate(requests):
-        req.keep_scores = keep
-        if i % copies:
-            req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
-    if streamer is not None:
-        streamer.watch(requests)
-    engine.run(requests)
-    if streamer is not None:
-        streamer.end()
+    try:  # the engine fused the model's projections: always give it back unfused
+        copies = gc.num_return_sequences or 1
+        if copies > 1:
+            if not gc.do_sample:
+                raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
+                                 "as in stock generate.")
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
+            prompts = [p for p in prompts for _ in range(copies)]
+            prefixes = [p for p in prefixes for _ in range(copies)]
+        slow = processor is not None or criteria is not None
+        streamer = None
+        if arguments.get("streamer") is not None:
+            streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
+        row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
+        requests = [engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
+                                        stopping_criteria=criteria, history_prefix=prefix if slow else (),
+                                        on_token=streamer.on_token if streamer else None)
+                    for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
+        keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
+        for i, req in enumerate(requests):
+            req.keep_scores = keep
+            if i % copies:
+                req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
+        if streamer is not None:
+            streamer.watch(requests)
+        engine.run(requests)
+        if streamer is not None:
+            streamer.end()
+    finally:
+        engine.close()
     sequences = _pad_outputs(input_ids, [r.output_token_ids for r in requests], pad)
     if gc.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -1,5 +1,6 @@
-"""CUDA-only checks of the pipeline: async == sync on the device, one host wait per step, no hidden
-syncs, no loop work on the default stream. Skipped (with the reason shown) where CUDA is absent."""
+"""CUDA-only checks of the pipeline: async == sync on the device (Triton and reference attention),
+graph replays == eager steps, the default CUDA path == stock in fp32, one host wait per step, no
+hidden syncs, no loop work on the default stream. Skipped (with the reason shown) where CUDA is absent."""
 
 import copy
 import json
@@ -26,34 +27,39 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("attention", ["triton", "reference"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gpt2"])
-def test_async_equals_sync_on_cuda(family, case):
+def test_async_equals_sync_on_cuda(family, case, attention):
     model = cuda_model(family)
     prompts = random_prompts(16, 1, 50, seed=3)
     results = {}
     for mode in ("sync", "async"):
-        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=family != "gpt2", **CASES[case]))
+        engine = Engine(model, BatchingConfig(mode=mode, attention=attention, **CASES[case]))
         results[mode] = [o.output_token_ids for o in engine.generate(prompts, max_new_tokens=24, eos_token_ids=(2,))]
         assert engine.allocator.num_free == engine.allocator.num_pages
     assert results["async"] == results["sync"]
 
 
+@pytest.mark.parametrize("attention", ["triton", "reference"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_cuda_graphs_give_the_eager_tokens(mode):
+def test_cuda_graphs_give_the_eager_tokens(mode, attention):
     model = cuda_model("llama")
     prompts = random_prompts(13, 1, 80, seed=8)
     results = []
     for graphs in (False, True):
-        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, max_batch_tokens=64))
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, max_batch_tokens=64,
+                                              attention=attention))
         results.append([o.output_token_ids for o in engine.generate(prompts, max_new_tokens=40)])
         if graphs:
             assert engine.graphs.num_replays > 0
     assert results[0] == results[1]
 
 
-def test_cuda_fp32_matches_stock_generate():
-    model = cuda_model("llama", torch.float32)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_cuda_fp32_matches_stock_generate(family):
+    """The default CUDA path (Triton attention, fused projections, graphs) against stock in fp32."""
+    model = cuda_model(family, torch.float32)
     prompts = random_prompts(8, 5, 40, seed=4)
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -71,7 +77,7 @@ def test_cuda_fp32_matches_stock_generate():
 def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
     model = cuda_model(family)
     prompts = random_prompts(16, 8, 40, seed=5)
-    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64, cuda_graphs=family != "gpt2"))
+    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64))
     engine.generate(prompts, max_new_tokens=32)  # warm-up: allocations, kernels, graph captures
     waits = []
     original = slots_module.Download.tolist
@@ -88,7 +94,7 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
 
 def test_no_loop_kernel_on_the_default_stream(tmp_path):
     model = cuda_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True))
+    engine = Engine(model, BatchingConfig(mode="async"))
     prompts = random_prompts(8, 8, 30, seed=6)
     engine.generate(prompts, max_new_tokens=4)
     torch.cuda.synchronize()
@@ -106,3 +112,15 @@ def test_no_loop_kernel_on_the_default_stream(tmp_path):
             streams.setdefault(e["args"].get("stream"), set()).add(e["cat"])
     assert len(streams) >= 2, streams  # compute and copies on streams of their own
     assert 7 not in streams, f"work on the legacy default stream: {streams}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gpt2"])
+def test_triton_attention_gives_the_reference_tokens_in_bf16(family):
+    model = cuda_model(family)
+    prompts = random_prompts(16, 1, 90, seed=9)
+    results = {}
+    for attention in ("triton", "reference"):
+        engine = Engine(model, BatchingConfig(mode="async", attention=attention, max_batch_tokens=48))
+        results[attention] = [o.output_token_ids for o in engine.generate(prompts, max_new_tokens=24)]
+        engine.close()
+    assert results["triton"] == results["reference"]

@@ -184,14 +184,12 @@ def _step(slots: list[int]) -> StepMetadata:
     n = len(slots)
     return StepMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        q_index=torch.arange(n)[None],
-        kv_index=torch.tensor(slots, dtype=torch.long)[None],
-        out_index=torch.arange(n),
-        q_pos=torch.arange(n)[None],
-        q_valid=torch.ones(1, n, dtype=torch.bool),
-        query_start=[0],
-        query_lens=[n],
-        context_lens=[n],
+        block_table=torch.zeros(1, 1, dtype=torch.long),  # update() reads slot_mapping only
+        query_start=torch.tensor([0, n]),
+        context_lens=torch.tensor([n]),
+        page_size=4,
+        max_query_len=n,
+        max_context=n,
     )
 
 

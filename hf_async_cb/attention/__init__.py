@@ -31,8 +31,34 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if kwargs.get("softcap") is not None:
         raise ValueError("attention logit softcapping is not supported by hf_async_cb yet.")
     meta.attention_calls += 1
-    out = paged_attention_reference(query, key, value, meta, scaling, kwargs.get("sliding_window"))
+    if meta.backend == "triton":
+        from .triton_paged import paged_attention_triton
+
+        out = paged_attention_triton(query, key, value, meta, scaling, kwargs.get("sliding_window"))
+    else:
+        out = paged_attention_reference(query, key, value, meta, scaling, kwargs.get("sliding_window"))
     return out, None
+
+
+def resolve_backend(choice: str, device: torch.device) -> str:
+    """BatchingConfig.attention -> the kernel the engine runs: "auto" takes the Triton kernels on
+    CUDA when Triton is installed, the pure-torch reference otherwise."""
+    if choice == "reference":
+        return "reference"
+    try:
+        from .triton_paged import runs_on
+    except ImportError as e:
+        if choice == "triton":
+            raise ValueError(f"BatchingConfig(attention='triton') needs Triton: {e}") from e
+        return "reference"
+    if choice == "triton":
+        if not runs_on(device):
+            raise ValueError(
+                "BatchingConfig(attention='triton') on the CPU runs only in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before triton is first imported."
+            )
+        return "triton"
+    return "triton" if device.type == "cuda" else "reference"
 
 
 def register() -> None:
@@ -49,4 +75,4 @@ def unregister() -> None:
 
 
 __all__ = ["ATTENTION_NAME", "METADATA_KWARG", "StepMetadata", "paged_attention_forward",
-           "paged_attention_reference", "register", "unregister"]
+           "paged_attention_reference", "register", "resolve_backend", "unregister"]

@@ -11,57 +11,87 @@ import torch
 class StepMetadata:
     """One packed step: B requests, T new tokens in total, all index tensors already on the device.
 
-    Request i owns query tokens [query_start[i], query_start[i] + query_lens[i]) of the packed
-    stream; after this step its cache holds context_lens[i] tokens, the last query_lens[i] of
-    which are this step's. For attention the step is viewed as a padded batch [B, max_q] x
-    [B, max_ctx] through index tensors (padding entries repeat a valid index).
+    Request i owns query tokens [query_start[i], query_start[i + 1]) of the packed stream; after
+    this step its cache holds context_lens[i] tokens, the last of which are this step's. Its
+    context lives in the pages block_table[i, :] (token t at slot page * page_size + t % page_size).
+
+    This is what the paged kernels read directly. The pure-torch reference instead needs a padded
+    view ([B, max_query_len] queries x [B, max_context] keys); `padded_view()` derives it on the
+    device, once per forward, so that the host uploads only the compact block table.
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    q_index: torch.Tensor  # [B, max_q] rows of the packed stream
-    kv_index: torch.Tensor  # [B, max_ctx] cache slots of each request's context, in position order
-    out_index: torch.Tensor  # [T] flat positions in [B * max_q] of the real query rows, packed order
-    q_pos: torch.Tensor  # [B, max_q] absolute position of each query row
-    q_valid: torch.Tensor  # [B, max_q], nonzero where the query row is real
-    query_start: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
+    block_table: torch.Tensor  # [B, W] pages of each request (padding repeats a valid page)
+    query_start: torch.Tensor  # [B + 1] cumulative query lengths
+    context_lens: torch.Tensor  # [B] context length after this step
+    page_size: int
+    max_query_len: int  # host: the longest query of the step
+    max_context: int  # host: a bound on every context length (a bucket: shapes change rarely)
+    backend: str = "reference"  # the attention kernel: "reference" or "triton" (attention.resolve_backend)
     attention_calls: int = 0
-    _masks: dict = field(default_factory=dict, repr=False)
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request has exactly one query token."""
+        return self.max_query_len == 1
 
     def begin_forward(self) -> None:
         """Forget per-forward state: a static (CUDA-graph) metadata is reused with new values."""
         self.attention_calls = 0
-        self._masks.clear()
+        self._derived.clear()
+
+    def padded_view(self) -> dict[str, torch.Tensor]:
+        """Index tensors of the padded batch, computed on the device (no host sync):
+
+        q_index [B, max_q]: packed row of each query (padding repeats the last real row);
+        q_pos [B, max_q]: its absolute position; q_valid [B, max_q]: real rows;
+        kv_index [B, max_ctx]: cache slot of each context token (padding repeats the last);
+        out_index [T]: flat position in [B * max_q] of each packed row.
+        """
+        if "view" not in self._derived:
+            dev = self.block_table.device
+            starts, ends = self.query_start[:-1], self.query_start[1:]
+            ql = (ends - starts)[:, None]
+            ctx = self.context_lens[:, None]
+            j = torch.arange(self.max_query_len, device=dev)[None, :]
+            k = torch.minimum(torch.arange(self.max_context, device=dev)[None, :], ctx - 1)
+            page = self.page_size
+            t = torch.arange(self.slot_mapping.shape[0], device=dev)
+            owner = torch.searchsorted(ends, t, right=True)
+            self._derived["view"] = {
+                "q_index": starts[:, None] + torch.minimum(j, ql - 1),
+                "q_pos": ctx - ql + j,
+                "q_valid": j < ql,
+                "kv_index": self.block_table.gather(1, k // page) * page + k % page,
+                "out_index": owner * self.max_query_len + (t - starts[owner]),
+            }
+        return self._derived["view"]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Bool [B, 1, max_q, max_ctx]: query at position p sees key k when k <= p (and p - k < window).
-
-        Computed on the device, inside the step's compute (nothing of the step runs on another
-        stream), once per step and window. Padding query rows see key 0 only, so
-        that no row is fully masked (no NaN anywhere).
-        """
-        if sliding_window not in self._masks:
-            k = torch.arange(self.kv_index.shape[1], device=self.kv_index.device)[None, None, :]
-            p = self.q_pos[:, :, None]
+        """Bool [B, 1, max_q, max_ctx] of the padded view: query at position p sees key k when
+        k <= p (and p - k < window). Padding query rows see key 0 only, so that no row is fully
+        masked (no NaN anywhere)."""
+        name = ("mask", sliding_window)
+        if name not in self._derived:
+            view = self.padded_view()
+            k = torch.arange(self.max_context, device=self.block_table.device)[None, None, :]
+            p = view["q_pos"][:, :, None]
             allowed = k <= p
             if sliding_window is not None:
                 allowed &= (p - k) < sliding_window
-            self._masks[sliding_window] = torch.where(self.q_valid[:, :, None].bool(), allowed, k == 0)[:, None]
-        return self._masks[sliding_window]
+            self._derived[name] = torch.where(view["q_valid"][:, :, None], allowed, k == 0)[:, None]
+        return self._derived[name]
 
 
-def padded_layout(query_start: list[int], query_lens: list[int], context_lens: list[int]) -> dict[str, torch.Tensor]:
-    """Host-side index math of the padded view (everything but kv_index, which needs the pages)."""
-    ql = torch.tensor(query_lens)
-    ctx = torch.tensor(context_lens)
-    qs = torch.tensor(query_start)
-    j = torch.arange(int(ql.max()))[None, :]
-    q_valid = j < ql[:, None]
-    rows = torch.arange(len(query_lens))[:, None] * j.shape[1] + j
-    return {
-        "q_index": qs[:, None] + torch.minimum(j, ql[:, None] - 1),
-        "out_index": rows[q_valid],
-        "q_pos": ctx[:, None] - ql[:, None] + j,
-        "q_valid": q_valid.long(),
-    }
+def block_table_rows(page_lists: list[list[int]], context_lens: list[int], page_size: int, width: int) -> list[list[int]]:
+    """Each request's pages that hold its context, padded to `width` by repeating the last one."""
+    rows = []
+    for pages, ctx in zip(page_lists, context_lens):
+        used = pages[: -(-ctx // page_size)]
+        rows.append(used + used[-1:] * (width - len(used)))
+    return rows

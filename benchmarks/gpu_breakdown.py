@@ -1,0 +1,123 @@
+"""Where a decode step's GPU time goes, on the H200: kernel microbenchmarks and a per-kind split.
+
+1. Paged attention for decode, Triton vs the pure-torch reference, at the bench shapes: time per
+   call and the KV bytes read per second.
+2. One async run of a bench workload under torch.profiler: kernel time summed by kind (GEMMs,
+   attention, everything else) per decode step, from the kernels the graph replays launch.
+
+    python benchmarks/gpu_breakdown.py --shape llama3-8b --requests 32 --prompt 128 --new 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.attention.metadata import StepMetadata, block_table_rows
+from hf_async_cb.attention.reference import paged_attention_reference
+from hf_async_cb.attention.triton_paged import choose_splits, paged_attention_triton
+from hf_async_cb.bench import SHAPES, _prompts, build_model
+
+
+def time_ms(fn, iters=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def attention_table(shape: str, requests: int, contexts: list[int], page: int = 16) -> None:
+    c = SHAPES[shape]
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c["hidden_size"] // heads
+    print(f"\n{shape} decode attention, {requests} requests, one layer (bf16, page {page})")
+    print("| context | triton ms | splits | KV GB/s | reference ms | speed-up |\n|---|---|---|---|---|---|")
+    for ctx in contexts:
+        pages = requests * (-(-ctx // page))
+        kp = torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+        table = torch.arange(pages, device="cuda").view(requests, -1)
+        width = -(-ctx // 64) * 64 // page
+        table = torch.tensor(block_table_rows(table.tolist(), [ctx] * requests, page, max(width, table.shape[1])),
+                             device="cuda")
+        meta = StepMetadata(slot_mapping=torch.zeros(requests, dtype=torch.long, device="cuda"), block_table=table,
+                            query_start=torch.arange(requests + 1, device="cuda"),
+                            context_lens=torch.full((requests,), ctx, device="cuda"), page_size=page,
+                            max_query_len=1, max_context=-(-ctx // 64) * 64)
+        q = torch.randn(1, heads, requests, head_dim, device="cuda", dtype=torch.bfloat16)
+        t_tri = time_ms(lambda: paged_attention_triton(q, kp, vp, meta, None))
+        t_ref = time_ms(lambda: (meta.begin_forward(), paged_attention_reference(q, kp, vp, meta, None)))
+        kv_bytes = 2 * requests * ctx * kv_heads * head_dim * 2
+        print(f"| {ctx} | {t_tri:.3f} | {choose_splits(meta, kv_heads, q.device)} | {kv_bytes / t_tri / 1e6:,.0f} | "
+              f"{t_ref:.3f} | {t_ref / t_tri:.1f}x |")
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "paged_attention" in n or "merge_splits" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "splitk")):
+        return "GEMMs"
+    return "rest"
+
+
+def step_breakdown(shape: str, requests: int, prompt: int, new: int, config: BatchingConfig) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(shape, torch.device("cuda"), torch.bfloat16)
+    prompts = _prompts(requests, prompt, model.config.vocab_size)
+    engine = Engine(model, config)
+    engine.generate(prompts, max_new_tokens=new)  # warm-up: graph captures
+    pipeline = engine.pipeline(config.mode)
+    before = pipeline.num_steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, max_new_tokens=new)
+        torch.cuda.synchronize()
+    steps = pipeline.num_steps - before
+    totals: dict = collections.defaultdict(float)
+    names: dict = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower():
+            totals[kind(e.name)] += e.device_time_total / 1e3
+            names[e.name] += e.device_time_total / 1e3
+    total = sum(totals.values())
+    print(f"\n{shape}, {requests} x prompt {prompt} x {new} new, {config.mode}: kernel time per step "
+          f"over {steps} steps (prefill included)")
+    print("| kind | ms/step | share |\n|---|---|---|")
+    for k in ("GEMMs", "attention", "rest"):
+        print(f"| {k} | {totals[k] / steps:.3f} | {100 * totals[k] / total:.0f}% |")
+    print(f"| all kernels | {total / steps:.3f} | 100% |")
+    print("top kernels (ms/step):")
+    for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {ms / steps:8.3f}  {name[:110]}")
+    engine.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--contexts", default="256,640,1152,4096,16384")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--skip-steps", action="store_true")
+    args = p.parse_args()
+    attention_table(args.shape, args.requests, [int(c) for c in args.contexts.split(",")])
+    if not args.skip_steps:
+        config = BatchingConfig(mode="async", attention=args.attention, max_running_requests=args.requests,
+                                max_batch_tokens=2048)
+        step_breakdown(args.shape, args.requests, args.prompt, args.new, config)
+
+
+if __name__ == "__main__":
+    main()

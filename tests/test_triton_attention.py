@@ -1,0 +1,170 @@
+"""The Triton paged-attention kernels against the pure-torch reference (the oracle).
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1): small
+shapes, exact fp32 agreement, and the engine end to end against stock generate. On CUDA: bf16 at
+real sizes (GQA 1/4/8, head dims 64/128, page sizes 16/32/64, ragged lengths at and across page
+boundaries, 8K+ contexts, chunked prefill, sliding windows, split contexts), by relative error
+against the reference computed in fp32 on the same inputs.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton_paged = pytest.importorskip("hf_async_cb.attention.triton_paged",
+                                   reason="Triton is not installed (pip install -e '.[test]')")
+
+from hf_async_cb import BatchingConfig, Engine  # noqa: E402
+from hf_async_cb.attention import resolve_backend  # noqa: E402
+from hf_async_cb.attention.metadata import StepMetadata, block_table_rows  # noqa: E402
+from hf_async_cb.attention.reference import paged_attention_reference  # noqa: E402
+from models import generated_rows, random_prompts, stock_generate, tiny_model  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (real-size bf16 kernel checks)")
+
+
+def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dtype, device, seed=0):
+    """A random packed step over a shuffled page pool: (query, key pool, value pool, metadata)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // page_size) for c in context_lens]
+    num_pages = sum(need) + 2
+    order = torch.randperm(num_pages, generator=g).tolist()
+    pages, used = [], 0
+    for n in need:
+        pages.append(order[used:used + n])
+        used += n
+    max_context = -(-max(context_lens) // 64) * 64
+    width = -(-max_context // page_size)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    total = starts[-1]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    meta = StepMetadata(
+        slot_mapping=torch.zeros(total, dtype=torch.long, device=device),
+        block_table=torch.tensor(block_table_rows(pages, context_lens, page_size, width), device=device),
+        query_start=torch.tensor(starts, device=device), context_lens=torch.tensor(context_lens, device=device),
+        page_size=page_size, max_query_len=max(query_lens), max_context=max_context, backend="triton",
+    )
+    return rand(1, heads, total, head_dim), rand(num_pages * page_size, kv_heads, head_dim), \
+        rand(num_pages * page_size, kv_heads, head_dim), meta
+
+
+def relative_error(query, keys, values, meta, window=None, splits=None):
+    out = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, num_splits=splits)
+    ref = paged_attention_reference(query.float(), keys.float(), values.float(), meta, None, window)
+    assert out.shape == ref.shape and out.dtype == query.dtype
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+# -- CPU (interpreter) and CUDA: small shapes, fp32, against the reference -----------------------
+
+SMALL = {
+    "decode": ([1, 1, 1, 1], [1, 16, 17, 40]),
+    "prefill": ([5, 16, 3], [5, 16, 3]),
+    "chunk after cached pages": ([7, 1, 20], [30, 100, 20]),
+    "mixed decode and chunks": ([1, 9, 1, 33], [64, 40, 129, 50]),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (4, 1, 32), (8, 2, 24)])
+@pytest.mark.parametrize("window", [None, 8])
+def test_kernel_matches_reference_fp32(name, heads, kv_heads, head_dim, window):
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = SMALL[name]
+    step = make_step(query_lens, context_lens, heads, kv_heads, head_dim, 16, torch.float32, device)
+    assert relative_error(*step, window=window) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_contexts_merge_exactly(splits):
+    """Decode split over the context (more splits than some contexts have blocks) == unsplit."""
+    device = "cuda" if CUDA else "cpu"
+    step = make_step([1, 1, 1], [3, 150, 300], 4, 2, 32, 16, torch.float32, device, seed=splits)
+    assert relative_error(*step, splits=splits) < 1e-5
+    assert relative_error(*step, window=50, splits=splits) < 1e-5
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([4, 16, 32]), group=st.sampled_from([1, 2, 4]))
+def test_random_steps_match_reference(data, page_size, group):
+    """Random ragged steps: each request a decode token or a prefill chunk over cached pages."""
+    n = data.draw(st.integers(1, 5))
+    query_lens = data.draw(st.lists(st.integers(1, 24), min_size=n, max_size=n))
+    context_lens = [q + data.draw(st.integers(0, 90)) for q in query_lens]
+    window = data.draw(st.sampled_from([None, 1, 7, 33]))
+    device = "cuda" if CUDA else "cpu"
+    step = make_step(query_lens, context_lens, 2 * group, 2, 16, page_size, torch.float32, device)
+    assert relative_error(*step, window=window) < 1e-5
+
+
+def test_backend_choice():
+    assert resolve_backend("reference", torch.device("cpu")) == "reference"
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"  # the interpreter, here
+    if CUDA:
+        assert resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_forcing_triton_without_a_way_to_run_it_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(triton_paged, "runs_on", lambda device: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_backend("triton", torch.device("cpu"))
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU end-to-end run of the interpreted kernels (CUDA runs test_gpu.py)")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("family, graphs", [("llama", False), ("mistral", True), ("gpt2", False), ("qwen3", True)])
+def test_engine_with_triton_attention_matches_stock(family, graphs, mode):
+    """Chunked prefill, a small pool (preemption), padded graph buckets: every token is stock's."""
+    model = tiny_model(family)
+    prompts = random_prompts(6, 3, 60, seed=11)
+    expected = stock_generate(model, prompts, max_new_tokens=8, eos_token_id=[2], pad_token_id=0)
+    engine = Engine(model, BatchingConfig(mode=mode, attention="triton", cuda_graphs=graphs, page_size=8,
+                                          num_pages=40, max_batch_tokens=40))
+    outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, (2,))
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+# -- CUDA: real sizes in bf16 --------------------------------------------------------------------
+
+RAGGED = [1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 2049]
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_bf16_decode_ragged(group, head_dim, page_size):
+    kv_heads = 8 if group < 8 else 4
+    step = make_step([1] * len(RAGGED), RAGGED, kv_heads * group, kv_heads, head_dim, page_size,
+                     torch.bfloat16, "cuda", seed=group + head_dim + page_size)
+    assert relative_error(*step) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_chunked_prefill(group, head_dim):
+    query_lens = [1, 64, 200, 17, 512, 1]
+    context_lens = [900, 64, 700, 17, 4096, 33]
+    step = make_step(query_lens, context_lens, 4 * group, 4, head_dim, 16, torch.bfloat16, "cuda")
+    assert relative_error(*step) < 1e-2
+    assert relative_error(*step, window=256) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("context", [8192, 16384])
+def test_bf16_long_contexts_split_and_whole(context):
+    step = make_step([1, 1, 1, 1], [context, context - 1, 17, context // 2 + 3], 32, 8, 128, 16,
+                     torch.bfloat16, "cuda", seed=context)
+    assert triton_paged.choose_splits(step[3], 8, torch.device("cuda")) > 1
+    assert relative_error(*step) < 1e-2
+    assert relative_error(*step, splits=1) < 1e-2
