@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, kernel/step breakdown and a quick side-by-side bench. Results in $OUT.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  echo "commit ${GIT_COMMIT:-unknown}"; } 2>&1 | tee "$OUT/gpu.txt"
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gpu.py tests/test_triton_attention.py -p no:cacheprovider \
+  -k "${TEST_FILTER:-}" 2>&1 | tail -40 > "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
+for b in ${BREAKDOWNS:-}; do
+  IFS=: read -r shape req new <<< "$b"
+  timeout 150 python3 benchmarks/gpu_breakdown.py --shape "$shape" --requests "$req" --new "$new" 2>&1 \
+    | grep -v -i warn | tee -a "$OUT/breakdown.txt"
+done
+IFS=';' read -ra RUNS <<< "${BENCH_RUNS:-}"
+for run in "${RUNS[@]}"; do
+  read -r shape req prompt new compare extra <<< "$run"
+  timeout ${BENCH_TIMEOUT:-400} python3 -m hf_async_cb bench --shape "$shape" --requests "$req" --prompt "$prompt" \
+    --new "$new" --compare "$compare" --no-progress ${extra:-} --json "$OUT/bench-$shape-$req-$new-${extra//-/}.json" 2>&1 \
+    | grep -v -i "warn" | tail -14 | tee -a "$OUT/bench.txt"
+done
