@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .metadata import StepMetadata
 
-NEG_INF_INIT = -1.0e30  # finite start for the running max: exp(init - init) = 1, never NaN
+NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
 
 
 @triton.jit
