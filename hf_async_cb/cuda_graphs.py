@@ -44,7 +44,7 @@ class GraphKey:
 
 class _Graph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
-                 max_previous: int, pool) -> None:
+                 max_previous: int, pool, stream) -> None:
         """Static tensors start as this step's inputs, so the warm-up and the capture run on real data."""
         device = inputs.input_ids.device
         self.tensors = {name: getattr(inputs, name).clone() for name in _STATIC}
@@ -65,20 +65,21 @@ class _Graph:
         self.graph = None
         self.load(inputs, previous_tokens)
         if device.type == "cuda":
-            self._capture(pool)
+            self._capture(pool, stream)
 
-    def _capture(self, pool) -> None:
-        # Warm-up on a side stream (cuBLAS workspaces, lazy kernels); it writes the same K/V as
-        # the step itself will, at the same slots, so it changes nothing.
+    def _capture(self, pool, stream) -> None:
+        # Warm-up on the capture stream itself, so that per-stream state (cuBLAS workspaces, lazy
+        # kernels) exists before the capture begins; it writes the same K/V as the step itself
+        # will, at the same slots, so it changes nothing.
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             self._fn()
-        current.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self._fn()
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = self._fn()
+        self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
         for name in _STATIC:
@@ -101,11 +102,14 @@ class DecodeGraphs:
         self.runner = runner
         self.max_batch = _pow2(max_batch)
         self.pool = torch.cuda.graph_pool_handle() if is_cuda else None
+        self.stream = torch.cuda.Stream() if is_cuda else None  # every capture (and its warm-up) runs here
         self._graphs: dict[GraphKey, _Graph] = {}
+        self.failed: set[GraphKey] = set()  # buckets whose capture failed: their steps run eagerly
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a decode-only, all-greedy step without logits processors, else None."""
+        """The bucket of a decode-only, all-greedy step without logits processors (and whose
+        capture has not failed), else None."""
         chunks = plan.chunks
         if len(chunks) > self.max_batch:
             return None
@@ -115,14 +119,27 @@ class DecodeGraphs:
                     or r.keep_scores):
                 return None
         context = max(c.start + 1 for c in chunks)
-        return GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))
+        key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))
+        return None if key in self.failed else key
 
     def step(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Run a padded decode step through its graph (captured now if it is the bucket's first)."""
+        """Run a padded decode step through its graph (captured now if it is the bucket's first).
+
+        A capture that fails (an operation of the model that cannot be captured) is not fatal:
+        the bucket is marked failed, warned about once, and the step runs eagerly, as do later
+        steps of that bucket."""
         graph = self._graphs.get(key)
         if graph is None:
             logger.info("capturing a decode graph for batch %d, context %d", key.batch, key.context)
-            graph = self._graphs[key] = _Graph(self.runner, inputs, previous_tokens, self.max_batch, self.pool)
+            try:
+                graph = _Graph(self.runner, inputs, previous_tokens, self.max_batch, self.pool, self.stream)
+            except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
+                if not self.failed:
+                    logger.warning("CUDA graph capture failed (%s: %s); steps of that shape run eagerly",
+                                   type(e).__name__, str(e).splitlines()[0])
+                self.failed.add(key)
+                return self.runner.step(inputs, previous_tokens)
+            self._graphs[key] = graph
         else:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1

@@ -50,3 +50,21 @@ def test_sampled_and_processor_steps_stay_eager():
     engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, top_k=5))
     assert engine.graphs.num_replays == 0
     assert len(engine.graphs) == 0
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
+    """A model op that cannot be captured must cost speed, never the generation."""
+    from hf_async_cb import cuda_graphs
+
+    def failing_capture(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs._Graph, "__init__", failing_capture)
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 40, seed=4)
+    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
+    with caplog.at_level("WARNING", logger="hf_async_cb.cuda_graphs"):
+        outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    assert engine.graphs.failed and engine.graphs.num_replays == 0 and len(engine.graphs) == 0
+    assert sum("capture failed" in r.message for r in caplog.records) == 1  # warned once
