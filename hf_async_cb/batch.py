@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table_rows
@@ -105,7 +106,9 @@ class BatchBuilder:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
-        table = torch.tensor(block_table_rows(page_lists, context_lens, self.page_size, width), dtype=torch.long)
+        # numpy builds a [requests, pages] table from lists ~7x faster than torch.tensor does.
+        table = torch.from_numpy(np.array(block_table_rows(page_lists, context_lens, self.page_size, width),
+                                          dtype=np.int64))
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]

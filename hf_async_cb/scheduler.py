@@ -78,15 +78,15 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         # A request whose last sampled tokens are all still in flight has nothing left to run.
-        ready = [r for r in self.running if r.wants_more_tokens]
-        decoding = [r for r in ready if r.num_tokens - r.num_computed == 1]
-        prefilling = [r for r in ready if r.num_tokens - r.num_computed > 1]
-        for req in decoding + prefilling:
+        ready = [(r, r.num_tokens - r.num_computed) for r in self.running if r.wants_more_tokens]
+        decoding = [item for item in ready if item[1] == 1]
+        prefilling = [item for item in ready if item[1] > 1]
+        for req, left in decoding + prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(left, budget)
             victims = self._reserve(req, n)
             if victims:
                 preempted.extend(victims)
@@ -95,7 +95,7 @@ class Scheduler:
                 chunks = [c for c in chunks if c.request not in victims]
                 if req in victims:
                     continue
-            chunks.append(self._chunk(req, n))
+            chunks.append(ScheduledChunk(req, req.num_computed, n, samples=n == left))
             budget -= n
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
         deferred: list[Request] = []
@@ -172,7 +172,8 @@ class Scheduler:
             victims.append(victim)
             if victim is req:
                 return victims
-        req.pages.extend(self.allocator.allocate(needed))
+        if needed:
+            req.pages.extend(self.allocator.allocate(needed))
         return victims
 
     def preempt(self, req: Request) -> None:
