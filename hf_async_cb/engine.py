@@ -120,13 +120,30 @@ class Engine:
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
 
+    def _activation_bytes(self) -> int:
+        """A bound on a step's transient memory beyond the KV pool: the widest step's hidden states,
+        projections and MLP activations (a few live at once), and logits at every sampled row (in
+        the model dtype, in fp32, and the sampler's fp32 working copies), doubled for the CUDA-graph
+        pool and the allocator's fragmentation."""
+        c = self.model.config
+        hidden = c.hidden_size
+        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+        item = torch.finfo(self.dtype).bits // 8
+        per_token = (6 * hidden + 4 * inter) * item
+        rows = min(self.config.max_running_requests, self.config.max_batch_tokens)
+        logits = rows * self.vocab_size * (item + 3 * 4)
+        return 2 * (self.config.max_batch_tokens * per_token + logits)
+
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
             return self.config.num_pages
         bytes_per_page = self.layout.bytes_per_token(self.dtype) * self.config.page_size
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.kv_memory_fraction)
+            reserve = self._activation_bytes()
+            budget = max(0, min(int(free * self.config.kv_memory_fraction), free - reserve))
+            logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",
+                        budget / 2**30, free / 2**30, reserve / 2**30)
         else:
             budget = self.config.cpu_kv_cache_bytes
         num_pages = budget // bytes_per_page
