@@ -2,7 +2,8 @@
 
 Paths: "stock" (plain generate), "hf-cb-sync" / "hf-cb-async" (transformers' own continuous
 batching), "sync" / "async" (ours), and ablations of ours: a suffix "-ref" runs the pure-torch
-reference attention, "-unfused" leaves the projections unfused, "-eager" runs without CUDA graphs
+reference attention, "-unfused" leaves the model unfused (projections and element-wise work),
+"-noew" fuses the projections only, "-eager" runs without CUDA graphs
 (e.g. "async-ref-unfused"). The "mixed" workload gives each request its own prompt and output
 length (our paths only: the others take one length for a whole batch). The floor is what memory bandwidth allows: each decode step
 reads every weight once and the KV of every running request, at the copy bandwidth measured on
@@ -30,7 +31,8 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
 PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
-ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False}, "eager": {"cuda_graphs": False}}
+ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
+             "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False}}
 
 
 def our_path_config(path: str, config):

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
     _workload_args(p, shape="llama3.2-1b", requests=64, prompt=128, new=256)
     p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async",
-                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -eager")
+                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager")
     p.add_argument("--mixed", action="store_true",
                    help="prompts and outputs of 64..1024 tokens per request (our paths only)")
     p.add_argument("--page-size", type=int, default=16)

@@ -32,6 +32,8 @@ class BatchingConfig:
     fuse_projections: run each layer's q/k/v (and gate/up) projections as one GEMM over their
         concatenated weights (fusion.py; the model's own weights become views, nothing is copied
         twice). None: on CUDA only. Engine.close() restores the model.
+    fuse_elementwise: run RMSNorm, rotary embeddings and the MLP's SiLU-mul as one Triton kernel
+        each, rounding as torch does (elementwise.py). None: on CUDA only. Engine.close() restores.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay greedy decode steps from CUDA graphs, one per (batch, context) bucket,
         captured on first use. None: on CUDA. On the CPU, True runs the same padded static-buffer
@@ -50,6 +52,7 @@ class BatchingConfig:
     trust_untested_model: bool = False
     cuda_graphs: bool | None = None
     fuse_projections: bool | None = None
+    fuse_elementwise: bool | None = None
     progress: bool = False
     profile: bool = False
 

@@ -88,10 +88,18 @@ class Engine:
         check_model_supported(model, self.config.trust_untested_model)
         self.model = model
         self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
         fuse = self.config.fuse_projections
-        self._fusion = fuse_projections(model) if (self.device.type == "cuda" if fuse is None else fuse) else None
-        if self._fusion is not None:
-            logger.info("hf_async_cb: %s", self._fusion.summary())
+        self._fusion = fuse_projections(model) if (on_cuda if fuse is None else fuse) else None
+        fuse = self.config.fuse_elementwise
+        self._elementwise = None
+        if on_cuda if fuse is None else fuse:
+            from .elementwise import fuse_elementwise  # imports Triton: only where it is wanted
+
+            self._elementwise = fuse_elementwise(model)
+        for prepared in (self._fusion, self._elementwise):
+            if prepared is not None:
+                logger.info("hf_async_cb: %s", prepared.summary())
         self.dtype = _model_dtype(model)
         self.layout = KVLayout.from_config(model.config)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -298,6 +306,9 @@ class Engine:
             self.shutdown(cancel=True)
         self.graphs = None
         self._pipelines.clear()
+        if self._elementwise is not None:  # before the projections: its MLP forward uses their fused GEMM
+            self._elementwise.restore()
+            self._elementwise = None
         if self._fusion is not None:
             self._fusion.restore()
             self._fusion = None

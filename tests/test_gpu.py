@@ -134,3 +134,50 @@ def test_triton_attention_gives_the_reference_tokens(family):
     triton, reference = (run_engine(model, prompts, 24, (2,), mode="async", attention=a, max_batch_tokens=48)
                          for a in ("triton", "reference"))
     assert triton == reference
+
+
+def _ulps(a, b):
+    """Largest difference in bf16 ulps (of b's magnitude) between two bf16 tensors."""
+    ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    return ((a.float() - b.float()).abs() / ulp).max().item()
+
+
+def test_elementwise_kernels_round_like_torch_in_bf16():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_async_cb import elementwise as ew
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(37, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(4096, device="cuda", generator=g).to(torch.bfloat16)
+    h = x.float()
+    expected = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert _ulps(ew.rms_norm(x, w, 1e-5), expected) <= 1
+    q = torch.randn(2, 11, 32, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(2, 11, 8, 128, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+    cos = torch.randn(2, 11, 128, device="cuda", generator=g).to(torch.bfloat16)
+    sin = torch.randn(2, 11, 128, device="cuda", generator=g).to(torch.bfloat16)
+    for got, want in zip(ew.rotary(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, want)
+    y = torch.randn(37, 2 * 14336, device="cuda", generator=g).to(torch.bfloat16)
+    gate, up = y.chunk(2, dim=-1)
+    assert _ulps(ew.silu_mul(y), torch.nn.functional.silu(gate) * up) <= 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "phi3"])
+def test_fused_model_logits_match_the_original_in_bf16(family):
+    from hf_async_cb.elementwise import fuse_elementwise
+    from hf_async_cb.fusion import fuse_projections
+
+    model = cuda_model(family)
+    ids = torch.randint(3, 256, (4, 33), device="cuda")
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        with fuse_projections(model) as projections, fuse_elementwise(model) as elementwise:
+            assert elementwise.rms_norms > 0
+            got = model(ids).logits.float()
+            elementwise.restore()
+            projections.restore()
+        again = model(ids).logits.float()
+    assert torch.equal(again, expected)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
