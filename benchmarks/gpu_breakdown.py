@@ -16,7 +16,7 @@ import collections
 import torch
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.attention.metadata import StepMetadata, block_table_rows
+from hf_async_cb.attention.metadata import StepMetadata, block_table
 from hf_async_cb.attention.reference import paged_attention_reference
 from hf_async_cb.attention.triton_paged import choose_splits, paged_attention_triton
 from hf_async_cb.bench import SHAPES, _prompts, build_model
@@ -46,8 +46,8 @@ def attention_table(shape: str, requests: int, contexts: list[int], page: int = 
         vp = torch.randn_like(kp)
         table = torch.arange(pages, device="cuda").view(requests, -1)
         width = -(-ctx // 64) * 64 // page
-        table = torch.tensor(block_table_rows(table.tolist(), [ctx] * requests, page, max(width, table.shape[1])),
-                             device="cuda")
+        table = torch.from_numpy(block_table(table.tolist(), [ctx] * requests, page,
+                                             max(width, table.shape[1]))).to("cuda")
         meta = StepMetadata(slot_mapping=torch.zeros(requests, dtype=torch.long, device="cuda"), block_table=table,
                             query_start=torch.arange(requests + 1, device="cuda"),
                             context_lens=torch.full((requests,), ctx, device="cuda"), page_size=page,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention.metadata import StepMetadata, block_table_rows
+from .attention.metadata import StepMetadata, block_table
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
@@ -39,6 +39,11 @@ class StepInputs:
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
 
 
+def _ints(values) -> torch.Tensor:
+    """int64 tensor of a Python list (numpy converts lists several times faster than torch.tensor)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
 class BatchBuilder:
     def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference") -> None:
         """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read."""
@@ -49,9 +54,9 @@ class BatchBuilder:
     def _slots(self, table, query_start, query_lens, context_lens):
         """Position and cache slot of each new token, from the block table, in a few batched ops."""
         ps = self.page_size
-        ql = torch.tensor(query_lens)
+        ql = _ints(query_lens)
         rows = torch.repeat_interleave(torch.arange(len(query_lens)), ql)
-        positions = (torch.tensor(context_lens) - ql)[rows] + torch.arange(int(ql.sum())) - torch.tensor(query_start)[rows]
+        positions = (_ints(context_lens) - ql)[rows] + torch.arange(int(ql.sum())) - _ints(query_start)[rows]
         slot_mapping = table[rows, positions // ps] * ps + positions % ps
         return positions, slot_mapping
 
@@ -72,15 +77,22 @@ class BatchBuilder:
         for chunk in plan.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
-            known = min(stop, req.num_known_tokens)
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            n_prompt = len(prompt)
+            known = min(stop, n_prompt + len(output))
             query_start.append(len(ids))
-            ids.extend(req.token_ids(start, known))
-            carry.extend([-1] * (known - start))
+            if known - start == 1:  # the common decode step: one known token
+                ids.append(prompt[start] if start < n_prompt else output[start - n_prompt])
+                carry.append(-1)
+            elif known > start:
+                ids.extend(req.token_ids(start, known))
+                carry.extend([-1] * (known - start))
             if stop > known:  # the last token is still on its way from the step in flight
-                if stop - known != 1 or id(req) not in carry_rows:
+                row = carry_rows.get(id(req))
+                if stop - known != 1 or row is None:
                     raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
                 ids.append(PLACEHOLDER)
-                carry.append(carry_rows[id(req)])
+                carry.append(row)
             page_lists.append(req.pages)
             query_lens.append(n)
             context_lens.append(stop)
@@ -106,18 +118,18 @@ class BatchBuilder:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
-        # numpy builds a [requests, pages] table from lists ~7x faster than torch.tensor does.
-        table = torch.from_numpy(np.array(block_table_rows(page_lists, context_lens, self.page_size, width),
-                                          dtype=np.int64))
+        table = torch.from_numpy(block_table(page_lists, context_lens, self.page_size, width))
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
-        # Index of the token each row samples in its request's output (what seeded sampling hashes).
-        token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
-        sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
-        ints = [torch.tensor(ids), torch.arange(0) if not has_carry else torch.tensor(carry),
-                positions, slot_mapping, torch.tensor(logits_rows, dtype=torch.long), table,
-                torch.tensor([*query_start, len(ids)]), torch.tensor(context_lens), *sampling_ints]
+        sampling_ints, sampling_floats = [], []
+        if any(p.do_sample for p in params):
+            # Index of the token each row samples in its request's output (what seeded sampling hashes).
+            token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
+            sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
+        ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
+                positions, slot_mapping, _ints(logits_rows), table,
+                _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
         dev, floats = slot.upload(ints, sampling_floats)
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
          context_lens_d, *dev_sampling_ints) = dev

@@ -87,7 +87,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
-            victims = self._reserve(req, n)
+            # Most decode steps need no new page: skip the allocator then.
+            fits = req.num_computed + n <= len(req.pages) * self.page_size
+            victims = () if fits else self._reserve(req, n)
             if victims:
                 preempted.extend(victims)
                 # A victim may already have a chunk in this step (decodes go before older prefills).

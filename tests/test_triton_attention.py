@@ -17,7 +17,7 @@ triton_paged = pytest.importorskip("hf_async_cb.attention.triton_paged",
 
 from hf_async_cb import BatchingConfig, Engine  # noqa: E402
 from hf_async_cb.attention import resolve_backend  # noqa: E402
-from hf_async_cb.attention.metadata import StepMetadata, block_table_rows  # noqa: E402
+from hf_async_cb.attention.metadata import StepMetadata, block_table  # noqa: E402
 from hf_async_cb.attention.reference import paged_attention_reference  # noqa: E402
 from models import generated_rows, random_prompts, stock_generate, tiny_model  # noqa: E402
 
@@ -47,7 +47,7 @@ def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dt
 
     meta = StepMetadata(
         slot_mapping=torch.zeros(total, dtype=torch.long, device=device),
-        block_table=torch.tensor(block_table_rows(pages, context_lens, page_size, width), device=device),
+        block_table=torch.from_numpy(block_table(pages, context_lens, page_size, width)).to(device),
         query_start=torch.tensor(starts, device=device), context_lens=torch.tensor(context_lens, device=device),
         page_size=page_size, max_query_len=max(query_lens), max_context=max_context, backend="triton",
     )

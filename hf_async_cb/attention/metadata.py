@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -88,10 +90,12 @@ class StepMetadata:
         return self._derived[name]
 
 
-def block_table_rows(page_lists: list[list[int]], context_lens: list[int], page_size: int, width: int) -> list[list[int]]:
-    """Each request's pages that hold its context, padded to `width` by repeating the last one."""
-    rows = []
-    for pages, ctx in zip(page_lists, context_lens):
-        used = pages[: -(-ctx // page_size)]
-        rows.append(used + used[-1:] * (width - len(used)))
-    return rows
+def block_table(page_lists: list[list[int]], context_lens: list[int], page_size: int, width: int) -> np.ndarray:
+    """[requests, width] int64: each request's pages that hold its context, padded by repeating the
+    last one. Built with one flat gather in numpy: the per-request Python work is one length."""
+    used = np.fromiter(((c + page_size - 1) // page_size for c in context_lens), dtype=np.int64,
+                       count=len(context_lens))
+    sizes = np.fromiter((len(p) for p in page_lists), dtype=np.int64, count=len(page_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int64, count=int(sizes.sum()))
+    starts = np.cumsum(sizes) - sizes
+    return flat[starts[:, None] + np.minimum(np.arange(width)[None, :], used[:, None] - 1)]
