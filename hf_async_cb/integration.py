@@ -169,6 +169,7 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         temperature=1.0 if neutral or gc.temperature is None else float(gc.temperature),
         top_k=0 if neutral else int(gc.top_k or 0),
         top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
+        min_p=0.0 if neutral or gc.min_p is None else float(gc.min_p),
         eos_token_ids=tuple(eos),
     )
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
@@ -250,14 +251,14 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     this call, each None when stock would build nothing beyond what the engine does natively.
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
-    anything but the temperature/top-k/top-p warpers (which the device sampler implements) sends the
+    anything but the temperature/top-k/top-p/min-p warpers (which the device sampler implements) sends the
     call to the slow path, so an option this module has never heard of is never silently dropped.
     They are applied to each request's row as stock holds it (its left padding included), so that
     every option behaves as in stock generate, only one request at a time.
     """
     from transformers import LogitsProcessorList, StoppingCriteriaList
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     if gc.stop_strings is not None and tokenizer is None:
@@ -273,7 +274,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
         )
 
-    native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
     if all(isinstance(p, native) for p in processor(attention_mask[0])):
         processor = None
     else:

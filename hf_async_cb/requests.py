@@ -14,7 +14,7 @@ import torch
 class SamplingParams:
     """How one request picks and stops its tokens (the subset of GenerationConfig we run).
 
-    top_k=0 and top_p=1.0 switch those filters off; eos_token_ids may be empty. seed: this request's
+    top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; eos_token_ids may be empty. seed: this request's
     own random stream, so that its samples do not depend on the other requests in its batches.
     """
 
@@ -23,6 +23,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
@@ -41,6 +42,8 @@ class SamplingParams:
                 raise ValueError(f"top_k must be >= 0, got {self.top_k}.")
             if not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            if not 0.0 <= self.min_p <= 1.0:
+                raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))

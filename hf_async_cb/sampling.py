@@ -1,6 +1,6 @@
 """Vectorised per-request sampling on the device: greedy rows and sampled rows share one batch.
 
-Sampled rows follow stock transformers' warpers, in its order: temperature, top-k, top-p, then a
+Sampled rows follow stock transformers' warpers, in its order: temperature, top-k, top-p, min-p, then a
 draw from the softmax: a multinomial draw from the engine's generator, or, for a request with its
 own seed, a Gumbel-max draw whose noise is a hash of (seed, index of the token in the request's
 output, token id). That noise depends on nothing else, so a seeded request samples the same tokens
@@ -23,6 +23,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [S] float32
     top_k: torch.Tensor  # [S] int64, 0 = off
     top_p: torch.Tensor  # [S] float32, 1.0 = off
+    min_p: torch.Tensor  # [S] float32, 0.0 = off
     seed: torch.Tensor  # [S] int64, -1 = no seed of its own (use the engine's generator)
     token_index: torch.Tensor  # [S] int64, index of the token being sampled in the request's output
 
@@ -42,6 +43,7 @@ class SamplingTensors:
             # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
             torch.tensor([p.temperature if p.do_sample else 1.0 for p in params]),
             torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.min_p for p in params]),
         ]
         return ints, floats
 
@@ -49,8 +51,8 @@ class SamplingTensors:
     def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "SamplingTensors | None":
         if not ints:
             return None
-        (top_k, seed, token_index), (do_sample, temperature, top_p) = ints, floats
-        return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        (top_k, seed, token_index), (do_sample, temperature, top_p, min_p) = ints, floats
+        return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                    token_index=token_index)
 
     @classmethod
@@ -85,7 +87,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
 
 
 def _warp_sorted(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p (stock's order), on the scores sorted in descending order."""
+    """Temperature, top-k, top-p, min-p (stock's order), on the scores sorted in descending order."""
     scores = logits / params.temperature[:, None]
     vocab = scores.shape[-1]
     sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
@@ -97,6 +99,11 @@ def _warp_sorted(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.T
     probs_sorted = sorted_scores.softmax(dim=-1)
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     remove_sorted = mass_before >= params.top_p[:, None]
+    remove_sorted[:, 0] = False
+    sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
+    # min-p: drop tokens less likely than min_p times the most likely one (always keep the first).
+    probs_sorted = sorted_scores.softmax(dim=-1)
+    remove_sorted = probs_sorted < params.min_p[:, None] * probs_sorted[:, :1]
     remove_sorted[:, 0] = False
     return sorted_scores.masked_fill(remove_sorted, float("-inf")), sorted_idx
 

@@ -211,3 +211,20 @@ def test_keyboard_interrupt_leaves_the_model_usable(model, batch):
     assert model.config._attn_implementation == impl
     expected = stock_generate(model, prompts, max_new_tokens=8)
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="async"), expected)
+
+
+def test_min_p_runs_on_the_device_sampler(model, batch, monkeypatch):
+    """min_p is one of the built-in sampling options: no per-request slow path, and seeded runs agree
+    between the loops; min_p=1.0 keeps only the most likely token, i.e. greedy."""
+    from hf_async_cb import integration
+
+    _, ids, mask = batch
+    slow = []
+    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.9, min_p=0.1)
+    a = model.generate(ids, batching="sync", batching_config=BatchingConfig(seed=1), **kwargs)
+    b = model.generate(ids, batching="async", batching_config=BatchingConfig(seed=1), **kwargs)
+    assert torch.equal(a, b) and not slow
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="off")
+    top = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, min_p=1.0, batching="async")
+    assert torch.equal(top, greedy) and not slow

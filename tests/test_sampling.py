@@ -307,3 +307,24 @@ def test_generator_state_advances():
     gen2 = torch.Generator().manual_seed(1234)
     assert torch.equal(sample(logits, tensors, gen2), first)
     assert torch.equal(sample(logits, tensors, gen2), second)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.2), (1.3, 20, 0.9, 0.1), (1.0, 0, 0.95, 0.5), (1.0, 0, 1.0, 1.0),
+])
+def test_min_p_matches_stock(temperature, top_k, top_p, min_p):
+    """min-p after temperature, top-k and top-p, as stock orders its warpers (MinPLogitsWarper)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = _fixed_logits(7)
+    input_ids = torch.zeros((1, 1), dtype=torch.long)
+    scores = TemperatureLogitsWarper(temperature)(input_ids, logits[None].clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(input_ids, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(input_ids, scores)
+    target = MinPLogitsWarper(min_p)(input_ids, scores)[0].double().softmax(dim=-1)
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    draws = sample(logits.expand(N_DRAWS, VOCAB).contiguous(), _tensors([params] * N_DRAWS),
+                   torch.Generator().manual_seed(5))
+    _check_distribution(draws, target, f"T={temperature} k={top_k} p={top_p} min_p={min_p}")
