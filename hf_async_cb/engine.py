@@ -14,6 +14,7 @@ from .batch import BatchBuilder
 from .config import BatchingConfig, resolve_mode
 from .cuda_graphs import DecodeGraphs
 from .devices import Streams
+from .errors import explain_out_of_memory
 from .fusion import fuse_projections
 from .kv_cache import KVLayout, PageAllocator, PagedKVCache
 from .models import check_model_supported, has_learned_positions, max_positions
@@ -251,13 +252,16 @@ class Engine:
                             remaining.discard(id(r))
                         progress.update(done)
                 loop.drain()
-            except BaseException:
+            except BaseException as error:
                 loop.abandon()
                 for r in requests:
                     if not r.is_finished:
                         self.scheduler.finish(r, RequestStatus.ABORTED)
                         r.finish_reason = FinishReason.ABORTED
                     r.num_pending = 0
+                explained = explain_out_of_memory(error, self.config)
+                if explained is not error:
+                    raise explained from error
                 raise
 
     # -- online API ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 
+from .errors import explain_out_of_memory
 from .requests import FinishReason, Request, RequestOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class BackgroundLoop:
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
                     logger.exception("a step failed; failing its requests")
                     self.pipeline.abandon()
-                    self._fail_active(error)
+                    self._fail_active(explain_out_of_memory(error, self.engine.config))
                     continue
                 for req in finished:
                     handle = self._active.pop(id(req), None)

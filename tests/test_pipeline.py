@@ -3,6 +3,7 @@ speculative tokens after EOS are dropped, and requests joining, skipping steps o
 preempted between steps keep stock's tokens."""
 
 import pytest
+import torch
 
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.kv_cache import PageAllocator
@@ -109,3 +110,42 @@ def test_allocator_rejects_foreign_pages():
         allocator.free([4])
     with pytest.raises(ValueError):
         allocator.allocate(-1)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_out_of_memory_in_a_step_says_what_to_change_and_the_engine_recovers(online):
+    """A (simulated) CUDA OOM inside a step: the caller gets an OutOfMemoryError naming the knobs,
+    the step's requests end, no page is held, and the engine then serves stock's tokens."""
+    model = tiny_model("llama")
+    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=32))
+    prompts = random_prompts(4, 3, 10, seed=4)
+    calls = {"n": 0}
+
+    def oom_on_third(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = model.model.norm.register_forward_hook(oom_on_third)
+    try:
+        # The online handle raises a RuntimeError naming the request, caused by the step's error.
+        with pytest.raises(RuntimeError) as caught:
+            if online:
+                engine.start()
+                try:
+                    handles = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+                    for h in handles:
+                        h.result(timeout=30)
+                finally:
+                    engine.shutdown(timeout=30)
+            else:
+                engine.generate(prompts, max_new_tokens=8)
+    finally:
+        handle.remove()
+    error = caught.value.__cause__ if online else caught.value
+    assert isinstance(error, torch.OutOfMemoryError)
+    assert "Tried to allocate" in str(error) and "max_batch_tokens" in str(error)
+    assert not engine.scheduler.has_work
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 8)
