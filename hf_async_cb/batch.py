@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table
+from .penalties import RepetitionPenalty
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
@@ -37,6 +38,7 @@ class StepInputs:
     # Slow path: rows whose raw logits and processed scores go back to the host (output_scores/logits).
     keep_rows: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
+    penalty: RepetitionPenalty | None = None  # rows with a repetition penalty, else None
 
 
 def _ints(values) -> torch.Tensor:
@@ -74,6 +76,7 @@ class BatchBuilder:
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
         processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
+        penalised: list[tuple[int, float, list[int], int]] = []
         for chunk in plan.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
@@ -102,6 +105,10 @@ class BatchBuilder:
                     pending_row = carry[-1] if stop > known else -1
                     processor_rows.append((len(sample_requests), req.logits_processor,
                                            torch.tensor(history, dtype=torch.long), pending_row))
+                if req.params.repetition_penalty != 1.0:
+                    history = (req.history_prefix + req.token_ids(0, known))[req.penalty_start:]
+                    penalised.append((len(sample_requests), req.params.repetition_penalty, history,
+                                      carry[-1] if stop > known else -1))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
         if pad_to is not None:
@@ -130,7 +137,10 @@ class BatchBuilder:
         ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
                 positions, slot_mapping, _ints(logits_rows), table,
                 _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
-        dev, floats = slot.upload(ints, sampling_floats)
+        penalty_ints, penalty_floats = RepetitionPenalty.host_parts(len(sample_requests), penalised)
+        dev, floats = slot.upload(ints + penalty_ints, sampling_floats + penalty_floats)
+        dev_penalty_ints, dev = dev[len(dev) - len(penalty_ints):], dev[:len(dev) - len(penalty_ints)]
+        dev_penalty_floats, floats = floats[len(sampling_floats):], floats[:len(sampling_floats)]
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
          context_lens_d, *dev_sampling_ints) = dev
         meta = StepMetadata(
@@ -148,4 +158,5 @@ class BatchBuilder:
             sample_requests=sample_requests,
             processor_rows=processor_rows,
             keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
+            penalty=RepetitionPenalty.from_device(dev_penalty_ints, dev_penalty_floats),
         )

@@ -108,7 +108,7 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a decode-only, all-greedy step without logits processors (and whose
+        """The bucket of a decode-only, all-greedy step without logits processors or penalties (and whose
         capture has not failed), else None."""
         chunks = plan.chunks
         if len(chunks) > self.max_batch:
@@ -116,7 +116,7 @@ class DecodeGraphs:
         for c in chunks:
             r = c.request
             if (c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None
-                    or r.keep_scores):
+                    or r.keep_scores or r.params.repetition_penalty != 1.0):
                 return None
         context = max(c.start + 1 for c in chunks)
         key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))

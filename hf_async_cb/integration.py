@@ -170,6 +170,7 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         top_k=0 if neutral else int(gc.top_k or 0),
         top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
         min_p=0.0 if neutral or gc.min_p is None else float(gc.min_p),
+        repetition_penalty=1.0 if neutral or gc.repetition_penalty is None else float(gc.repetition_penalty),
         eos_token_ids=tuple(eos),
     )
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
@@ -187,7 +188,8 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
             input_ids = input_ids.repeat_interleave(copies, dim=0)
             prompts = [p for p in prompts for _ in range(copies)]
             prefixes = [p for p in prefixes for _ in range(copies)]
-        slow = processor is not None or criteria is not None
+        # The slow path and the repetition penalty read each row's history as stock holds it (padding too).
+        slow = processor is not None or criteria is not None or params.repetition_penalty != 1.0
         streamer = None
         if arguments.get("streamer") is not None:
             streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
@@ -196,6 +198,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
                                         stopping_criteria=criteria, history_prefix=prefix if slow else (),
                                         on_token=streamer.on_token if streamer else None)
                     for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
+        if params.repetition_penalty != 1.0:
+            for req, start in zip(requests, _penalty_starts(model, gc, input_ids, row_masks, arguments)):
+                req.penalty_start = start
         keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
         for i, req in enumerate(requests):
             req.keep_scores = keep
@@ -251,14 +256,15 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     this call, each None when stock would build nothing beyond what the engine does natively.
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
-    anything but the temperature/top-k/top-p/min-p warpers (which the device sampler implements) sends the
+    anything but the repetition penalty and the temperature/top-k/top-p/min-p warpers (which the
+    engine runs on the device for all requests at once) sends the
     call to the slow path, so an option this module has never heard of is never silently dropped.
     They are applied to each request's row as stock holds it (its left padding included), so that
     every option behaves as in stock generate, only one request at a time.
     """
     from transformers import LogitsProcessorList, StoppingCriteriaList
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     if gc.stop_strings is not None and tokenizer is None:
@@ -275,7 +281,13 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         )
 
     native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-    if all(isinstance(p, native) for p in processor(attention_mask[0])):
+
+    def is_native(p) -> bool:
+        if isinstance(p, RepetitionPenaltyLogitsProcessor):
+            return penalty_start(p) is not None
+        return isinstance(p, native)
+
+    if all(is_native(p) for p in processor(attention_mask[0])):
         processor = None
     else:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
@@ -285,6 +297,35 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # Length and EOS are the engine's own; the rest is checked per request after each token.
     extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     return processor, (StoppingCriteriaList(extra) if extra else None)
+
+
+def penalty_start(processor) -> int | None:
+    """Where stock's RepetitionPenaltyLogitsProcessor starts reading a row's history: 0, or the
+    prompt_ignore_length it was given (newer transformers pass each row's padding length); None
+    for a form the engine does not run natively."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if ignore is None:
+        return 0
+    if isinstance(ignore, int):
+        return ignore
+    if isinstance(ignore, torch.Tensor) and ignore.numel() == 1:
+        return int(ignore.reshape(-1)[0])
+    return None
+
+
+def _penalty_starts(model, gc, input_ids, attention_mask, arguments) -> list[int]:
+    """Per row, stock's own penalty processor for that row's mask, asked where it starts."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    starts = []
+    for row_mask in attention_mask:
+        processors = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+            logits_processor=arguments.get("logits_processor") or LogitsProcessorList(), device=input_ids.device,
+            model_kwargs={"attention_mask": row_mask[None]})
+        starts.append(next(penalty_start(p) for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)))
+    return starts
 
 
 def _check_input_ids(inputs, model) -> torch.Tensor:

@@ -14,7 +14,8 @@ import torch
 class SamplingParams:
     """How one request picks and stops its tokens (the subset of GenerationConfig we run).
 
-    top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; eos_token_ids may be empty. seed: this request's
+    top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; repetition_penalty (stock's, on the
+    request's whole history, greedy rows too) is off at 1.0; eos_token_ids may be empty. seed: this request's
     own random stream, so that its samples do not depend on the other requests in its batches.
     """
 
@@ -24,6 +25,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
@@ -44,6 +46,8 @@ class SamplingParams:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
             if not 0.0 <= self.min_p <= 1.0:
                 raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -92,6 +96,8 @@ class Request:
     logits_processor: Any = None
     stopping_criteria: Any = None
     history_prefix: list[int] = field(default_factory=list)  # e.g. stock generate's left padding of the row
+    # The repetition penalty reads the history from this index on (newer transformers skip the padding).
+    penalty_start: int = 0
     # Called as on_token(request, token) for every token the request emits, after its status is updated;
     # never for a dropped speculative token.
     on_token: Any = None

@@ -80,6 +80,8 @@ class ModelRunner:
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
         raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
+        if inputs.penalty is not None:
+            inputs.penalty.apply(logits, previous_tokens)
         for row, processor, history, pending_row in inputs.processor_rows:
             # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)

@@ -126,3 +126,40 @@ def test_max_time_zero_stops_after_one_token_like_stock(mode):
     got, expected = both(model, prompts, mode, max_new_tokens=12, max_time=0.0, pad_token_id=0)
     assert expected.shape[1] == max(map(len, prompts)) + 1
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 3.0])
+def test_repetition_penalty_runs_on_the_device_and_matches_stock(mode, penalty, monkeypatch):
+    """The penalty is applied to every request at once on the device (no slow path), on each row's
+    history as stock holds it (left padding included), the carried-over token too."""
+    from hf_async_cb import integration
+
+    slow = []
+    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=33)
+    got, expected = both(model, prompts, mode, max_new_tokens=16, repetition_penalty=penalty)
+    assert torch.equal(got, expected) and not slow
+    # Next to a processor the engine does not run natively, stock's own list applies it (slow path).
+    got, expected = both(model, prompts, mode, max_new_tokens=10, repetition_penalty=penalty, no_repeat_ngram_size=3)
+    assert torch.equal(got, expected) and slow
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_request_penalties_in_one_batch(mode):
+    """Requests with different penalties (and none) share steps, in a pool small enough to preempt;
+    each gets stock's tokens for its prompt alone."""
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("qwen3")
+    prompts = random_prompts(8, 2, 40, seed=34)
+    penalties = [1.0, 1.3, 2.0, 0.8] * 2
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=4, num_pages=40, max_batch_tokens=24))
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=12, repetition_penalty=p) for p in penalties])
+    for prompt, penalty, out in zip(prompts, penalties, outs):
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=12, repetition_penalty=penalty,
+                               eos_token_id=None, batching="off")
+        assert out.output_token_ids == stock[0, len(prompt):].tolist()
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages

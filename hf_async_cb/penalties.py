@@ -1,0 +1,59 @@
+"""Repetition penalty on the device, for every request of a step at once.
+
+Stock's RepetitionPenaltyLogitsProcessor divides (or, for negative logits, multiplies) the logit of
+every token that occurs in the row's history, padding included, by the penalty. Here the step's
+histories travel as one packed list (token, sampled row) built on the host; a request's last token
+may still be on its way from the step in flight, so, like the forward's input ids, it is a
+placeholder resolved on the device from the previous step's sampled tokens. Rows without a penalty
+have 1.0, which changes nothing, so greedy and sampled rows, penalised or not, share one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RepetitionPenalty:
+    penalty: torch.Tensor  # [S] float32, 1.0 = none
+    tokens: torch.Tensor  # [N] int64 history tokens of the penalised rows (placeholders where carried)
+    rows: torch.Tensor  # [N] int64 sampled row of each history token
+    carry: torch.Tensor  # [N] int64 row of the previous step's sampled tokens, -1 = known
+
+    @staticmethod
+    def host_parts(num_rows: int, entries: list[tuple[int, float, list[int], int]]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """entries: (sampled row, penalty, known history, carry row of its pending token or -1);
+        returns (ints, floats) to upload, empty when no row is penalised."""
+        if not entries:
+            return [], []
+        penalty = torch.ones(num_rows)
+        tokens, rows, carry = [], [], []
+        for row, value, history, pending in entries:
+            penalty[row] = value
+            tokens.extend(history)
+            rows.extend([row] * len(history))
+            carry.extend([-1] * len(history))
+            if pending >= 0:
+                tokens.append(0)
+                rows.append(row)
+                carry.append(pending)
+        return [torch.tensor(tokens), torch.tensor(rows), torch.tensor(carry)], [penalty]
+
+    @classmethod
+    def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "RepetitionPenalty | None":
+        if not ints:
+            return None
+        (tokens, rows, carry), (penalty,) = ints, floats
+        return cls(penalty=penalty, tokens=tokens, rows=rows, carry=carry)
+
+    def apply(self, logits: torch.Tensor, previous_tokens: torch.Tensor | None) -> None:
+        """Penalise `logits` [S, V] in place (stock's formula; repeated tokens are penalised once)."""
+        tokens = self.tokens
+        if previous_tokens is not None:
+            tokens = torch.where(self.carry >= 0, previous_tokens[self.carry.clamp(min=0)], tokens)
+        score = logits[self.rows, tokens]
+        penalty = self.penalty[self.rows]
+        logits[self.rows, tokens] = torch.where(score < 0, score * penalty, score / penalty)
