@@ -171,6 +171,10 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
         min_p=0.0 if neutral or gc.min_p is None else float(gc.min_p),
         repetition_penalty=1.0 if neutral or gc.repetition_penalty is None else float(gc.repetition_penalty),
+        # Stock holds EOS back while a row is shorter than min_length (its padded width included) or
+        # has fewer than min_new_tokens new tokens; rows grow in lockstep, so both are a count of new tokens.
+        min_new_tokens=0 if neutral or not eos else max(0, int(gc.min_new_tokens or 0),
+                                                        int(gc.min_length or 0) - input_ids.shape[1]),
         eos_token_ids=tuple(eos),
     )
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
@@ -256,14 +260,15 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     this call, each None when stock would build nothing beyond what the engine does natively.
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
-    anything but the repetition penalty and the temperature/top-k/top-p/min-p warpers (which the
-    engine runs on the device for all requests at once) sends the
+    anything but the repetition penalty, min_length / min_new_tokens and the temperature / top-k /
+    top-p / min-p warpers (which the engine runs on the device for all requests at once) sends the
     call to the slow path, so an option this module has never heard of is never silently dropped.
     They are applied to each request's row as stock holds it (its left padding included), so that
     every option behaves as in stock generate, only one request at a time.
     """
     from transformers import LogitsProcessorList, StoppingCriteriaList
-    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+    from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                                                        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -280,7 +285,8 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
         )
 
-    native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+              MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 
     def is_native(p) -> bool:
         if isinstance(p, RepetitionPenaltyLogitsProcessor):

@@ -1,4 +1,5 @@
-"""Repetition penalty on the device, for every request of a step at once.
+"""Logits processors the engine runs on the device, for every request of a step at once:
+the repetition penalty and min_new_tokens (EOS held back).
 
 Stock's RepetitionPenaltyLogitsProcessor divides (or, for negative logits, multiplies) the logit of
 every token that occurs in the row's history, padding included, by the penalty. Here the step's
@@ -57,3 +58,29 @@ class RepetitionPenalty:
         score = logits[self.rows, tokens]
         penalty = self.penalty[self.rows]
         logits[self.rows, tokens] = torch.where(score < 0, score * penalty, score / penalty)
+
+
+@dataclass
+class EosBlock:
+    """min_new_tokens / min_length: the EOS logits of rows that have not generated enough tokens
+    yet are set to -inf. The host knows each row's count (tokens in flight included), so it sends
+    the (row, EOS id) pairs to block."""
+
+    rows: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N] int64
+
+    @staticmethod
+    def host_parts(entries: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """entries: (sampled row, its EOS ids) of the rows to hold back."""
+        if not entries:
+            return []
+        rows = [row for row, eos in entries for _ in eos]
+        tokens = [t for _, eos in entries for t in eos]
+        return [torch.tensor(rows), torch.tensor(tokens)]
+
+    @classmethod
+    def from_device(cls, ints: list[torch.Tensor]) -> "EosBlock | None":
+        return cls(*ints) if ints else None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits[self.rows, self.tokens] = float("-inf")

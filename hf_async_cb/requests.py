@@ -15,7 +15,8 @@ class SamplingParams:
     """How one request picks and stops its tokens (the subset of GenerationConfig we run).
 
     top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; repetition_penalty (stock's, on the
-    request's whole history, greedy rows too) is off at 1.0; eos_token_ids may be empty. seed: this request's
+    request's whole history, greedy rows too) is off at 1.0; min_new_tokens holds the EOS ids back
+    until that many tokens were generated; eos_token_ids may be empty. seed: this request's
     own random stream, so that its samples do not depend on the other requests in its batches.
     """
 
@@ -26,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
@@ -46,6 +48,8 @@ class SamplingParams:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
             if not 0.0 <= self.min_p <= 1.0:
                 raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}.")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
@@ -116,6 +120,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_known_tokens + self.num_pending
+
+    @property
+    def holds_eos_back(self) -> bool:
+        """The token being sampled next is still before min_new_tokens (tokens in flight counted)."""
+        return len(self.output_token_ids) + self.num_pending < self.params.min_new_tokens
 
     @property
     def wants_more_tokens(self) -> bool:

@@ -163,3 +163,44 @@ def test_per_request_penalties_in_one_batch(mode):
         assert out.output_token_ids == stock[0, len(prompt):].tolist()
     assert sum(o.num_preemptions for o in outs) > 0
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("option", [dict(min_new_tokens=5), dict(min_length=38), dict(min_new_tokens=3, min_length=40)])
+def test_min_length_options_run_on_the_device(mode, option, eos_candidates, monkeypatch):
+    """min_new_tokens / min_length with several EOS ids, on the device (no slow path), in graph
+    buckets too (the CPU stand-in): stock's tokens, and they do change where rows stop."""
+    from hf_async_cb import integration
+
+    slow = []
+    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    ids, mask = left_pad(prompts)
+    kwargs = dict(max_new_tokens=12, eos_token_id=list(eos_candidates), pad_token_id=0, **option)
+    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
+    got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
+                         batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
+    assert torch.equal(got, expected) and not slow
+    plain = model.generate(ids, attention_mask=mask, batching="off", max_new_tokens=12,
+                           eos_token_id=list(eos_candidates), pad_token_id=0)
+    assert not torch.equal(plain, expected), "the option should change where rows stop"
+
+
+def test_per_request_min_new_tokens_in_one_batch(eos_candidates):
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)
+    mins = [0, 3, 7, 0, 11, 5]
+    eos = tuple(eos_candidates)
+    engine = Engine(model, BatchingConfig(mode="async", page_size=4, max_batch_tokens=32, cuda_graphs=True))
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=12, min_new_tokens=m, eos_token_ids=eos)
+                                     for m in mins])
+    for prompt, m, out in zip(prompts, mins, outs):
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=m or None,
+                               eos_token_id=list(eos), pad_token_id=0, batching="off")[0, len(prompt):].tolist()
+        if eos[0] in stock or eos[1] in stock:
+            stock = stock[: min(stock.index(t) for t in eos if t in stock) + 1]
+        assert out.output_token_ids == stock
+        assert not any(t in eos for t in out.output_token_ids[:m])
