@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -34,14 +35,13 @@ class RepetitionPenalty:
         tokens, rows, carry = [], [], []
         for row, value, history, pending in entries:
             penalty[row] = value
-            tokens.extend(history)
-            rows.extend([row] * len(history))
-            carry.extend([-1] * len(history))
+            tokens.append(np.array(history + [0] if pending >= 0 else history, dtype=np.int64))
+            n = len(tokens[-1])
+            rows.append(np.full(n, row, dtype=np.int64))
+            carry.append(np.full(n, -1, dtype=np.int64))
             if pending >= 0:
-                tokens.append(0)
-                rows.append(row)
-                carry.append(pending)
-        return [torch.tensor(tokens), torch.tensor(rows), torch.tensor(carry)], [penalty]
+                carry[-1][-1] = pending  # the placeholder: the token still in flight
+        return [torch.from_numpy(np.concatenate(a)) for a in (tokens, rows, carry)], [penalty]
 
     @classmethod
     def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "RepetitionPenalty | None":
