@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table
-from .penalties import EosBlock, RepetitionPenalty
+from .penalties import RepetitionPenalty, TokenBlock
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
@@ -39,7 +39,7 @@ class StepInputs:
     keep_rows: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
     penalty: RepetitionPenalty | None = None  # rows with a repetition penalty, else None
-    eos_block: EosBlock | None = None  # rows still short of min_new_tokens, else None
+    token_block: TokenBlock | None = None  # tokens some rows may not sample this step, else None
 
 
 def _ints(values) -> torch.Tensor:
@@ -87,7 +87,7 @@ class BatchBuilder:
         sample_requests: list[Request] = []
         processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
         penalised: list[tuple[int, float, list[int], int]] = []
-        held_back: list[tuple[int, tuple[int, ...]]] = []
+        blocked: list[tuple[int, tuple[int, ...]]] = []
         for chunk in plan.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
@@ -120,8 +120,9 @@ class BatchBuilder:
                     history = (req.history_prefix + req.token_ids(0, known))[req.penalty_start:]
                     penalised.append((len(sample_requests), req.params.repetition_penalty, history,
                                       carry[-1] if stop > known else -1))
-                if req.params.min_new_tokens and req.holds_eos_back:
-                    held_back.append((len(sample_requests), req.params.eos_token_ids))
+                tokens = req.blocked_tokens
+                if tokens:
+                    blocked.append((len(sample_requests), tokens))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
         if pad_to is not None:
@@ -151,7 +152,7 @@ class BatchBuilder:
                 positions, slot_mapping, _ints(logits_rows), table,
                 _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
         penalty_ints, penalty_floats = RepetitionPenalty.host_parts(len(sample_requests), penalised)
-        block_ints = EosBlock.host_parts(held_back)
+        block_ints = TokenBlock.host_parts(blocked)
         dev, floats = slot.upload(ints + penalty_ints + block_ints, sampling_floats + penalty_floats)
         dev, dev_penalty_ints, dev_block_ints = _split(dev, len(ints), len(penalty_ints))
         floats, dev_penalty_floats = _split(floats, len(sampling_floats))
@@ -173,5 +174,5 @@ class BatchBuilder:
             processor_rows=processor_rows,
             keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
             penalty=RepetitionPenalty.from_device(dev_penalty_ints, dev_penalty_floats),
-            eos_block=EosBlock.from_device(dev_block_ints),
+            token_block=TokenBlock.from_device(dev_block_ints),
         )

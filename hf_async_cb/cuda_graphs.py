@@ -116,7 +116,7 @@ class DecodeGraphs:
         for c in chunks:
             r = c.request
             if (c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None
-                    or r.keep_scores or r.params.repetition_penalty != 1.0 or r.holds_eos_back):
+                    or r.keep_scores or r.params.repetition_penalty != 1.0 or r.blocked_tokens):
                 return None
         context = max(c.start + 1 for c in chunks)
         key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))

@@ -176,6 +176,10 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            outside = [t for t in getattr(params, name) if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if self.max_positions is not None:
             if len(ids) > self.max_positions:
                 raise ValueError(

@@ -175,6 +175,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         # has fewer than min_new_tokens new tokens; rows grow in lockstep, so both are a count of new tokens.
         min_new_tokens=0 if neutral or not eos else max(0, int(gc.min_new_tokens or 0),
                                                         int(gc.min_length or 0) - input_ids.shape[1]),
+        # Ids outside the logits are ignored by stock's processors (torch.isin over the vocabulary).
+        suppress_tokens=() if neutral else _in_vocab(gc.suppress_tokens, model),
+        begin_suppress_tokens=() if neutral else _in_vocab(gc.begin_suppress_tokens, model),
         eos_token_ids=tuple(eos),
     )
     config = batching_config or getattr(gc, "batching_config", None) or BatchingConfig()
@@ -260,8 +263,9 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     this call, each None when stock would build nothing beyond what the engine does natively.
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
-    anything but the repetition penalty, min_length / min_new_tokens and the temperature / top-k /
-    top-p / min-p warpers (which the engine runs on the device for all requests at once) sends the
+    anything but the repetition penalty, min_length / min_new_tokens, (begin_)suppress_tokens and
+    the temperature / top-k / top-p / min-p warpers (which the engine runs on the device for all
+    requests at once) sends the
     call to the slow path, so an option this module has never heard of is never silently dropped.
     They are applied to each request's row as stock holds it (its left padding included), so that
     every option behaves as in stock generate, only one request at a time.
@@ -269,7 +273,9 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     from transformers import LogitsProcessorList, StoppingCriteriaList
     from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
                                                         MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                                                        SuppressTokensAtBeginLogitsProcessor,
+                                                        SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     if gc.stop_strings is not None and tokenizer is None:
@@ -286,11 +292,13 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         )
 
     native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
-              MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
+              MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor)
 
     def is_native(p) -> bool:
         if isinstance(p, RepetitionPenaltyLogitsProcessor):
             return penalty_start(p) is not None
+        if isinstance(p, SuppressTokensAtBeginLogitsProcessor):
+            return p.begin_index == input_ids.shape[1]  # the first new token (no forced BOS shift)
         return isinstance(p, native)
 
     if all(is_native(p) for p in processor(attention_mask[0])):
@@ -303,6 +311,12 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # Length and EOS are the engine's own; the rest is checked per request after each token.
     extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     return processor, (StoppingCriteriaList(extra) if extra else None)
+
+
+def _in_vocab(tokens, model) -> tuple[int, ...]:
+    vocab = model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
+        else model.config.vocab_size
+    return tuple(int(t) for t in (tokens or ()) if 0 <= int(t) < vocab)
 
 
 def penalty_start(processor) -> int | None:

@@ -1,5 +1,6 @@
 """Logits processors the engine runs on the device, for every request of a step at once:
-the repetition penalty and min_new_tokens (EOS held back).
+the repetition penalty, and blocked tokens (EOS held back by min_new_tokens, suppress_tokens,
+begin_suppress_tokens).
 
 Stock's RepetitionPenaltyLogitsProcessor divides (or, for negative logits, multiplies) the logit of
 every token that occurs in the row's history, padding included, by the penalty. Here the step's
@@ -61,17 +62,17 @@ class RepetitionPenalty:
 
 
 @dataclass
-class EosBlock:
-    """min_new_tokens / min_length: the EOS logits of rows that have not generated enough tokens
-    yet are set to -inf. The host knows each row's count (tokens in flight included), so it sends
-    the (row, EOS id) pairs to block."""
+class TokenBlock:
+    """Tokens a row may not sample this step, their logits set to -inf: EOS while the request is
+    short of min_new_tokens (the host knows its count, tokens in flight included), suppress_tokens
+    always, begin_suppress_tokens for its first token. The host sends the (row, token) pairs."""
 
     rows: torch.Tensor  # [N] int64
     tokens: torch.Tensor  # [N] int64
 
     @staticmethod
     def host_parts(entries: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """entries: (sampled row, its EOS ids) of the rows to hold back."""
+        """entries: (sampled row, the tokens it may not sample)."""
         if not entries:
             return []
         rows = [row for row, eos in entries for _ in eos]
@@ -79,7 +80,7 @@ class EosBlock:
         return [torch.tensor(rows), torch.tensor(tokens)]
 
     @classmethod
-    def from_device(cls, ints: list[torch.Tensor]) -> "EosBlock | None":
+    def from_device(cls, ints: list[torch.Tensor]) -> "TokenBlock | None":
         return cls(*ints) if ints else None
 
     def apply(self, logits: torch.Tensor) -> None:

@@ -16,7 +16,8 @@ class SamplingParams:
 
     top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; repetition_penalty (stock's, on the
     request's whole history, greedy rows too) is off at 1.0; min_new_tokens holds the EOS ids back
-    until that many tokens were generated; eos_token_ids may be empty. seed: this request's
+    until that many tokens were generated; suppress_tokens are never sampled, begin_suppress_tokens
+    not as the first token; eos_token_ids may be empty. seed: this request's
     own random stream, so that its samples do not depend on the other requests in its batches.
     """
 
@@ -28,6 +29,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
@@ -54,7 +57,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("eos_token_ids", "suppress_tokens", "begin_suppress_tokens"):
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
 
 
 class RequestStatus(enum.Enum):
@@ -122,9 +126,18 @@ class Request:
         return self.num_known_tokens + self.num_pending
 
     @property
-    def holds_eos_back(self) -> bool:
-        """The token being sampled next is still before min_new_tokens (tokens in flight counted)."""
-        return len(self.output_token_ids) + self.num_pending < self.params.min_new_tokens
+    def blocked_tokens(self) -> tuple[int, ...]:
+        """Tokens the next sampled token may not be (see SamplingParams)."""
+        p = self.params
+        if not (p.min_new_tokens or p.suppress_tokens or p.begin_suppress_tokens):
+            return ()
+        generated = len(self.output_token_ids) + self.num_pending
+        tokens = p.suppress_tokens
+        if generated < p.min_new_tokens:
+            tokens = tokens + p.eos_token_ids
+        if generated == 0:
+            tokens = tokens + p.begin_suppress_tokens
+        return tokens
 
     @property
     def wants_more_tokens(self) -> bool:

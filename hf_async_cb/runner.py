@@ -82,8 +82,8 @@ class ModelRunner:
         raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
         if inputs.penalty is not None:
             inputs.penalty.apply(logits, previous_tokens)
-        if inputs.eos_block is not None:
-            inputs.eos_block.apply(logits)
+        if inputs.token_block is not None:
+            inputs.token_block.apply(logits)
         for row, processor, history, pending_row in inputs.processor_rows:
             # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)

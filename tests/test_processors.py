@@ -204,3 +204,36 @@ def test_per_request_min_new_tokens_in_one_batch(eos_candidates):
             stock = stock[: min(stock.index(t) for t in eos if t in stock) + 1]
         assert out.output_token_ids == stock
         assert not any(t in eos for t in out.output_token_ids[:m])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("option", [
+    dict(suppress_tokens=list(range(10, 60)) + [100_000]),  # an id outside the vocabulary is ignored, as stock
+    dict(begin_suppress_tokens=list(range(0, 200))),
+    dict(suppress_tokens=[7, 8, 9], begin_suppress_tokens=list(range(100, 250)), min_new_tokens=4),
+])
+def test_suppressed_tokens_run_on_the_device(mode, option, eos_candidates, monkeypatch):
+    from hf_async_cb import integration
+
+    slow = []
+    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=35)
+    ids, mask = left_pad(prompts)
+    kwargs = dict(max_new_tokens=10, eos_token_id=list(eos_candidates), pad_token_id=0, **option)
+    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
+    got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
+                         batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
+    assert torch.equal(got, expected) and not slow
+    plain = model.generate(ids, attention_mask=mask, batching="off", max_new_tokens=10,
+                           eos_token_id=list(eos_candidates), pad_token_id=0)
+    assert not torch.equal(plain, expected), "the option should change the tokens"
+
+
+def test_suppress_tokens_outside_the_vocabulary_are_a_clear_error_on_the_engine():
+    from hf_async_cb import SamplingParams
+
+    engine = Engine(tiny_model("llama"), BatchingConfig())
+    with pytest.raises(ValueError, match="suppress_tokens"):
+        engine.generate([[3, 4]], SamplingParams(suppress_tokens=(5, 10_000)))
+    assert engine.allocator.num_free == engine.allocator.num_pages
