@@ -146,7 +146,7 @@ class BatchBuilder:
         sampling_ints, sampling_floats = [], []
         if any(p.do_sample for p in params):
             # Index of the token each row samples in its request's output (what seeded sampling hashes).
-            token_index = [len(r.output_token_ids) + r.num_pending for r in sample_requests]
+            token_index = [r.num_sampled for r in sample_requests]
             sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
                 positions, slot_mapping, _ints(logits_rows), table,

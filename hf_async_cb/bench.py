@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -35,29 +35,21 @@ ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": 
              "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False}}
 
 
-def our_path_config(path: str, config):
-    """"async-ref-eager" -> ("async", the config with those ablations applied); None if not ours."""
-    from dataclasses import replace
-
+def our_path(path: str) -> tuple[str, dict] | None:
+    """"async-ref-eager" -> ("async", the BatchingConfig changes of those ablations); None if not ours."""
     mode, *variants = path.split("-")
     if mode not in ("sync", "async") or any(v not in ABLATIONS for v in variants):
         return None
-    changes = {k: v for variant in variants for k, v in ABLATIONS[variant].items()}
-    return mode, replace(config, mode=mode, **changes)
+    return mode, {k: v for variant in variants for k, v in ABLATIONS[variant].items()}
 
 
 def check_paths(paths, mixed: bool = False) -> None:
     for path in paths:
-        if path not in PATHS and our_path_config(path, _default_config()) is None:
-            raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} (ours with -ref/-unfused/-eager)")
+        if path not in PATHS and our_path(path) is None:
+            raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} "
+                             "(ours with -ref/-unfused/-noew/-eager)")
         if mixed and path in PATHS[:3]:
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
-
-
-def _default_config():
-    from .config import BatchingConfig
-
-    return BatchingConfig()
 
 
 @dataclass
@@ -156,8 +148,10 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None) -> Re
         from .engine import Engine
         from .requests import SamplingParams
 
-        mode, engine_config = our_path_config(path, config or _default_config())
-        engine = Engine(model, engine_config)
+        from .config import BatchingConfig
+
+        mode, changes = our_path(path)
+        engine = Engine(model, replace(config or BatchingConfig(), mode=mode, **changes))
         pipeline = engine.pipeline(mode)
         params = [SamplingParams(max_new_tokens=n) for n in new] if isinstance(new, list) \
             else SamplingParams(max_new_tokens=new)

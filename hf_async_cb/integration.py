@@ -161,8 +161,10 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
     max_new = _max_new_tokens(model, gc, generation_config, kwargs, input_ids)
-    processor, criteria = _slow_path(model, gc, input_ids, attention_mask, arguments, tokenizer)
-    neutral = processor is not None  # stock's processor list then holds the warpers too
+    stock_processors, slow_processors, criteria = _slow_path(model, gc, input_ids, attention_mask, arguments,
+                                                             tokenizer)
+    processor = stock_processors if slow_processors else None
+    neutral = slow_processors  # stock's processor list then holds the warpers too
     params = SamplingParams(
         max_new_tokens=max_new,
         do_sample=bool(gc.do_sample),
@@ -206,8 +208,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
                                         on_token=streamer.on_token if streamer else None)
                     for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
         if params.repetition_penalty != 1.0:
-            for req, start in zip(requests, _penalty_starts(model, gc, input_ids, row_masks, arguments)):
-                req.penalty_start = start
+            for req, row_mask in zip(requests, row_masks):  # where stock's penalty reads this row from
+                req.penalty_start = next(start for start in map(penalty_start, stock_processors(row_mask))
+                                         if start is not None)
         keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
         for i, req in enumerate(requests):
             req.keep_scores = keep
@@ -259,8 +262,9 @@ def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch
 
 
 def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor, arguments: dict, tokenizer):
-    """Stock generate's own logits processors (a factory: row mask -> list) and stopping criteria for
-    this call, each None when stock would build nothing beyond what the engine does natively.
+    """Stock generate's own logits processors for this call (a factory: row mask -> list), whether
+    they must run on the slow path, and the stopping criteria (None when stock would build nothing
+    beyond what the engine does natively).
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
     anything but the repetition penalty, min_length / min_new_tokens, (begin_)suppress_tokens and
@@ -301,16 +305,15 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             return p.begin_index == input_ids.shape[1]  # the first new token (no forced BOS shift)
         return isinstance(p, native)
 
-    if all(is_native(p) for p in processor(attention_mask[0])):
-        processor = None
-    else:
+    slow = not all(is_native(p) for p in processor(attention_mask[0]))
+    if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history (correct, but slower than the built-in sampling options).")
     stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=arguments.get("stopping_criteria")
                                          or StoppingCriteriaList(), tokenizer=tokenizer)
     # Length and EOS are the engine's own; the rest is checked per request after each token.
     extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    return processor, (StoppingCriteriaList(extra) if extra else None)
+    return processor, slow, (StoppingCriteriaList(extra) if extra else None)
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:
@@ -322,7 +325,11 @@ def _in_vocab(tokens, model) -> tuple[int, ...]:
 def penalty_start(processor) -> int | None:
     """Where stock's RepetitionPenaltyLogitsProcessor starts reading a row's history: 0, or the
     prompt_ignore_length it was given (newer transformers pass each row's padding length); None
-    for a form the engine does not run natively."""
+    for another processor, or a form the engine does not run natively."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    if not isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        return None
     ignore = getattr(processor, "prompt_ignore_length", None)
     if ignore is None:
         return 0
@@ -331,21 +338,6 @@ def penalty_start(processor) -> int | None:
     if isinstance(ignore, torch.Tensor) and ignore.numel() == 1:
         return int(ignore.reshape(-1)[0])
     return None
-
-
-def _penalty_starts(model, gc, input_ids, attention_mask, arguments) -> list[int]:
-    """Per row, stock's own penalty processor for that row's mask, asked where it starts."""
-    from transformers import LogitsProcessorList
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-    starts = []
-    for row_mask in attention_mask:
-        processors = model._get_logits_processor(
-            generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-            logits_processor=arguments.get("logits_processor") or LogitsProcessorList(), device=input_ids.device,
-            model_kwargs={"attention_mask": row_mask[None]})
-        starts.append(next(penalty_start(p) for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)))
-    return starts
 
 
 def _check_input_ids(inputs, model) -> torch.Tensor:

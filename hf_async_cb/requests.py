@@ -126,12 +126,17 @@ class Request:
         return self.num_known_tokens + self.num_pending
 
     @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, those still in flight included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
     def blocked_tokens(self) -> tuple[int, ...]:
         """Tokens the next sampled token may not be (see SamplingParams)."""
         p = self.params
         if not (p.min_new_tokens or p.suppress_tokens or p.begin_suppress_tokens):
             return ()
-        generated = len(self.output_token_ids) + self.num_pending
+        generated = self.num_sampled
         tokens = p.suppress_tokens
         if generated < p.min_new_tokens:
             tokens = tokens + p.eos_token_ids
@@ -142,7 +147,7 @@ class Request:
     @property
     def wants_more_tokens(self) -> bool:
         """False once the tokens sampled so far (pending included) reach max_new_tokens."""
-        return len(self.output_token_ids) + self.num_pending < self.params.max_new_tokens
+        return self.num_sampled < self.params.max_new_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output, without building the whole list."""

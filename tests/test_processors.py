@@ -19,6 +19,23 @@ def both(model, prompts, mode, **kwargs):
     return got, expected
 
 
+def on_the_device(monkeypatch, prompts, **kwargs):
+    """generate() in every mode against stock, with the slow path watched: returns stock's output
+    and whether any mode took the slow path. Graph buckets are on (their CPU stand-in)."""
+    from hf_async_cb import integration
+
+    slow = []
+    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    model = tiny_model("llama")
+    ids, mask = left_pad(prompts)
+    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
+    for mode in MODES:
+        got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
+                             batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
+        assert torch.equal(got, expected), mode
+    return expected, bool(slow)
+
+
 @pytest.fixture(scope="module")
 def eos_candidates():
     """Tokens the tiny Llama generates early, to make min_new_tokens and EOS matter."""
@@ -128,22 +145,17 @@ def test_max_time_zero_stops_after_one_token_like_stock(mode):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("penalty", [0.7, 1.3, 3.0])
-def test_repetition_penalty_runs_on_the_device_and_matches_stock(mode, penalty, monkeypatch):
+def test_repetition_penalty_runs_on_the_device_and_matches_stock(penalty, monkeypatch):
     """The penalty is applied to every request at once on the device (no slow path), on each row's
     history as stock holds it (left padding included), the carried-over token too."""
-    from hf_async_cb import integration
-
-    slow = []
-    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
-    model = tiny_model("llama")
     prompts = random_prompts(6, 2, 30, seed=33)
-    got, expected = both(model, prompts, mode, max_new_tokens=16, repetition_penalty=penalty)
-    assert torch.equal(got, expected) and not slow
+    _, slow = on_the_device(monkeypatch, prompts, max_new_tokens=16, repetition_penalty=penalty)
+    assert not slow
     # Next to a processor the engine does not run natively, stock's own list applies it (slow path).
-    got, expected = both(model, prompts, mode, max_new_tokens=10, repetition_penalty=penalty, no_repeat_ngram_size=3)
-    assert torch.equal(got, expected) and slow
+    _, slow = on_the_device(monkeypatch, prompts, max_new_tokens=10, repetition_penalty=penalty,
+                            no_repeat_ngram_size=3)
+    assert slow
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -165,25 +177,15 @@ def test_per_request_penalties_in_one_batch(mode):
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("option", [dict(min_new_tokens=5), dict(min_length=38), dict(min_new_tokens=3, min_length=40)])
-def test_min_length_options_run_on_the_device(mode, option, eos_candidates, monkeypatch):
+def test_min_length_options_run_on_the_device(option, eos_candidates, monkeypatch):
     """min_new_tokens / min_length with several EOS ids, on the device (no slow path), in graph
-    buckets too (the CPU stand-in): stock's tokens, and they do change where rows stop."""
-    from hf_async_cb import integration
-
-    slow = []
-    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
-    model = tiny_model("llama")
+    buckets too: stock's tokens, and they do change where rows stop."""
+    common = dict(max_new_tokens=12, eos_token_id=list(eos_candidates), pad_token_id=0)
     prompts = random_prompts(6, 2, 30, seed=31)
-    ids, mask = left_pad(prompts)
-    kwargs = dict(max_new_tokens=12, eos_token_id=list(eos_candidates), pad_token_id=0, **option)
-    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
-    got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
-                         batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
-    assert torch.equal(got, expected) and not slow
-    plain = model.generate(ids, attention_mask=mask, batching="off", max_new_tokens=12,
-                           eos_token_id=list(eos_candidates), pad_token_id=0)
+    expected, slow = on_the_device(monkeypatch, prompts, **common, **option)
+    assert not slow
+    plain, _ = on_the_device(monkeypatch, prompts, **common)
     assert not torch.equal(plain, expected), "the option should change where rows stop"
 
 
@@ -206,27 +208,17 @@ def test_per_request_min_new_tokens_in_one_batch(eos_candidates):
         assert not any(t in eos for t in out.output_token_ids[:m])
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("option", [
     dict(suppress_tokens=list(range(10, 60)) + [100_000]),  # an id outside the vocabulary is ignored, as stock
     dict(begin_suppress_tokens=list(range(0, 200))),
     dict(suppress_tokens=[7, 8, 9], begin_suppress_tokens=list(range(100, 250)), min_new_tokens=4),
 ])
-def test_suppressed_tokens_run_on_the_device(mode, option, eos_candidates, monkeypatch):
-    from hf_async_cb import integration
-
-    slow = []
-    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
-    model = tiny_model("llama")
+def test_suppressed_tokens_run_on_the_device(option, eos_candidates, monkeypatch):
+    common = dict(max_new_tokens=10, eos_token_id=list(eos_candidates), pad_token_id=0)
     prompts = random_prompts(6, 2, 30, seed=35)
-    ids, mask = left_pad(prompts)
-    kwargs = dict(max_new_tokens=10, eos_token_id=list(eos_candidates), pad_token_id=0, **option)
-    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
-    got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
-                         batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
-    assert torch.equal(got, expected) and not slow
-    plain = model.generate(ids, attention_mask=mask, batching="off", max_new_tokens=10,
-                           eos_token_id=list(eos_candidates), pad_token_id=0)
+    expected, slow = on_the_device(monkeypatch, prompts, **common, **option)
+    assert not slow
+    plain, _ = on_the_device(monkeypatch, prompts, **common)
     assert not torch.equal(plain, expected), "the option should change the tokens"
 
 
