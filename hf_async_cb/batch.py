@@ -3,7 +3,9 @@
 No padding: the step's tokens form one stream [1, T] with explicit positions; logits are kept only
 at the last token of each chunk that samples. A token the CPU does not know yet (sampled by the
 step still in flight) is written as a placeholder, with `carry_src` naming its row in that step's
-sampled tokens; the runner gathers it on the device before the forward.
+sampled tokens; the runner gathers it on the device before the forward. Processors that read a
+request's history get only per-row values from here (penalties.HostProcessors): the histories
+themselves are on the device already (history.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table
-from .penalties import RepetitionPenalty, TokenBlock
+from .penalties import HistoryProcessors, HostProcessors, TokenBlock
 from .requests import Request
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
@@ -38,7 +40,7 @@ class StepInputs:
     # Slow path: rows whose raw logits and processed scores go back to the host (output_scores/logits).
     keep_rows: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
-    penalty: RepetitionPenalty | None = None  # rows with a repetition penalty, else None
+    processors: HistoryProcessors | None = None  # rows whose processors read their history, else None
     token_block: TokenBlock | None = None  # tokens some rows may not sample this step, else None
 
 
@@ -86,9 +88,9 @@ class BatchBuilder:
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
         processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
-        penalised: list[tuple[int, float, list[int], int]] = []
+        history_rows: list[tuple[int, int, Request]] = []  # (sampled row, batch row, request)
         blocked: list[tuple[int, tuple[int, ...]]] = []
-        for chunk in plan.chunks:
+        for batch_row, chunk in enumerate(plan.chunks):
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             stop = start + n
             prompt, output = req.prompt_token_ids, req.output_token_ids
@@ -116,10 +118,8 @@ class BatchBuilder:
                     pending_row = carry[-1] if stop > known else -1
                     processor_rows.append((len(sample_requests), req.logits_processor,
                                            torch.tensor(history, dtype=torch.long), pending_row))
-                if req.params.repetition_penalty != 1.0:
-                    history = (req.history_prefix + req.token_ids(0, known))[req.penalty_start:]
-                    penalised.append((len(sample_requests), req.params.repetition_penalty, history,
-                                      carry[-1] if stop > known else -1))
+                if req.params.reads_history:  # read on the device from the token pool
+                    history_rows.append((len(sample_requests), batch_row, req))
                 tokens = req.blocked_tokens
                 if tokens:
                     blocked.append((len(sample_requests), tokens))
@@ -148,14 +148,16 @@ class BatchBuilder:
             # Index of the token each row samples in its request's output (what seeded sampling hashes).
             token_index = [r.num_sampled for r in sample_requests]
             sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
+        unseeded = any(p.do_sample and p.seed is None for p in params)
         ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
                 positions, slot_mapping, _ints(logits_rows), table,
                 _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
-        penalty_ints, penalty_floats = RepetitionPenalty.host_parts(len(sample_requests), penalised)
+        processors = HostProcessors.build(history_rows)
+        processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked)
-        dev, floats = slot.upload(ints + penalty_ints + block_ints, sampling_floats + penalty_floats)
-        dev, dev_penalty_ints, dev_block_ints = _split(dev, len(ints), len(penalty_ints))
-        floats, dev_penalty_floats = _split(floats, len(sampling_floats))
+        dev, floats = slot.upload(ints + processor_ints + block_ints, sampling_floats + processor_floats)
+        dev, dev_processor_ints, dev_block_ints = _split(dev, len(ints), len(processor_ints))
+        floats, dev_processor_floats = _split(floats, len(sampling_floats))
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
          context_lens_d, *dev_sampling_ints) = dev
         meta = StepMetadata(
@@ -169,10 +171,10 @@ class BatchBuilder:
             position_ids=position_ids[None],
             logits_indices=logits_indices,
             meta=meta,
-            sampling=SamplingTensors.from_device(dev_sampling_ints, floats),
+            sampling=SamplingTensors.from_device(dev_sampling_ints, floats, unseeded),
             sample_requests=sample_requests,
             processor_rows=processor_rows,
             keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
-            penalty=RepetitionPenalty.from_device(dev_penalty_ints, dev_penalty_floats),
+            processors=HistoryProcessors.from_device(processors, dev_processor_ints, dev_processor_floats),
             token_block=TokenBlock.from_device(dev_block_ints),
         )

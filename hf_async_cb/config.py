@@ -22,7 +22,9 @@ class BatchingConfig:
     max_batch_tokens: token budget of one step (decode tokens + prefill chunk tokens). Prompts
         longer than this are prefilled in chunks.
     max_running_requests: requests that hold KV pages at once.
-    seed: seed of the device-side random generator used by do_sample.
+    seed: the engine seed: a sampled request without a seed of its own gets one derived from it and
+        from its index in the generate call (or its submission order online), so that its tokens
+        do not depend on its batch mates. None: drawn from torch's global generator per call.
     attention: "auto" runs the Triton paged-attention kernels on CUDA (when Triton is installed)
         and the pure-torch reference elsewhere; "reference" forces the pure-torch one; "triton"
         forces the kernels (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1).

@@ -42,13 +42,39 @@ class GraphKey:
     context: int
 
 
+def _step_tensors(inputs: StepInputs) -> list[torch.Tensor]:
+    return [getattr(inputs, name) for name in _STATIC] + [getattr(inputs.meta, name) for name in _STATIC_META]
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple | None:
+    """Where `tensors` lie in the one buffer they were uploaded into: (start, length, offsets), or None
+    when they do not share one buffer of one dtype (then each is copied on its own)."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage or t.dtype != tensors[0].dtype or not t.is_contiguous()
+           for t in tensors):
+        return None
+    offsets = [t.storage_offset() for t in tensors]
+    start = min(offsets)
+    return start, max(o + t.numel() for o, t in zip(offsets, tensors)) - start, tuple(o - start for o in offsets)
+
+
 class _Graph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
                  max_previous: int, pool, stream) -> None:
-        """Static tensors start as this step's inputs, so the warm-up and the capture run on real data."""
+        """Static tensors start as this step's inputs, so the warm-up and the capture run on real data.
+
+        The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
+        are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
         device = inputs.input_ids.device
-        self.tensors = {name: getattr(inputs, name).clone() for name in _STATIC}
-        self.tensors.update({name: getattr(inputs.meta, name).clone() for name in _STATIC_META})
+        sources = _step_tensors(inputs)
+        self.layout = _layout(sources)
+        if self.layout is not None:
+            start, length, offsets = self.layout
+            self.flat = torch.empty(length, dtype=sources[0].dtype, device=device)
+            views = [self.flat[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
+        else:
+            views = [t.clone() for t in sources]
+        self.tensors = dict(zip(_STATIC + _STATIC_META, views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
         t = self.tensors
         meta = StepMetadata(
@@ -82,10 +108,15 @@ class _Graph:
         self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
-        for name in _STATIC:
-            self.tensors[name].copy_(getattr(inputs, name))
-        for name in _STATIC_META:
-            self.tensors[name].copy_(getattr(inputs.meta, name))
+        sources = _step_tensors(inputs)
+        layout = _layout(sources) if self.layout is not None else None
+        if layout is not None and layout[1:] == self.layout[1:]:
+            start, length, _ = layout
+            self.flat.copy_(torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
+                            .set_(sources[0].untyped_storage(), start, (length,)))
+        else:
+            for static, source in zip(self.tensors.values(), sources):
+                static.copy_(source)
         if previous_tokens is not None:
             self.previous[: previous_tokens.numel()].copy_(previous_tokens)
 

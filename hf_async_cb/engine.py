@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Sequence
@@ -24,6 +25,7 @@ from .profiling import StepProfile
 from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                        as_token_lists)
 from .runner import ModelRunner
+from .sampling import derive_seed
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,25 @@ def copy_params(params: SamplingParams, copy: int) -> SamplingParams:
     if copy == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed * 1_000_003 + copy) % (1 << 62))
+
+
+def _random_seed() -> int:
+    """An engine seed drawn from torch's global (CPU) generator: torch.manual_seed makes runs
+    without BatchingConfig.seed reproducible, as it does stock generate's sampling."""
+    return int(torch.randint(0, 1 << 62, (1,)).item())
+
+
+def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_index: int = 0) -> None:
+    """Give every sampled request without a seed of its own the seed derived from `engine_seed` and
+    its index (first_index + position in `requests`), so that its tokens depend on nothing but its
+    prompt, parameters and that index, never on the requests sharing its batches. No engine seed:
+    one is drawn from torch's generator (only when a request needs it)."""
+    unseeded = [(i, r) for i, r in enumerate(requests, first_index) if r.params.do_sample and r.params.seed is None]
+    if not unseeded:
+        return
+    base = engine_seed if engine_seed is not None else _random_seed()
+    for index, request in unseeded:
+        request.params = dataclasses.replace(request.params, seed=derive_seed(base, index))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -120,7 +141,9 @@ class Engine:
                                     attention_backend=self.attention_backend)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
-        self.runner = ModelRunner(model, self.cache, self.config.seed)
+        self.runner = ModelRunner(model, self.cache)
+        self._online_seed: int | None = None  # the engine seed of the background loop's requests
+        self._submissions = itertools.count()  # requests added online: the index their seed derives from
         use_graphs = self.config.cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
@@ -170,14 +193,18 @@ class Engine:
 
         logits_processor / stopping_criteria: transformers LogitsProcessorList / StoppingCriteriaList
         (or callables of the same signature) applied to this request alone, on its full history
-        `history_prefix + prompt + output` (the slow path: one call per request per step).
+        `history_prefix + prompt + output` (the slow path: one call per request per step). The
+        device's history options (repetition penalty, n-grams, bad words, sequence bias) read the
+        same history.
         """
         (ids,) = as_token_lists([prompt])
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        for name in ("suppress_tokens", "begin_suppress_tokens"):
-            outside = [t for t in getattr(params, name) if not 0 <= t < self.vocab_size]
+        sequences = {"bad_words_ids": [t for w in params.bad_words_ids for t in w],
+                     "sequence_bias": [t for key, _ in params.sequence_bias for t in key]}
+        for name in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "sequence_bias"):
+            outside = [t for t in sequences.get(name, getattr(params, name)) if not 0 <= t < self.vocab_size]
             if outside:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if self.max_positions is not None:
@@ -244,6 +271,7 @@ class Engine:
         loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
+        seed_requests(requests, self.config.seed)
         remaining = {id(r) for r in requests}
         with self.runner.prepared():
             try:
@@ -274,6 +302,8 @@ class Engine:
         if self._background is not None:
             raise RuntimeError("the engine's background loop is already running.")
         self._background = BackgroundLoop(self, resolve_mode(mode or self.config.mode) or self.config.mode)
+        if self._online_seed is None:
+            self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
         self._background.start()
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
@@ -287,8 +317,10 @@ class Engine:
             prompt = self.tokenizer(prompt)["input_ids"]
         if params is None:
             params = SamplingParams(**param_kwargs)
-        handle = RequestHandle(self.make_request(prompt, params, logits_processor=logits_processor,
-                                                 stopping_criteria=stopping_criteria))
+        request = self.make_request(prompt, params, logits_processor=logits_processor,
+                                    stopping_criteria=stopping_criteria)
+        seed_requests([request], self._online_seed, first_index=next(self._submissions))
+        handle = RequestHandle(request)
         self._background.submit(handle)
         return handle
 

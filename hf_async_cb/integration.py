@@ -161,8 +161,8 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
     max_new = _max_new_tokens(model, gc, generation_config, kwargs, input_ids)
-    stock_processors, slow_processors, criteria = _slow_path(model, gc, input_ids, attention_mask, arguments,
-                                                             tokenizer)
+    stock_processors, slow_processors, criteria, device_options = _slow_path(model, gc, input_ids, attention_mask,
+                                                                             arguments, tokenizer)
     processor = stock_processors if slow_processors else None
     neutral = slow_processors  # stock's processor list then holds the warpers too
     params = SamplingParams(
@@ -173,6 +173,7 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
         min_p=0.0 if neutral or gc.min_p is None else float(gc.min_p),
         repetition_penalty=1.0 if neutral or gc.repetition_penalty is None else float(gc.repetition_penalty),
+        **({} if neutral else device_options),  # no_repeat_ngram_size, bad_words_ids, sequence_bias
         # Stock holds EOS back while a row is shorter than min_length (its padded width included) or
         # has fewer than min_new_tokens new tokens; rows grow in lockstep, so both are a count of new tokens.
         min_new_tokens=0 if neutral or not eos else max(0, int(gc.min_new_tokens or 0),
@@ -197,8 +198,8 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
             input_ids = input_ids.repeat_interleave(copies, dim=0)
             prompts = [p for p in prompts for _ in range(copies)]
             prefixes = [p for p in prefixes for _ in range(copies)]
-        # The slow path and the repetition penalty read each row's history as stock holds it (padding too).
-        slow = processor is not None or criteria is not None or params.repetition_penalty != 1.0
+        # The slow path and the history processors read each row's history as stock holds it (padding too).
+        slow = processor is not None or criteria is not None or params.reads_history
         streamer = None
         if arguments.get("streamer") is not None:
             streamer = LockstepStreamer(arguments["streamer"], input_ids, pad)
@@ -263,20 +264,25 @@ def _max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch
 
 def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor, arguments: dict, tokenizer):
     """Stock generate's own logits processors for this call (a factory: row mask -> list), whether
-    they must run on the slow path, and the stopping criteria (None when stock would build nothing
-    beyond what the engine does natively).
+    they must run on the slow path, the stopping criteria (None when stock would build nothing
+    beyond what the engine does natively), and the SamplingParams of the history options read
+    from stock's processors (no_repeat_ngram_size, bad_words_ids after stock drops lone EOS ids,
+    sequence_bias).
 
     Whether they are needed is asked of stock itself: its processor list for this call is built and
-    anything but the repetition penalty, min_length / min_new_tokens, (begin_)suppress_tokens and
-    the temperature / top-k / top-p / min-p warpers (which the engine runs on the device for all
-    requests at once) sends the
-    call to the slow path, so an option this module has never heard of is never silently dropped.
-    They are applied to each request's row as stock holds it (its left padding included), so that
-    every option behaves as in stock generate, only one request at a time.
+    anything but the repetition penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias,
+    min_length / min_new_tokens, (begin_)suppress_tokens and the temperature / top-k / top-p /
+    min-p warpers built from the GenerationConfig (which the engine runs on the device for all
+    requests at once) sends the call to the slow path, so an option this module has never heard
+    of, or a processor passed in `logits_processor=`, is never silently dropped. They are applied
+    to each request's row as stock holds it (its left padding included), so that every option
+    behaves as in stock generate, only one request at a time.
     """
     from transformers import LogitsProcessorList, StoppingCriteriaList
     from transformers.generation.logits_process import (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
-                                                        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        MinPLogitsWarper, NoBadWordsLogitsProcessor,
+                                                        NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                                                        SequenceBiasLogitsProcessor,
                                                         SuppressTokensAtBeginLogitsProcessor,
                                                         SuppressTokensLogitsProcessor, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
@@ -296,16 +302,28 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         )
 
     native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
-              MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor)
+              MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor,
+              NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor)  # NoBadWords is a SequenceBias
 
     def is_native(p) -> bool:
+        if any(p is user for user in user_processors):
+            return False  # the caller's own objects run as given (their settings are not the config's)
         if isinstance(p, RepetitionPenaltyLogitsProcessor):
             return penalty_start(p) is not None
         if isinstance(p, SuppressTokensAtBeginLogitsProcessor):
             return p.begin_index == input_ids.shape[1]  # the first new token (no forced BOS shift)
         return isinstance(p, native)
 
-    slow = not all(is_native(p) for p in processor(attention_mask[0]))
+    row_processors = processor(attention_mask[0])
+    slow = not all(is_native(p) for p in row_processors)
+    device_options = {}
+    for p in row_processors:
+        if isinstance(p, NoRepeatNGramLogitsProcessor):
+            device_options["no_repeat_ngram_size"] = p.ngram_size
+        elif isinstance(p, NoBadWordsLogitsProcessor):  # a sequence bias of -inf per bad word
+            device_options["bad_words_ids"] = tuple(p.sequence_bias)
+        elif isinstance(p, SequenceBiasLogitsProcessor):
+            device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history (correct, but slower than the built-in sampling options).")
@@ -313,7 +331,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                          or StoppingCriteriaList(), tokenizer=tokenizer)
     # Length and EOS are the engine's own; the rest is checked per request after each token.
     extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    return processor, slow, (StoppingCriteriaList(extra) if extra else None)
+    return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:

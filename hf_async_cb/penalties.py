@@ -1,64 +1,260 @@
-"""Logits processors the engine runs on the device, for every request of a step at once:
-the repetition penalty, and blocked tokens (EOS held back by min_new_tokens, suppress_tokens,
-begin_suppress_tokens).
+"""Logits processors the engine runs on the device, for every request of a step at once.
 
-Stock's RepetitionPenaltyLogitsProcessor divides (or, for negative logits, multiplies) the logit of
-every token that occurs in the row's history, padding included, by the penalty. Here the step's
-histories travel as one packed list (token, sampled row) built on the host; a request's last token
-may still be on its way from the step in flight, so, like the forward's input ids, it is a
-placeholder resolved on the device from the previous step's sampled tokens. Rows without a penalty
-have 1.0, which changes nothing, so greedy and sampled rows, penalised or not, share one batch.
+History-based ones read each row's history from the device token pool (history.py), as stock
+generate holds the row: its left padding (`Request.history_prefix`), prompt and output, the token
+carried over from the step in flight included (carry-over resolves it before the pool is written).
+The host sends only per-row values and the short prefixes, never the histories. In stock's order:
+
+    sequence_bias         SequenceBiasLogitsProcessor: add a key's bias to its last token when the
+                          history ends with the rest of the key (one-token keys: always)
+    repetition_penalty    RepetitionPenaltyLogitsProcessor: every distinct token of the history
+                          (from `Request.penalty_start`) once; score < 0 multiplies, else divides
+    no_repeat_ngram_size  NoRepeatNGramLogitsProcessor: ban each token that would complete an
+                          n-gram already in the history
+    bad_words_ids         NoBadWordsLogitsProcessor: a sequence bias of -inf
+    TokenBlock            EOS held back by min_new_tokens, suppress_tokens, begin_suppress_tokens
+
+Writes go through one flat view of the logits. A ban or a penalty never needs a value per
+(row, token) built on the host: each history cell proposes a new value and `scatter_reduce`
+keeps the smaller (bans, penalties > 1) or the larger (penalties < 1), so a token seen many times
+is changed once and cells that change nothing propose +-inf. Biases add, as stock does, one
+pre-summed value per (row, token). Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .history import RowHistories, TokenHistory
 
-@dataclass
-class RepetitionPenalty:
-    penalty: torch.Tensor  # [S] float32, 1.0 = none
-    tokens: torch.Tensor  # [N] int64 history tokens of the penalised rows (placeholders where carried)
-    rows: torch.Tensor  # [N] int64 sampled row of each history token
-    carry: torch.Tensor  # [N] int64 row of the previous step's sampled tokens, -1 = known
+_INF = float("inf")
+
+
+@functools.lru_cache(maxsize=None)
+def whole_key_in_history() -> bool:
+    """Whether the installed transformers' SequenceBiasLogitsProcessor skips a multi-token key
+    longer than the history (5.17) rather than only one whose prefix is longer (newer): asked
+    of stock itself, on a history of one token."""
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    scores = SequenceBiasLogitsProcessor({(0, 1): 1.0})(torch.tensor([[0]]), torch.zeros(1, 2))
+    return bool(scores[0, 1] == 0.0)
+
+
+@dataclass(frozen=True)
+class SequenceBlock:
+    """One request's keys, host side, in stock's order (one-token keys, then longer keys grouped by
+    length); built once per distinct set of keys."""
+
+    prefix: np.ndarray  # [E, K] the key without its last token, -1 padded
+    length: np.ndarray  # [E] the key's length - 1
+    min_history: np.ndarray  # [E] shortest history on which stock applies the key
+    target: np.ndarray  # [E] index of the key's last token in `tokens`
+    value: np.ndarray  # [E] float32 bias
+    tokens: np.ndarray  # [U] distinct last tokens
 
     @staticmethod
-    def host_parts(num_rows: int, entries: list[tuple[int, float, list[int], int]]
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """entries: (sampled row, penalty, known history, carry row of its pending token or -1);
-        returns (ints, floats) to upload, empty when no row is penalised."""
-        if not entries:
-            return [], []
-        penalty = torch.ones(num_rows)
-        tokens, rows, carry = [], [], []
-        for row, value, history, pending in entries:
-            penalty[row] = value
-            tokens.append(np.array(history + [0] if pending >= 0 else history, dtype=np.int64))
-            n = len(tokens[-1])
-            rows.append(np.full(n, row, dtype=np.int64))
-            carry.append(np.full(n, -1, dtype=np.int64))
-            if pending >= 0:
-                carry[-1][-1] = pending  # the placeholder: the token still in flight
-        return [torch.from_numpy(np.concatenate(a)) for a in (tokens, rows, carry)], [penalty]
+    @functools.lru_cache(maxsize=256)
+    def of(keys: tuple[tuple[tuple[int, ...], float], ...]) -> "SequenceBlock":
+        ordered = [kv for kv in keys if len(kv[0]) == 1]
+        for length in dict.fromkeys(len(k) for k, _ in keys if len(k) > 1):
+            ordered += [kv for kv in keys if len(kv[0]) == length]
+        width = max(len(k) for k, _ in ordered) - 1
+        prefix = np.full((len(ordered), width), -1, dtype=np.int64)
+        for i, (key, _) in enumerate(ordered):
+            prefix[i, : len(key) - 1] = key[:-1]
+        tokens = list(dict.fromkeys(k[-1] for k, _ in ordered))
+        length = np.array([len(k) - 1 for k, _ in ordered], dtype=np.int64)
+        extra = int(whole_key_in_history())
+        return SequenceBlock(
+            prefix=prefix, length=length, min_history=np.where(length > 0, length + extra, 0),
+            target=np.array([tokens.index(k[-1]) for k, _ in ordered], dtype=np.int64),
+            value=np.array([v for _, v in ordered], dtype=np.float32), tokens=np.array(tokens, dtype=np.int64))
+
+
+@dataclass
+class SequenceBias:
+    """Keys of several rows at once: E entries, U distinct (row, last token) targets."""
+
+    rows: torch.Tensor  # [E] history row of each key
+    prefix: torch.Tensor  # [E, K]
+    length: torch.Tensor  # [E]
+    min_history: torch.Tensor  # [E]
+    target: torch.Tensor  # [E] in [0, U)
+    target_rows: torch.Tensor  # [U] history row
+    target_tokens: torch.Tensor  # [U]
+    value: torch.Tensor  # [E] float32
+
+    INTS = 7
+
+    @staticmethod
+    def host_parts(blocks: list[tuple[int, SequenceBlock]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """blocks: (history row, its keys) -> (ints, floats) to upload."""
+        num = [len(b.length) for _, b in blocks]
+        width = max(b.prefix.shape[1] for _, b in blocks)
+        prefix = np.full((sum(num), width), -1, dtype=np.int64)
+        start = 0
+        for n, (_, b) in zip(num, blocks):
+            prefix[start : start + n, : b.prefix.shape[1]] = b.prefix
+            start += n
+        distinct = np.array([len(b.tokens) for _, b in blocks])
+        offsets = np.repeat(np.cumsum(distinct) - distinct, num)
+        rows = np.array([r for r, _ in blocks], dtype=np.int64)
+        ints = [np.repeat(rows, num), prefix, np.concatenate([b.length for _, b in blocks]),
+                np.concatenate([b.min_history for _, b in blocks]),
+                np.concatenate([b.target for _, b in blocks]) + offsets, np.repeat(rows, distinct),
+                np.concatenate([b.tokens for _, b in blocks])]
+        return [torch.from_numpy(a) for a in ints], [torch.from_numpy(np.concatenate([b.value for _, b in blocks]))]
+
+    def apply(self, logits: torch.Tensor, sample_rows: torch.Tensor, hist: RowHistories) -> None:
+        width = hist.width
+        offsets = torch.arange(self.prefix.shape[1], device=logits.device)
+        cells = ((width - self.length)[:, None] + offsets).clamp(0, width - 1)
+        tail = hist.tokens[self.rows[:, None], cells]  # the history's last `length` tokens, then filler
+        matches = ((tail == self.prefix) | (offsets >= self.length[:, None])).all(dim=1)
+        matches &= hist.length[self.rows] >= self.min_history
+        bias = torch.zeros(self.target_rows.shape[0], device=logits.device)
+        bias.index_add_(0, self.target, torch.where(matches, self.value, 0.0))
+        vocab = logits.shape[1]
+        logits.view(-1).index_add_(0, sample_rows[self.target_rows] * vocab + self.target_tokens, bias)
+
+
+def _reduce(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, how: str) -> None:
+    """logits[rows, tokens] = how(logits[rows, tokens], values) over broadcast [R, N] cells."""
+    index = rows[:, None] * logits.shape[1] + tokens
+    logits.view(-1).scatter_reduce_(0, index.reshape(-1), values.reshape(-1), reduce=how)
+
+
+@dataclass
+class HistoryProcessors:
+    """The rows of a step that read their history (R of the S sampled rows), and what they run."""
+
+    sample_rows: torch.Tensor  # [R] row in the step's logits
+    batch_rows: torch.Tensor  # [R] request in the step's block table
+    prefix: torch.Tensor  # [R, P] history prefix (stock's left padding), -1 padded
+    prefix_len: torch.Tensor  # [R]
+    penalty_start: torch.Tensor  # [R] first history index the penalty reads
+    ngram: torch.Tensor  # [R] no_repeat_ngram_size, 0 = off
+    penalty: torch.Tensor  # [R] float32, 1.0 = off
+    bias: SequenceBias | None
+    bad_words: SequenceBias | None
+    host: "HostProcessors"
 
     @classmethod
-    def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "RepetitionPenalty | None":
-        if not ints:
+    def from_device(cls, host: "HostProcessors | None", ints: list[torch.Tensor],
+                    floats: list[torch.Tensor]) -> "HistoryProcessors | None":
+        if host is None:
             return None
-        (tokens, rows, carry), (penalty,) = ints, floats
-        return cls(penalty=penalty, tokens=tokens, rows=rows, carry=carry)
+        (sample_rows, batch_rows, prefix, prefix_len, penalty_start, ngram), ints = ints[:6], ints[6:]
+        (penalty,), floats = floats[:1], floats[1:]
+        sequences = []
+        for present in (host.has_bias, host.has_bad_words):
+            if present:
+                sequences.append(SequenceBias(*ints[: SequenceBias.INTS], value=floats[0]))
+                ints, floats = ints[SequenceBias.INTS:], floats[1:]
+            else:
+                sequences.append(None)
+        return cls(sample_rows, batch_rows, prefix, prefix_len, penalty_start, ngram, penalty, *sequences, host)
 
-    def apply(self, logits: torch.Tensor, previous_tokens: torch.Tensor | None) -> None:
-        """Penalise `logits` [S, V] in place (stock's formula; repeated tokens are penalised once)."""
-        tokens = self.tokens
-        if previous_tokens is not None:
-            tokens = torch.where(self.carry >= 0, previous_tokens[self.carry.clamp(min=0)], tokens)
-        score = logits[self.rows, tokens]
-        penalty = self.penalty[self.rows]
-        logits[self.rows, tokens] = torch.where(score < 0, score * penalty, score / penalty)
+    def apply(self, logits: torch.Tensor, history: TokenHistory, meta) -> None:
+        """Process `logits` [S, V] (contiguous) in place, in stock's order."""
+        hist = history.rows(meta, self.batch_rows, self.prefix, self.prefix_len)
+        rows, vocab = self.sample_rows, logits.shape[1]
+        if self.bias is not None:
+            self.bias.apply(logits, rows, hist)
+        if self.host.penalty_above or self.host.penalty_below:
+            tokens = hist.tokens
+            used = (hist.index >= self.penalty_start[:, None]) & (tokens < vocab)
+            tokens = tokens.clamp(0, vocab - 1)
+            score = logits[rows[:, None], tokens]
+            penalty = self.penalty[:, None]
+            penalised = torch.where(score < 0, score * penalty, score / penalty)
+            # A penalty above 1 only lowers a score, one below 1 only raises it.
+            if self.host.penalty_above:
+                _reduce(logits, rows, tokens, torch.where(used & (penalty > 1), penalised, _INF), "amin")
+            if self.host.penalty_below:
+                _reduce(logits, rows, tokens, torch.where(used & (penalty < 1), penalised, -_INF), "amax")
+        if self.host.max_ngram:
+            self._ban_repeated_ngrams(logits, hist)
+        if self.bad_words is not None:
+            self.bad_words.apply(logits, rows, hist)
+
+    def _ban_repeated_ngrams(self, logits: torch.Tensor, hist: RowHistories) -> None:
+        """Window w (cells w .. w + n - 1) bans its last token when its first n - 1 tokens are the
+        history's last n - 1 (the window ending at the history's end cannot be the suffix's own)."""
+        longest, width, vocab = self.host.max_ngram, hist.width, logits.shape[1]
+        tokens, n = hist.tokens, self.ngram
+        padded = torch.cat([tokens, tokens.new_full((tokens.shape[0], longest), -1)], dim=1)
+        windows = padded.unfold(1, longest, 1)[:, :width]  # [R, width, longest]
+        offsets = torch.arange(longest - 1, device=tokens.device)
+        before = (n - 1).clamp(min=0)
+        suffix = tokens.gather(1, ((width - before)[:, None] + offsets).clamp(max=width - 1))
+        compared = offsets[None, :] < before[:, None]
+        matches = ((windows[..., : longest - 1] == suffix[:, None, :]) | ~compared[:, None, :]).all(dim=-1)
+        columns = torch.arange(width, device=tokens.device)
+        inside = (hist.index >= 0) & (columns[None, :] + before[:, None] < width) & (n[:, None] > 0)
+        banned = windows.gather(2, before[:, None, None].expand(-1, width, 1)).squeeze(2)
+        ban = matches & inside & (banned < vocab)
+        _reduce(logits, self.sample_rows, banned.clamp(0, vocab - 1), torch.where(ban, -_INF, _INF), "amin")
+
+
+@dataclass
+class HostProcessors:
+    """What the host knows of a step's history processors: the tensors to upload and which
+    processors run (so that the device does no work for options nobody asked for)."""
+
+    ints: list[torch.Tensor]
+    floats: list[torch.Tensor]
+    penalty_above: bool
+    penalty_below: bool
+    max_ngram: int
+    has_bias: bool
+    has_bad_words: bool
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, object]]) -> "HostProcessors | None":
+        """rows: (sampled row, batch row, Request) of every row with a history option."""
+        if not rows:
+            return None
+        requests = [req for _, _, req in rows]
+        params = [req.params for req in requests]
+        prefixes = [req.history_prefix for req in requests]
+        width = max(map(len, prefixes))
+        prefix = np.full((len(rows), width), -1, dtype=np.int64)
+        for i, p in enumerate(prefixes):
+            prefix[i, : len(p)] = p
+        ints = [torch.from_numpy(np.array(a, dtype=np.int64)) for a in (
+            [s for s, _, _ in rows], [b for _, b, _ in rows], prefix, [len(p) for p in prefixes],
+            [req.penalty_start for req in requests], [p.no_repeat_ngram_size for p in params])]
+        floats = [torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)]
+        keys = [_keys(req) for req in requests]
+        biased = [(i, bias) for i, (bias, _) in enumerate(keys) if bias is not None]
+        banned = [(i, bad) for i, (_, bad) in enumerate(keys) if bad is not None]
+        for blocks in (biased, banned):
+            if blocks:
+                more_ints, more_floats = SequenceBias.host_parts(blocks)
+                ints += more_ints
+                floats += more_floats
+        return cls(ints, floats, penalty_above=any(p.repetition_penalty > 1 for p in params),
+                   penalty_below=any(p.repetition_penalty < 1 for p in params),
+                   max_ngram=max(p.no_repeat_ngram_size for p in params),
+                   has_bias=bool(biased), has_bad_words=bool(banned))
+
+
+def _keys(request) -> tuple[SequenceBlock | None, SequenceBlock | None]:
+    """The request's (sequence_bias, bad_words_ids) blocks, kept on the request while its
+    parameters are the same object (hashing the keys every step would cost as much as packing)."""
+    cached = request.__dict__.get("_sequence_blocks")
+    params = request.params
+    if cached is None or cached[0] is not params:
+        bias = SequenceBlock.of(params.sequence_bias) if params.sequence_bias else None
+        bad = SequenceBlock.of(tuple((w, -_INF) for w in params.bad_words_ids)) if params.bad_words_ids else None
+        cached = request.__dict__["_sequence_blocks"] = (params, bias, bad)
+    return cached[1:]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 
@@ -15,10 +16,14 @@ class SamplingParams:
     """How one request picks and stops its tokens (the subset of GenerationConfig we run).
 
     top_k=0, top_p=1.0 and min_p=0.0 switch those filters off; repetition_penalty (stock's, on the
-    request's whole history, greedy rows too) is off at 1.0; min_new_tokens holds the EOS ids back
-    until that many tokens were generated; suppress_tokens are never sampled, begin_suppress_tokens
-    not as the first token; eos_token_ids may be empty. seed: this request's
-    own random stream, so that its samples do not depend on the other requests in its batches.
+    request's whole history, greedy rows too) is off at 1.0; no_repeat_ngram_size (0 = off) bans
+    every token that would repeat an n-gram of the history; bad_words_ids are token sequences never
+    completed (a one-token one is never sampled); sequence_bias maps token sequences to a bias added
+    to the sequence's last token when the history ends with the rest of it (a dict, or stock's list
+    of [tokens, bias]); min_new_tokens holds the EOS ids back until that many tokens were generated;
+    suppress_tokens are never sampled, begin_suppress_tokens not as the first token; eos_token_ids
+    may be empty. seed: this request's own random stream, so that its samples do not depend on the
+    other requests in its batches (the engine derives one from BatchingConfig.seed when it is None).
     """
 
     max_new_tokens: int = 20
@@ -28,6 +33,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
     min_new_tokens: int = 0
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
@@ -59,6 +67,35 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
         for name in ("eos_token_ids", "suppress_tokens", "begin_suppress_tokens"):
             object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
+        n = self.no_repeat_ngram_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"no_repeat_ngram_size must be a non-negative integer, got {n!r}.")
+        words = tuple(dict.fromkeys(_token_sequence("bad_words_ids", w) for w in self.bad_words_ids))
+        object.__setattr__(self, "bad_words_ids", words)
+        bias = self.sequence_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        merged: dict[tuple[int, ...], float] = {}
+        for item in items:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2) or isinstance(item[1], bool) \
+                    or not isinstance(item[1], (int, float)):
+                raise ValueError(f"sequence_bias entries must be (token ids, bias), got {item!r}.")
+            merged[_token_sequence("sequence_bias", item[0])] = float(item[1])
+        object.__setattr__(self, "sequence_bias", tuple(merged.items()))
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a processor that reads the request's history runs (on the device, history.py)."""
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
+                or bool(self.sequence_bias))
+
+
+def _token_sequence(name: str, tokens) -> tuple[int, ...]:
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"{name} holds sequences of token ids, got {tokens!r}.")
+    ids = tuple(tokens)
+    if not ids or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
+        raise ValueError(f"{name} holds non-empty sequences of non-negative token ids, got {tokens!r}.")
+    return tuple(int(t) for t in ids)
 
 
 class RequestStatus(enum.Enum):
@@ -103,8 +140,11 @@ class Request:
     # request's own history (history_prefix + prompt + output, the carried-over token included).
     logits_processor: Any = None
     stopping_criteria: Any = None
-    history_prefix: list[int] = field(default_factory=list)  # e.g. stock generate's left padding of the row
-    # The repetition penalty reads the history from this index on (newer transformers skip the padding).
+    # Read before the prompt by the slow path and the device's history processors (penalties.py):
+    # stock generate's left padding of the row, which its processors see as part of the row.
+    history_prefix: list[int] = field(default_factory=list)
+    # The repetition penalty reads the history (prefix included) from this index on (newer
+    # transformers skip the padding).
     penalty_start: int = 0
     # Called as on_token(request, token) for every token the request emits, after its status is updated;
     # never for a dropped speculative token.

@@ -1,4 +1,5 @@
-"""Device work of one step: the model's forward over the packed batch, logits, sampling."""
+"""Device work of one step: carry-over, the token pool, the model's forward over the packed batch,
+logits processors, sampling."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from . import attention
 from .batch import StepInputs
+from .history import TokenHistory
 from .kv_cache import PagedKVCache
 from .sampling import pack, processed_scores, sample
 
@@ -21,15 +23,13 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, seed: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
         self.num_layers = cache.layout.num_layers
         self._cache_kw = cache_keyword(model)
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=cache.keys[0].device)
-            self.generator.manual_seed(seed)
+        # Every token fed to the model, at its K/V slot: what history-based processors read.
+        self.history = TokenHistory(cache.num_pages * cache.page_size, cache.keys[0].device)
 
     @contextlib.contextmanager
     def prepared(self) -> Iterator[None]:
@@ -46,7 +46,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the forward; return float32 logits at the sampled rows [S, V]."""
+        """Run the forward; return the logits at the sampled rows [S, V], in the model's dtype."""
         meta = inputs.meta
         meta.begin_forward()
         self.cache.step = meta
@@ -65,7 +65,7 @@ class ModelRunner:
                 f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "
                 "its architecture bypasses the attention interface and is not supported."
             )
-        return out.logits[0].float()
+        return out.logits[0]
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,15 +73,23 @@ class ModelRunner:
         log-probabilities (sampling.pack).
 
         Tokens the CPU did not know when it built the step are gathered first from the sampled
-        tokens of the previous step (`previous_tokens`), which the device already has.
+        tokens of the previous step (`previous_tokens`), which the device already has; then the
+        step's input ids, all real now, go to the token pool at their cache slots.
         """
         if inputs.carry_src is not None:
             carried = previous_tokens[inputs.carry_src.clamp(min=0)]
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
+        self.history.record(inputs.meta.slot_mapping, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
+        if (inputs.meta.backend == "triton" and inputs.sampling is None and inputs.processors is None
+                and inputs.token_block is None and not inputs.processor_rows and not inputs.keep_rows):
+            from .greedy import greedy_packed
+
+            return greedy_packed(logits)  # all greedy, nothing to apply: one pass over the logits
+        logits = logits.float()  # processors and samplers work in float32, as stock generate does
         raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
-        if inputs.penalty is not None:
-            inputs.penalty.apply(logits, previous_tokens)
+        if inputs.processors is not None:
+            inputs.processors.apply(logits, self.history, inputs.meta)
         if inputs.token_block is not None:
             inputs.token_block.apply(logits)
         for row, processor, history, pending_row in inputs.processor_rows:
@@ -95,6 +103,6 @@ class ModelRunner:
             rows = inputs.keep_rows
             sampling = inputs.sampling
             if sampling is not None:
-                sampling = type(sampling)(**{k: v[rows] for k, v in vars(sampling).items()})
+                sampling = sampling.rows(rows)
             inputs.kept = (raw, processed_scores(logits[rows], sampling))
-        return pack(*sample(logits, inputs.sampling, self.generator))
+        return pack(*sample(logits, inputs.sampling))

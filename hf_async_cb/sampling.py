@@ -1,14 +1,16 @@
 """Vectorised per-request sampling on the device: greedy rows and sampled rows share one batch.
 
 Sampled rows follow stock transformers' warpers, in its order: temperature, top-k, top-p, min-p, then a
-draw from the softmax: a multinomial draw from the engine's generator, or, for a request with its
-own seed, a Gumbel-max draw whose noise is a hash of (seed, index of the token in the request's
-output, token id). That noise depends on nothing else, so a seeded request samples the same tokens
-whatever else shares its batches, in sync and async, preempted or not.
+draw from the softmax: for a request with a seed (the engine gives every sampled request one, its
+own or one derived from BatchingConfig.seed, see `derive_seed`), a Gumbel-max draw whose noise is a
+hash of (seed, index of the token in the request's output, token id). That noise depends on
+nothing else, so a request samples the same tokens whatever else shares its batches, in sync and
+async, preempted or not. Rows without a seed (callers outside the engine) draw from a generator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +28,7 @@ class SamplingTensors:
     min_p: torch.Tensor  # [S] float32, 0.0 = off
     seed: torch.Tensor  # [S] int64, -1 = no seed of its own (use the engine's generator)
     token_index: torch.Tensor  # [S] int64, index of the token being sampled in the request's output
+    unseeded: bool = True  # host: some sampled row has no seed (else no multinomial draw is made)
 
     @staticmethod
     def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None
@@ -48,19 +51,26 @@ class SamplingTensors:
         return ints, floats
 
     @classmethod
-    def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> "SamplingTensors | None":
+    def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor],
+                    unseeded: bool = True) -> "SamplingTensors | None":
         if not ints:
             return None
         (top_k, seed, token_index), (do_sample, temperature, top_p, min_p) = ints, floats
         return cls(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                   token_index=token_index)
+                   token_index=token_index, unseeded=unseeded)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device,
               token_index: Sequence[int] | None = None) -> "SamplingTensors | None":
         """Direct construction (tests, callers outside the pipeline)."""
         ints, floats = cls.host_parts(params, token_index)
-        return cls.from_device([t.to(device) for t in ints], [t.to(device) for t in floats])
+        unseeded = any(p.do_sample and p.seed is None for p in params)
+        return cls.from_device([t.to(device) for t in ints], [t.to(device) for t in floats], unseeded)
+
+    def rows(self, rows: list[int]) -> "SamplingTensors":
+        """The parameters of some rows only."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                                            if f.name != "unseeded"})
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors | None,
@@ -75,11 +85,12 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     if params is None or logits.shape[0] == 0:
         return greedy, greedy_logprob
     sorted_scores, sorted_idx = _warp_sorted(logits, params)
-    drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
     # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
     gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
-    seeded_rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
-    rank = torch.where(params.seed[:, None] >= 0, seeded_rank, drawn_rank)
+    rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
+    if params.unseeded:
+        drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
+        rank = torch.where(params.seed[:, None] >= 0, rank, drawn_rank)
     drawn = sorted_idx.gather(1, rank).squeeze(1)
     drawn_logprob = sorted_scores.log_softmax(dim=-1).gather(1, rank).squeeze(1)
     sampled = params.do_sample != 0
@@ -145,3 +156,13 @@ def hash_uniform(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
     return (_shift_right(x, 11).double() + 0.5) * 2.0**-53
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of request `index` (its position in a generate call, or its submission order
+    online) under the engine seed `seed`: a SplitMix64 mix of both, in [0, 2**62)."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) >> 2

@@ -39,6 +39,8 @@ def test_graph_buckets():
     keys = set(engine.graphs._graphs)
     assert keys <= {GraphKey(4, 64), GraphKey(4, 128)}, keys
     assert engine.graphs.max_batch == 32
+    # The step's inputs are one uploaded buffer, so a graph loads them with one copy.
+    assert all(graph.layout is not None for graph in engine.graphs._graphs.values())
 
 
 def test_sampled_and_processor_steps_stay_eager():

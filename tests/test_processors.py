@@ -1,14 +1,19 @@
-"""Logits processors and stopping criteria on the slow path: every option behaves as in stock
-generate (greedy: the same tokens), in sync and async, with the carried-over token in the history."""
+"""Logits processors and stopping criteria: every option behaves as in stock generate (greedy: the
+same tokens), in sync and async, with the carried-over token in the history; those the engine runs
+on the device (repetition_penalty, no_repeat_ngram_size, bad_words_ids, sequence_bias,
+min_new_tokens / min_length, suppress_tokens, begin_suppress_tokens) without the slow path, also
+under chunked prefill and preemption; the others on the slow path (stock's own objects)."""
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
 from models import left_pad, random_prompts, stock_generate, tiny_model
 
 MODES = ("sync", "async")
+# Roomy, and tight: prompts prefilled in chunks of 8 tokens by requests that preempt each other.
+CONFIGS = (dict(page_size=4, max_batch_tokens=32), dict(page_size=4, max_batch_tokens=8, num_pages=16))
 
 
 def both(model, prompts, mode, **kwargs):
@@ -19,20 +24,31 @@ def both(model, prompts, mode, **kwargs):
     return got, expected
 
 
-def on_the_device(monkeypatch, prompts, **kwargs):
-    """generate() in every mode against stock, with the slow path watched: returns stock's output
-    and whether any mode took the slow path. Graph buckets are on (their CPU stand-in)."""
+def on_the_device(monkeypatch, prompts, model=None, **kwargs):
+    """generate() in every mode and CONFIGS against stock, with the slow path watched: returns
+    stock's output and whether any run took the slow path. Graph buckets are on (their CPU
+    stand-in); the tight configuration must really preempt."""
     from hf_async_cb import integration
 
-    slow = []
+    slow, preempted = [], []
     monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
-    model = tiny_model("llama")
+    run = Engine.run
+
+    def counting_run(self, requests, mode=None):
+        run(self, requests, mode)
+        preempted.append(sum(r.num_preemptions for r in requests))
+
+    monkeypatch.setattr(Engine, "run", counting_run)
+    model = model or tiny_model("llama")
     ids, mask = left_pad(prompts)
     expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
     for mode in MODES:
-        got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
-                             batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
-        assert torch.equal(got, expected), mode
+        for config in CONFIGS:
+            got = model.generate(ids, attention_mask=mask, batching=mode, **kwargs,
+                                 batching_config=BatchingConfig(**config, cuda_graphs=True))
+            assert torch.equal(got, expected), (mode, config)
+            if "num_pages" in config:
+                assert preempted[-1] > 0, "the tight pool should have preempted"
     return expected, bool(slow)
 
 
@@ -45,23 +61,22 @@ def eos_candidates():
     return rows[0, 1].item(), rows[2, 3].item()
 
 
-OPTIONS = {
-    "repetition_penalty": dict(repetition_penalty=1.5),
-    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
-    "bad_words_ids": dict(bad_words_ids=[[5], [7, 8]]),
-    "suppress_tokens": dict(suppress_tokens=list(range(10, 60))),
-    "sequence_bias": dict(sequence_bias={(9,): 5.0}),
+# Options stock turns into processors the engine does not run natively: they take the slow path.
+SLOW_OPTIONS = {
     "forced_eos_token_id": dict(forced_eos_token_id=3, max_new_tokens=6),
     "exponential_decay": dict(exponential_decay_length_penalty=(3, 1.5), eos_token_id=4),
+    "typical_p": dict(do_sample=True, typical_p=0.9, top_k=1),  # top_k=1 leaves no choice: stock's tokens
+    "with_device_options": dict(forced_eos_token_id=3, repetition_penalty=1.3, no_repeat_ngram_size=2,
+                                bad_words_ids=[[5], [7, 8]], sequence_bias={(9,): 5.0}),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("option", list(OPTIONS))
-def test_processor_options_match_stock(option, mode):
+@pytest.mark.parametrize("option", list(SLOW_OPTIONS))
+def test_slow_path_options_match_stock(option, mode):
     model = tiny_model("llama")
     prompts = random_prompts(6, 2, 30, seed=31)
-    kwargs = {"max_new_tokens": 12, **OPTIONS[option]}
+    kwargs = {"max_new_tokens": 12, **SLOW_OPTIONS[option]}
     got, expected = both(model, prompts, mode, **kwargs)
     assert torch.equal(got, expected)
 
@@ -145,35 +160,114 @@ def test_max_time_zero_stops_after_one_token_like_stock(mode):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("penalty", [0.7, 1.3, 3.0])
-def test_repetition_penalty_runs_on_the_device_and_matches_stock(penalty, monkeypatch):
-    """The penalty is applied to every request at once on the device (no slow path), on each row's
-    history as stock holds it (left padding included), the carried-over token too."""
+@pytest.fixture(scope="module")
+def plain_rows():
+    """Stock's greedy tokens for the device-option tests' prompts, without any option: keys and
+    bad words are cut from them, so that the options really change the tokens."""
     prompts = random_prompts(6, 2, 30, seed=33)
-    _, slow = on_the_device(monkeypatch, prompts, max_new_tokens=16, repetition_penalty=penalty)
+    rows = stock_generate(tiny_model("llama"), prompts, max_new_tokens=16)[:, max(map(len, prompts)):]
+    return prompts, rows
+
+
+def _history_options(rows):
+    a, b, c, d = rows[0, 3].item(), rows[0, 4].item(), rows[1, 2].item(), rows[2, 6].item()
+    e, f = rows[3, 1].item(), rows[3, 2].item()
+    return {
+        "penalty_0.7": dict(repetition_penalty=0.7),
+        "penalty_1.3": dict(repetition_penalty=1.3),
+        "penalty_3.0": dict(repetition_penalty=3.0),
+        "ngram_1": dict(no_repeat_ngram_size=1),
+        "ngram_2": dict(no_repeat_ngram_size=2),
+        "ngram_3": dict(no_repeat_ngram_size=3),
+        "bad_words": dict(bad_words_ids=[[c], [a, b], [e, f, 100]]),
+        "bias_single": dict(sequence_bias={(c,): -20.0, (d,): 2.5}),
+        "bias_multi": dict(sequence_bias={(a, b): -30.0, (e, f): -30.0, (e, 77): 40.0, (d, c, a): 3.0}),
+        "everything": dict(repetition_penalty=1.2, no_repeat_ngram_size=3, bad_words_ids=[[a, b], [d]],
+                           sequence_bias={(e, f): -30.0, (c,): 1.5}, suppress_tokens=[7, 8], min_new_tokens=4),
+    }
+
+
+@pytest.mark.parametrize("name", list(_history_options(torch.zeros(4, 16, dtype=torch.long))))
+def test_history_options_run_on_the_device(name, plain_rows, monkeypatch):
+    """Each option on the device for all requests at once (no slow path), on each row's history as
+    stock holds it (left padding included where the installed transformers reads it), the
+    carried-over token too, through chunked prefill and preemption: stock's tokens."""
+    prompts, rows = plain_rows
+    option = _history_options(rows)[name]
+    expected, slow = on_the_device(monkeypatch, prompts, max_new_tokens=16, eos_token_id=2, pad_token_id=0, **option)
     assert not slow
-    # Next to a processor the engine does not run natively, stock's own list applies it (slow path).
-    _, slow = on_the_device(monkeypatch, prompts, max_new_tokens=10, repetition_penalty=penalty,
-                            no_repeat_ngram_size=3)
-    assert slow
+    assert not torch.equal(expected[:, -rows.shape[1]:], rows), "the option should change the tokens"
+
+
+def test_left_padding_is_part_of_the_row_for_ngrams_and_keys(monkeypatch):
+    """Stock's n-grams and keys run over the padded row: with the pad token pushed by a bias, a row
+    that generated it may not continue with what followed its padding. The engine reads the
+    padding too (on the device), so it gets stock's tokens, which differ from each prompt alone."""
+    prompts = random_prompts(5, 3, 12, seed=36)
+    options = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, no_repeat_ngram_size=2,
+                   sequence_bias={(0,): 60.0, (0, 0): -5.0})
+    expected, slow = on_the_device(monkeypatch, prompts, **options)
+    assert not slow
+    width = max(map(len, prompts))
+    alone = [stock_generate(tiny_model("llama"), [p], **options)[0, len(p):] for p in prompts]
+    assert any(not torch.equal(expected[i, width:], alone[i]) for i in range(len(prompts)) if len(prompts[i]) < width)
+
+
+def test_user_processors_of_native_kinds_run_as_given():
+    """A processor object passed in logits_processor= is run as given (slow path), even of a kind
+    the engine runs natively from the config."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=33)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.0), NoRepeatNGramLogitsProcessor(2)])
+    for mode in MODES:
+        got, expected = both(model, prompts, mode, max_new_tokens=12, logits_processor=processors)
+        assert torch.equal(got, expected)
+    plain = stock_generate(model, prompts, max_new_tokens=12)
+    assert not torch.equal(expected, plain)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_per_request_penalties_in_one_batch(mode):
-    """Requests with different penalties (and none) share steps, in a pool small enough to preempt;
-    each gets stock's tokens for its prompt alone."""
-    from hf_async_cb import SamplingParams
-
+def test_per_request_history_options_in_one_batch(mode, plain_rows):
+    """Requests with different options (and none) share steps, in a pool small enough to preempt and
+    with prompts prefilled in chunks; each gets stock's tokens for its prompt alone."""
     model = tiny_model("qwen3")
     prompts = random_prompts(8, 2, 40, seed=34)
-    penalties = [1.0, 1.3, 2.0, 0.8] * 2
+    options = list(_history_options(plain_rows[1]).values())[:7] + [{}]
     engine = Engine(model, BatchingConfig(mode=mode, page_size=4, num_pages=40, max_batch_tokens=24))
-    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=12, repetition_penalty=p) for p in penalties])
-    for prompt, penalty, out in zip(prompts, penalties, outs):
-        stock = model.generate(torch.tensor([prompt]), max_new_tokens=12, repetition_penalty=penalty,
-                               eos_token_id=None, batching="off")
+    params = []
+    for option in options:
+        option = dict(option)
+        option.pop("suppress_tokens", None), option.pop("min_new_tokens", None)
+        params.append(SamplingParams(max_new_tokens=12, **option))
+    outs = engine.generate(prompts, params)
+    for prompt, param, out in zip(prompts, params, outs):
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=12, eos_token_id=None, batching="off",
+                               repetition_penalty=param.repetition_penalty,
+                               no_repeat_ngram_size=param.no_repeat_ngram_size,
+                               bad_words_ids=[list(w) for w in param.bad_words_ids] or None,
+                               sequence_bias=dict(param.sequence_bias) or None)
         assert out.output_token_ids == stock[0, len(prompt):].tolist()
     assert sum(o.num_preemptions for o in outs) > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_copies_sharing_prompt_pages_read_their_own_history(monkeypatch):
+    """num_return_sequences: the copies read the first copy's prompt pages from the token pool.
+    top_k=1 sampling leaves no choice, so stock's tokens are the oracle."""
+    prompts = random_prompts(3, 9, 30, seed=37)
+    expected, slow = on_the_device(monkeypatch, prompts, max_new_tokens=12, do_sample=True, top_k=1,
+                                   num_return_sequences=2, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    assert not slow
+
+
+def test_history_option_ids_outside_the_vocabulary_are_a_clear_error():
+    engine = Engine(tiny_model("llama"), BatchingConfig())
+    for option in (dict(bad_words_ids=[[3, 10_000]]), dict(sequence_bias={(10_000,): 1.0})):
+        name = next(iter(option))
+        with pytest.raises(ValueError, match=name):
+            engine.generate([[3, 4]], SamplingParams(**option))
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 

@@ -1,5 +1,8 @@
-"""Per-request seeds: a seeded request's samples follow stock's distribution and do not depend on
-the other requests sharing its batches, on the loop mode, or on preemption."""
+"""Seeds: a request's samples follow stock's distribution and do not depend on the other requests
+sharing its batches, on the loop mode, or on preemption, whether the seed is its own
+(SamplingParams.seed) or derived from the engine's (BatchingConfig.seed and the request's index)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,10 +12,13 @@ from hf_async_cb import BatchingConfig, Engine, SamplingParams
 from hf_async_cb.sampling import SamplingTensors, hash_uniform, sample as sample_with_logprobs
 
 
+from hf_async_cb.sampling import derive_seed
+from models import left_pad, random_prompts, tiny_model
+
+
 def sample(*args, **kwargs):
     """The sampled tokens alone."""
     return sample_with_logprobs(*args, **kwargs)[0]
-from models import random_prompts, tiny_model
 
 
 def test_hash_uniform_is_uniform_and_deterministic():
@@ -113,3 +119,96 @@ def test_engine_outputs_carry_logprobs_in_both_modes():
     assert results[0][0][0] == pytest.approx(first, abs=1e-4)
     for sync_row, async_row in zip(*results):
         assert sync_row == pytest.approx(async_row, abs=1e-5)
+
+
+TARGET = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.3, top_k=60)
+
+
+def _mates(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = random_prompts(n, 1, 40, seed=seed)
+    params = [SamplingParams(max_new_tokens=m, do_sample=i % 3 != 0, temperature=0.8,
+                             repetition_penalty=1.1 if i % 2 else 1.0)
+              for i, m in enumerate([3, 20, 7, 16, 1, 12, 9][:n])]
+    return prompts, params
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_engine_seed_makes_each_request_batch_independent(mode):
+    """BatchingConfig(seed=...) gives request i of a call the seed derive_seed(seed, i): the first
+    request alone, or first among different companions, with different token budgets and a pool
+    that preempts, samples the same tokens."""
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 12, 12, seed=55)[0]
+    alone = Engine(model, BatchingConfig(mode="sync", seed=7)).generate([prompt], [TARGET])[0].output_token_ids
+    assert len(set(alone)) > 3, "the request should really sample"
+    mixes = [(_mates(7, 56), dict()), (_mates(5, 57), dict(page_size=4, num_pages=18, max_batch_tokens=16)),
+             (_mates(6, 58), dict(max_batch_tokens=5, cuda_graphs=True))]
+    preempted = 0
+    for (prompts, params), config in mixes:
+        engine = Engine(model, BatchingConfig(mode=mode, seed=7, **config))
+        outs = engine.generate([prompt] + prompts, [TARGET] + params)
+        assert outs[0].output_token_ids == alone, config
+        preempted += sum(o.num_preemptions for o in outs)
+    assert preempted > 0
+    other = Engine(model, BatchingConfig(mode=mode, seed=8)).generate([prompt], [TARGET])[0].output_token_ids
+    assert other != alone, "another engine seed should give other tokens"
+
+
+def test_engine_seed_derives_from_the_index_in_the_call():
+    """Request i gets derive_seed(engine seed, i); its own seed, if it has one, wins."""
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 12, 12, seed=55)[0]
+    engine = Engine(model, BatchingConfig(seed=7))
+    second = engine.generate([[5, 6], prompt], [TARGET, TARGET])[1].output_token_ids
+    explicit = dataclasses.replace(TARGET, seed=derive_seed(7, 1))
+    assert Engine(model, BatchingConfig(seed=123)).generate([prompt], [explicit])[0].output_token_ids == second
+    assert engine.generate([prompt], [TARGET])[0].output_token_ids != second  # index 0: another seed
+    assert len({derive_seed(7, i) for i in range(1000)} | {derive_seed(8, i) for i in range(1000)}) == 2000
+
+
+def test_generate_rows_are_batch_independent_under_the_engine_seed():
+    """model.generate(do_sample=True, batching=...): row i samples from derive_seed(seed, i), so a
+    row's tokens do not depend on the rows after it, nor on the token budget or the loop."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts(5, 4, 30, seed=59)
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=1.2, eos_token_id=None, pad_token_id=0)
+    first_alone = model.generate(torch.tensor([prompts[0]]), batching="sync", batching_config=BatchingConfig(seed=3),
+                                 **kwargs)[0, len(prompts[0]):]
+    ids, mask = left_pad(prompts)
+    for mode, config in (("sync", BatchingConfig(seed=3)), ("async", BatchingConfig(seed=3, max_batch_tokens=6))):
+        rows = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, **kwargs)
+        assert torch.equal(rows[0, ids.shape[1]:], first_alone), mode
+
+
+def test_without_an_engine_seed_torch_manual_seed_reproduces_a_run():
+    """No BatchingConfig.seed: the engine seed is drawn from torch's global generator, so, as with
+    stock generate, torch.manual_seed makes a run reproducible (and successive runs differ)."""
+    model = tiny_model("llama")
+    ids, mask = left_pad(random_prompts(4, 3, 20, seed=60))
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=1.5, batching="async")
+    torch.manual_seed(11)
+    a, b = model.generate(ids, **kwargs), model.generate(ids, **kwargs)
+    torch.manual_seed(11)
+    assert torch.equal(model.generate(ids, **kwargs), a)
+    assert not torch.equal(a, b)
+    state = torch.get_rng_state()
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="async")  # greedy: draws nothing
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_online_requests_derive_their_seed_from_their_submission_order():
+    """add_request: the n-th submission gets derive_seed(engine seed, n), as request n of a
+    generate call would: the first one samples what it samples alone in generate()."""
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 12, 12, seed=55)[0]
+    alone = Engine(model, BatchingConfig(seed=7)).generate([prompt], [TARGET])[0].output_token_ids
+    engine = Engine(model, BatchingConfig(mode="async", seed=7))
+    engine.start()
+    try:
+        first = engine.add_request(prompt, TARGET)
+        others = [engine.add_request(p, q) for p, q in zip(*_mates(4, 61))]
+        assert first.result(timeout=60).output_token_ids == alone
+        for handle in others:
+            handle.result(timeout=60)
+    finally:
+        engine.shutdown()
