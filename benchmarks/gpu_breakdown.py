@@ -85,10 +85,12 @@ def step_breakdown(shape: str, requests: int, prompt: int, new: int, config: Bat
     steps = pipeline.num_steps - before
     totals: dict = collections.defaultdict(float)
     names: dict = collections.defaultdict(float)
+    launches = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower():
             totals[kind(e.name)] += e.device_time_total / 1e3
             names[e.name] += e.device_time_total / 1e3
+            launches += 1
     total = sum(totals.values())
     print(f"\n{shape}, {requests} x prompt {prompt} x {new} new, {config.mode}: kernel time per step "
           f"over {steps} steps (prefill included)")
@@ -96,8 +98,9 @@ def step_breakdown(shape: str, requests: int, prompt: int, new: int, config: Bat
     for k in ("GEMMs", "attention", "rest"):
         print(f"| {k} | {totals[k] / steps:.3f} | {100 * totals[k] / total:.0f}% |")
     print(f"| all kernels | {total / steps:.3f} | 100% |")
+    print(f"kernels per step: {launches / steps:.0f}")
     print("top kernels (ms/step):")
-    for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:12]:
+    for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:25]:
         print(f"  {ms / steps:8.3f}  {name[:110]}")
     engine.close()
 

@@ -73,11 +73,12 @@ class BatchBuilder:
         return positions, slot_mapping
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
-              pad_to: tuple[int, int] | None = None) -> StepInputs:
+              pad_to: tuple[int, int, int] | None = None) -> StepInputs:
         """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight.
 
-        `pad_to` = (batch, context): a decode step padded to a CUDA-graph bucket. Padding rows are
-        one-token requests at position 0 that write to and read from the trash slot.
+        `pad_to` = (batch, context, tokens): a step padded to a CUDA-graph bucket (tokens 0: a decode
+        step, one token per request). Padding requests write to and read from the trash page: one
+        token each, the last one all the tokens left. Logits rows are padded to `batch` too.
         """
         ids: list[int] = []
         carry: list[int] = []
@@ -125,22 +126,27 @@ class BatchBuilder:
                     blocked.append((len(sample_requests), tokens))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
+        real_tokens = len(ids)
         if pad_to is not None:
-            for _ in range(pad_to[0] - len(plan.chunks)):
+            batch, max_ctx, tokens = pad_to
+            pads = batch - len(plan.chunks)
+            for i in range(pads):
+                n = 1 if i < pads - 1 or not tokens else tokens - len(ids)
                 query_start.append(len(ids))
-                ids.append(PLACEHOLDER)
-                carry.append(-1)
-                page_lists.append([self.trash_page])
-                query_lens.append(1)
-                context_lens.append(1)
+                ids.extend([PLACEHOLDER] * n)
+                carry.extend([-1] * n)
+                page_lists.append([self.trash_page] * -(-n // self.page_size))
+                query_lens.append(n)
+                context_lens.append(n)
                 logits_rows.append(len(ids) - 1)
-            max_ctx = pad_to[1]
+            logits_rows.extend([0] * (batch - len(logits_rows)))  # chunks that do not sample
         else:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
         table = torch.from_numpy(block_table(page_lists, context_lens, self.page_size, width))
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
+        positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
         sampling_ints, sampling_floats = [], []

@@ -128,8 +128,13 @@ class PagedKVCache(Cache):
             raise RuntimeError("PagedKVCache.update called outside an engine step")
         slots = self.step.slot_mapping
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
-        k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
-        v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
+        if self.step.backend == "triton" and key_states.stride(-1) == 1 and value_states.stride(-1) == 1:
+            from .attention.store_kv import store_kv
+
+            store_kv(k_pool, v_pool, key_states, value_states, slots)
+        else:
+            k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
+            v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
         return k_pool, v_pool
 
     @property

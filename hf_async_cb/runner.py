@@ -46,7 +46,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the forward; return float32 logits at the sampled rows [S, V]."""
+        """Run the forward; return the logits at the sampled rows [S, V], in the model's dtype."""
         meta = inputs.meta
         meta.begin_forward()
         self.cache.step = meta
@@ -65,7 +65,7 @@ class ModelRunner:
                 f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "
                 "its architecture bypasses the attention interface and is not supported."
             )
-        return out.logits[0].float()
+        return out.logits[0]
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,10 +75,16 @@ class ModelRunner:
         Tokens the CPU did not know when it built the step are gathered first from the sampled
         tokens of the previous step (`previous_tokens`), which the device already has.
         """
-        if inputs.carry_src is not None:
+        if inputs.carry_src is not None and previous_tokens is not None:
             carried = previous_tokens[inputs.carry_src.clamp(min=0)]
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
+        if (inputs.meta.backend == "triton" and inputs.sampling is None and inputs.penalty is None
+                and inputs.token_block is None and not inputs.processor_rows and not inputs.keep_rows):
+            from .greedy import greedy_packed
+
+            return greedy_packed(logits)  # all greedy, nothing to apply: one pass over the logits
+        logits = logits.float()  # processors and samplers work in float32, as stock generate does
         raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
         if inputs.penalty is not None:
             inputs.penalty.apply(logits, previous_tokens)

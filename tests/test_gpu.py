@@ -10,7 +10,7 @@ import torch
 
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb import slots as slots_module
-from models import random_prompts, tiny_model
+from models import left_pad, random_prompts, tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -72,13 +72,7 @@ def test_cuda_fp32_matches_stock_generate(family):
     """The default CUDA path (Triton attention, fused projections, graphs) against stock in fp32."""
     model = cuda_model(family, torch.float32)
     prompts = random_prompts(8, 5, 40, seed=4)
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = (t.cuda() for t in left_pad(prompts))
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=16, batching="off")
     for mode in ("sync", "async"):
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=16, batching=mode), expected)
@@ -100,20 +94,21 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
         engine.generate(prompts, max_new_tokens=32)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        engine.close()
     assert len(waits) == pipeline.num_steps - steps_before
 
 
 def test_no_loop_kernel_on_the_default_stream(tmp_path):
     model = cuda_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async"))
     prompts = random_prompts(8, 8, 30, seed=6)
-    engine.generate(prompts, max_new_tokens=4)
-    torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, max_new_tokens=16)
+    with Engine(model, BatchingConfig(mode="async")) as engine:
+        engine.generate(prompts, max_new_tokens=4)
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, max_new_tokens=16)
+            torch.cuda.synchronize()
     trace = tmp_path / "trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -181,3 +176,21 @@ def test_fused_model_logits_match_the_original_in_bf16(family):
         again = model(ids).logits.float()
     assert torch.equal(again, expected)
     assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("option", [
+    dict(repetition_penalty=1.3),
+    dict(min_new_tokens=6),
+    dict(suppress_tokens=list(range(10, 60)), begin_suppress_tokens=list(range(60, 200))),
+    dict(repetition_penalty=0.8, min_new_tokens=3, suppress_tokens=[7, 8, 9]),
+])
+def test_device_processors_match_stock_on_cuda(option):
+    """The processors the engine runs on the device (penalty histories, blocked tokens), on the
+    default CUDA path (graphs, Triton, fusions) in fp32: stock's tokens in both modes."""
+    model = cuda_model("llama", torch.float32)
+    prompts = random_prompts(8, 5, 40, seed=12)
+    ids, mask = (t.cuda() for t in left_pad(prompts))
+    common = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=[2, 5], pad_token_id=0, **option)
+    expected = model.generate(ids, batching="off", **common)
+    for mode in ("sync", "async"):
+        assert torch.equal(model.generate(ids, batching=mode, **common), expected), mode

@@ -1,0 +1,32 @@
+"""The one-pass greedy kernel against torch's argmax and log_softmax (Triton's interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from hf_async_cb.greedy import greedy_packed
+from hf_async_cb.sampling import pack
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (3, 5003), (64, 2048), (5, 128256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_packed_is_argmax_and_its_log_softmax(rows, vocab, dtype):
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    logits[0, vocab // 3] = float("-inf")
+    if rows > 2:  # exact ties: the first index wins, as in torch
+        logits[1, [vocab // 2, vocab - 1, 3]] = logits[1].max() + 1
+    logits = logits.to(DEVICE)
+    got = greedy_packed(logits)
+    x = logits.float()
+    tokens = x.argmax(-1)
+    expected = pack(tokens, x.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1].view(torch.float64), expected[1].view(torch.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_packed_reads_strided_rows():
+    logits = torch.randn(4, 3000, device=DEVICE)[:, :2999]
+    got = greedy_packed(logits)
+    assert torch.equal(got[0], logits.argmax(-1))
