@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table
+from .page_table import PageTable
 from .penalties import RepetitionPenalty, TokenBlock
 from .requests import Request
 from .sampling import SamplingTensors
@@ -57,20 +58,29 @@ def _split(items: list, *sizes: int) -> list[list]:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference") -> None:
-        """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read."""
+    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference",
+                 page_table: PageTable | None = None) -> None:
+        """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read.
+        `page_table`: the scheduler's mirror of the running requests' pages (else the block table is
+        built from their page lists)."""
         self.page_size = page_size
         self.attention_backend = attention_backend
         self.trash_page = trash_slot // page_size
+        self.page_table = page_table
 
-    def _slots(self, table, query_start, query_lens, context_lens):
-        """Position and cache slot of each new token, from the block table, in a few batched ops."""
+    def _slots(self, table: np.ndarray, query_start, query_lens, context_lens):
+        """Position and cache slot of each new token, from the block table, in a few numpy ops
+        (torch's small CPU ops cost microseconds each; repeat_interleave far more)."""
         ps = self.page_size
-        ql = _ints(query_lens)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), ql)
-        positions = (_ints(context_lens) - ql)[rows] + torch.arange(int(ql.sum())) - _ints(query_start)[rows]
+        ql = np.array(query_lens, dtype=np.int64)
+        ctx = np.array(context_lens, dtype=np.int64)
+        if len(ql) == int(ql.sum()):  # decode: one token per request, at its last position
+            rows, positions = np.arange(len(ql)), ctx - 1
+        else:
+            rows = np.repeat(np.arange(len(ql)), ql)
+            positions = (ctx - ql)[rows] + np.arange(len(rows)) - np.array(query_start, dtype=np.int64)[rows]
         slot_mapping = table[rows, positions // ps] * ps + positions % ps
-        return positions, slot_mapping
+        return torch.from_numpy(positions), torch.from_numpy(slot_mapping)
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
               pad_to: tuple[int, int, int] | None = None) -> StepInputs:
@@ -144,8 +154,14 @@ class BatchBuilder:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
-        table = torch.from_numpy(block_table(page_lists, context_lens, self.page_size, width))
+        if self.page_table is not None:
+            table = self.page_table.gather([c.request for c in plan.chunks], width)
+            if len(page_lists) > len(plan.chunks):  # padding requests: the trash page only
+                table = np.concatenate([table, np.full((len(page_lists) - len(plan.chunks), width), self.trash_page)])
+        else:
+            table = block_table(page_lists, context_lens, self.page_size, width)
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
+        table = torch.from_numpy(table)
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
