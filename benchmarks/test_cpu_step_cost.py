@@ -38,7 +38,7 @@ def decoding_scheduler(running: int, context: int = 512, page_size: int = 16) ->
 @pytest.mark.parametrize("running", [32, 256, 1024])
 def test_schedule_and_build_one_decode_step(benchmark, running):
     scheduler = decoding_scheduler(running)
-    builder = BatchBuilder(page_size=16, trash_slot=0)
+    builder = BatchBuilder(page_size=16, trash_slot=0, page_table=scheduler.page_table)
     slot = IOSlot(Streams(torch.device("cpu")))
 
     def step():

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .attention.metadata import StepMetadata, block_table
+from .page_table import PageTable
 from .penalties import HistoryProcessors, HostProcessors, TokenBlock
 from .requests import Request
 from .sampling import SamplingTensors
@@ -59,27 +60,37 @@ def _split(items: list, *sizes: int) -> list[list]:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference") -> None:
-        """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read."""
+    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference",
+                 page_table: PageTable | None = None) -> None:
+        """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read.
+        `page_table`: the scheduler's mirror of the running requests' pages (else the block table is
+        built from their page lists)."""
         self.page_size = page_size
         self.attention_backend = attention_backend
         self.trash_page = trash_slot // page_size
+        self.page_table = page_table
 
-    def _slots(self, table, query_start, query_lens, context_lens):
-        """Position and cache slot of each new token, from the block table, in a few batched ops."""
+    def _slots(self, table: np.ndarray, query_start, query_lens, context_lens):
+        """Position and cache slot of each new token, from the block table, in a few numpy ops
+        (torch's small CPU ops cost microseconds each; repeat_interleave far more)."""
         ps = self.page_size
-        ql = _ints(query_lens)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), ql)
-        positions = (_ints(context_lens) - ql)[rows] + torch.arange(int(ql.sum())) - _ints(query_start)[rows]
+        ql = np.array(query_lens, dtype=np.int64)
+        ctx = np.array(context_lens, dtype=np.int64)
+        if len(ql) == int(ql.sum()):  # decode: one token per request, at its last position
+            rows, positions = np.arange(len(ql)), ctx - 1
+        else:
+            rows = np.repeat(np.arange(len(ql)), ql)
+            positions = (ctx - ql)[rows] + np.arange(len(rows)) - np.array(query_start, dtype=np.int64)[rows]
         slot_mapping = table[rows, positions // ps] * ps + positions % ps
-        return positions, slot_mapping
+        return torch.from_numpy(positions), torch.from_numpy(slot_mapping)
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
-              pad_to: tuple[int, int] | None = None) -> StepInputs:
+              pad_to: tuple[int, int, int] | None = None) -> StepInputs:
         """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight.
 
-        `pad_to` = (batch, context): a decode step padded to a CUDA-graph bucket. Padding rows are
-        one-token requests at position 0 that write to and read from the trash slot.
+        `pad_to` = (batch, context, tokens): a step padded to a CUDA-graph bucket (tokens 0: a decode
+        step, one token per request). Padding requests write to and read from the trash page: one
+        token each, the last one all the tokens left. Logits rows are padded to `batch` too.
         """
         ids: list[int] = []
         carry: list[int] = []
@@ -125,22 +136,33 @@ class BatchBuilder:
                     blocked.append((len(sample_requests), tokens))
                 logits_rows.append(len(ids) - 1)
                 sample_requests.append(req)
+        real_tokens = len(ids)
         if pad_to is not None:
-            for _ in range(pad_to[0] - len(plan.chunks)):
+            batch, max_ctx, tokens = pad_to
+            pads = batch - len(plan.chunks)
+            for i in range(pads):
+                n = 1 if i < pads - 1 or not tokens else tokens - len(ids)
                 query_start.append(len(ids))
-                ids.append(PLACEHOLDER)
-                carry.append(-1)
-                page_lists.append([self.trash_page])
-                query_lens.append(1)
-                context_lens.append(1)
+                ids.extend([PLACEHOLDER] * n)
+                carry.extend([-1] * n)
+                page_lists.append([self.trash_page] * -(-n // self.page_size))
+                query_lens.append(n)
+                context_lens.append(n)
                 logits_rows.append(len(ids) - 1)
-            max_ctx = pad_to[1]
+            logits_rows.extend([0] * (batch - len(logits_rows)))  # chunks that do not sample
         else:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
-        table = torch.from_numpy(block_table(page_lists, context_lens, self.page_size, width))
+        if self.page_table is not None:
+            table = self.page_table.gather([c.request for c in plan.chunks], width)
+            if len(page_lists) > len(plan.chunks):  # padding requests: the trash page only
+                table = np.concatenate([table, np.full((len(page_lists) - len(plan.chunks), width), self.trash_page)])
+        else:
+            table = block_table(page_lists, context_lens, self.page_size, width)
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
+        table = torch.from_numpy(table)
+        positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
         has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
         params = [r.params for r in sample_requests]
         sampling_ints, sampling_floats = [], []

@@ -32,7 +32,8 @@ SHAPES = {
 }
 PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
 ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
-             "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False}}
+             "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False},
+             "noprefill": {"prefill_graphs": False}}
 
 
 def our_path(path: str) -> tuple[str, dict] | None:
@@ -47,7 +48,7 @@ def check_paths(paths, mixed: bool = False) -> None:
     for path in paths:
         if path not in PATHS and our_path(path) is None:
             raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} "
-                             "(ours with -ref/-unfused/-noew/-eager)")
+                             "(ours with -ref/-unfused/-noew/-eager/-noprefill)")
         if mixed and path in PATHS[:3]:
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
 

@@ -40,6 +40,8 @@ class BatchingConfig:
     cuda_graphs: replay greedy decode steps from CUDA graphs, one per (batch, context) bucket,
         captured on first use. None: on CUDA. On the CPU, True runs the same padded static-buffer
         path eagerly (for tests).
+    prefill_graphs: with cuda_graphs, replay greedy prefill and mixed steps from graphs too (up to
+        16 buckets of token count, batch and context; on CUDA with the Triton attention only).
     """
 
     mode: str = "async"
@@ -53,6 +55,7 @@ class BatchingConfig:
     attention: str = "auto"
     trust_untested_model: bool = False
     cuda_graphs: bool | None = None
+    prefill_graphs: bool = True
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
     progress: bool = False

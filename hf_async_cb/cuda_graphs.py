@@ -1,8 +1,10 @@
-"""CUDA graphs for decode steps: one graph per (batch bucket, context bucket), captured on first use.
+"""CUDA graphs for greedy steps: one graph per bucket, captured on first use.
 
 A decode-only, all-greedy step is padded to a bucket: the batch to a power of two (padding rows
 write to a trash slot outside the page pool and are never read back), the context to a power of
-two >= 64. Each graph owns static copies of every input tensor of the step; a step copies its
+two >= 64. With the Triton attention, whose launch depends only on token and request counts,
+prefill and mixed steps get graphs too (bucketed by their token count as well): on a slow host an
+eager prefill step of a small model costs more CPU time than its GPU work. Each graph owns static copies of every input tensor of the step; a step copies its
 freshly uploaded inputs (and the previous step's tokens, for carry-over) into them on the device,
 replays the graph, and clones the sampled tokens out, so that the next replay cannot overwrite
 tokens still on their way to the host. The graphs do not depend on the I/O slot, so the sync and
@@ -36,10 +38,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _token_bucket(n: int) -> int:
+    """Token count of a prefill/mixed bucket: a power of two up to 512, then a multiple of 512."""
+    return _pow2(n) if n <= 512 else -(-n // 512) * 512
+
+
 @dataclass(frozen=True)
 class GraphKey:
+    """batch: requests (padding rows included); context: keys per request; tokens: the step's
+    token stream, 0 for a decode step (one token per request)."""
+
     batch: int
     context: int
+    tokens: int = 0
 
 
 def _step_tensors(inputs: StepInputs) -> list[torch.Tensor]:
@@ -60,7 +71,7 @@ def _layout(tensors: list[torch.Tensor]) -> tuple | None:
 
 class _Graph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
-                 max_previous: int, pool, stream) -> None:
+                 max_previous: int, pool, stream, decode: bool = True) -> None:
         """Static tensors start as this step's inputs, so the warm-up and the capture run on real data.
 
         The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
@@ -79,9 +90,12 @@ class _Graph:
         t = self.tensors
         meta = StepMetadata(
             **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
-            max_query_len=inputs.meta.max_query_len, max_context=inputs.meta.max_context,
+            # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
+            max_query_len=inputs.meta.max_query_len if decode else max(2, inputs.meta.max_query_len),
+            max_context=inputs.meta.max_context,
             backend=inputs.meta.backend,
         )
+        self.meta = meta
         static = StepInputs(
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
             logits_indices=t["logits_indices"], meta=meta, sampling=None, sample_requests=[], processor_rows=[],
@@ -119,6 +133,9 @@ class _Graph:
                 static.copy_(source)
         if previous_tokens is not None:
             self.previous[: previous_tokens.numel()].copy_(previous_tokens)
+        # Read only when the step runs eagerly (the CPU stand-in): the reference attention's padded view.
+        if self.graph is None:
+            self.meta.max_query_len = inputs.meta.max_query_len
 
     def replay(self) -> torch.Tensor:
         if self.graph is not None:
@@ -129,9 +146,15 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool, prefill: bool = False,
+                 max_prefill_graphs: int = 16) -> None:
+        """prefill: also replay prefill and mixed steps from graphs (at most `max_prefill_graphs`
+        buckets; later new buckets run eagerly)."""
         self.runner = runner
         self.max_batch = _pow2(max_batch)
+        self.prefill = prefill
+        self.max_prefill_graphs = max_prefill_graphs
+        self.num_prefill_graphs = 0
         self.pool = torch.cuda.graph_pool_handle() if is_cuda else None
         self.stream = torch.cuda.Stream() if is_cuda else None  # every capture (and its warm-up) runs here
         self._graphs: dict[GraphKey, _Graph] = {}
@@ -139,18 +162,37 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a decode-only, all-greedy step without logits processors or penalties (and whose
-        capture has not failed), else None."""
+        """The bucket of an all-greedy step without logits processors or penalties (a decode step, or
+        with `prefill` any step), whose capture has not failed; else None.
+
+        A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
+        a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
-        if len(chunks) > self.max_batch:
-            return None
+        decode = True
         for c in chunks:
             r = c.request
-            if (c.num_tokens != 1 or not c.samples or r.params.do_sample or r.logits_processor is not None
-                    or r.keep_scores or r.params.repetition_penalty != 1.0 or r.blocked_tokens):
+            if (r.params.do_sample or r.logits_processor is not None or r.keep_scores
+                    or r.params.reads_history or r.blocked_tokens):
                 return None
-        context = max(c.start + 1 for c in chunks)
-        key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(context)))
+            decode = decode and c.num_tokens == 1 and c.samples
+        if decode:
+            if len(chunks) > self.max_batch:
+                return None
+            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))))
+        else:
+            if not self.prefill:
+                return None
+            size, tokens = len(chunks), plan.num_tokens
+            batch = _pow2(size)
+            bucket = _token_bucket(tokens)
+            if bucket > tokens and batch == size:
+                batch = _pow2(size + 1)  # the padding tokens need a padding request
+            bucket = _token_bucket(max(bucket, tokens + batch - size))
+            padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
+            context = max(max(c.start + c.num_tokens for c in chunks), padding if batch > size else 0)
+            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket)
+            if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
+                return None
         return None if key in self.failed else key
 
     def step(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -163,7 +205,9 @@ class DecodeGraphs:
         if graph is None:
             logger.info("capturing a decode graph for batch %d, context %d", key.batch, key.context)
             try:
-                graph = _Graph(self.runner, inputs, previous_tokens, self.max_batch, self.pool, self.stream)
+                # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
+                graph = _Graph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
+                               decode=key.tokens == 0)
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 if not self.failed:
                     logger.warning("CUDA graph capture failed (%s: %s); steps of that shape run eagerly",
@@ -171,6 +215,7 @@ class DecodeGraphs:
                 self.failed.add(key)
                 return self.runner.step(inputs, previous_tokens)
             self._graphs[key] = graph
+            self.num_prefill_graphs += key.tokens > 0
         else:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1

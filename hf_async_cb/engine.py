@@ -138,7 +138,7 @@ class Engine:
                                    self.config.max_running_requests)
         self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size,
-                                    attention_backend=self.attention_backend)
+                                    attention_backend=self.attention_backend, page_table=self.scheduler.page_table)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache)
@@ -147,8 +147,10 @@ class Engine:
         use_graphs = self.config.cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
-        self.graphs = DecodeGraphs(self.runner, self.config.max_running_requests,
-                                   is_cuda=self.device.type == "cuda") if use_graphs else None
+        self.graphs = DecodeGraphs(
+            self.runner, self.config.max_running_requests, is_cuda=self.device.type == "cuda",
+            prefill=self.config.prefill_graphs and (self.attention_backend == "triton" or self.device.type != "cuda"),
+        ) if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
 

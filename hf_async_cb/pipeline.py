@@ -124,9 +124,7 @@ class Pipeline:
         previous = self.in_flight[-1] if self.in_flight else None
         carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
         key = self.graphs.key_for(plan) if self.graphs is not None else None
-        if key is not None and any(c.request.params.reads_history for c in plan.chunks):
-            key = None  # history processors run eagerly (graphs take no processor inputs)
-        inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context) if key else None)
+        inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context, key.tokens) if key else None)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
         for req in inputs.sample_requests:

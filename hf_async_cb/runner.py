@@ -76,7 +76,7 @@ class ModelRunner:
         tokens of the previous step (`previous_tokens`), which the device already has; then the
         step's input ids, all real now, go to the token pool at their cache slots.
         """
-        if inputs.carry_src is not None:
+        if inputs.carry_src is not None and previous_tokens is not None:
             carried = previous_tokens[inputs.carry_src.clamp(min=0)]
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         self.history.record(inputs.meta.slot_mapping, inputs.input_ids[0])

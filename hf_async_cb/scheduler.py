@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .kv_cache import PageAllocator
+from .page_table import PageTable
 from .requests import Request, RequestStatus
 
 
@@ -50,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_shared_tokens = 0  # prompt tokens copies took from their leader instead of recomputing
+        self.page_table = PageTable()  # the running requests' pages, mirrored at every change below
 
     # -- queue -----------------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -78,9 +80,14 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         # A request whose last sampled tokens are all still in flight has nothing left to run.
-        ready = [(r, r.num_tokens - r.num_computed) for r in self.running if r.wants_more_tokens]
-        decoding = [item for item in ready if item[1] == 1]
-        prefilling = [item for item in ready if item[1] > 1]
+        # (Request.wants_more_tokens and num_tokens inlined: this loop runs over every running request.)
+        decoding, prefilling = [], []
+        for r in self.running:
+            sampled = len(r.output_token_ids) + r.num_pending
+            if sampled < r.params.max_new_tokens:
+                left = len(r.prompt_token_ids) + sampled - r.num_computed
+                (decoding if left == 1 else prefilling).append((r, left))
+        page_size = self.page_size
         for req, left in decoding + prefilling:
             if budget == 0:
                 break
@@ -88,7 +95,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
             # Most decode steps need no new page: skip the allocator then.
-            fits = req.num_computed + n <= len(req.pages) * self.page_size
+            fits = req.num_computed + n <= len(req.pages) * page_size
             victims = () if fits else self._reserve(req, n)
             if victims:
                 preempted.extend(victims)
@@ -117,6 +124,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.pages.extend(self.allocator.allocate(needed))
+            self.page_table.sync(req, req.pages)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._chunk(req, n))
@@ -143,6 +151,7 @@ class Scheduler:
             return
         req.pages = leader.pages[: length // self.page_size]
         self.allocator.share(req.pages)
+        self.page_table.sync(req, req.pages)
         req.num_computed = length
         self.num_shared_tokens += length
 
@@ -151,6 +160,7 @@ class Scheduler:
             self.num_shared_tokens -= req.num_computed
             self.allocator.free(req.pages)
             req.pages = []
+            self.page_table.release(req)
             req.num_computed = 0
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
@@ -176,12 +186,14 @@ class Scheduler:
                 return victims
         if needed:
             req.pages.extend(self.allocator.allocate(needed))
+            self.page_table.sync(req, req.pages)
         return victims
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.allocator.free(req.pages)
         req.pages = []
+        self.page_table.release(req)
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -197,4 +209,5 @@ class Scheduler:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+        self.page_table.release(req)
         req.status = status

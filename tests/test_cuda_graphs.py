@@ -28,6 +28,7 @@ def test_graph_path_matches_stock(family, batch, pages, mode):
     outs = engine.generate(prompts, max_new_tokens=16, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 16)
     assert engine.graphs.num_replays > 0 and len(engine.graphs) > 0
+    assert engine.graphs.num_prefill_graphs > 0  # chunked prefill and mixed steps replay graphs too
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
@@ -35,12 +36,26 @@ def test_graph_buckets():
     model = tiny_model("llama")
     engine = Engine(model, BatchingConfig(mode="sync", cuda_graphs=True, max_running_requests=20))
     prompts = random_prompts(3, 60, 70, seed=1)
-    engine.generate(prompts, max_new_tokens=10)
+    outs = engine.generate(prompts, max_new_tokens=10, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 10)
     keys = set(engine.graphs._graphs)
-    assert keys <= {GraphKey(4, 64), GraphKey(4, 128)}, keys
+    # The prompts' ~200 tokens in one step padded to 256: a padding request of ~60 tokens, on the trash page.
+    assert GraphKey(4, 128, 256) in keys
+    assert keys <= {GraphKey(4, 64), GraphKey(4, 128), GraphKey(4, 128, 256)}, keys
     assert engine.graphs.max_batch == 32
     # The step's inputs are one uploaded buffer, so a graph loads them with one copy.
     assert all(graph.layout is not None for graph in engine.graphs._graphs.values())
+
+
+def test_prefill_graphs_are_capped():
+    model = tiny_model("llama")
+    prompts = random_prompts(9, 3, 70, seed=2)
+    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, page_size=4, max_batch_tokens=48))
+    engine.graphs.max_prefill_graphs = 2
+    outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    assert engine.graphs.num_prefill_graphs == 2
+    assert sum(key.tokens > 0 for key in engine.graphs._graphs) == 2
 
 
 def test_sampled_and_processor_steps_stay_eager():

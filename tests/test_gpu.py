@@ -94,20 +94,21 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
         engine.generate(prompts, max_new_tokens=32)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+        engine.close()
     assert len(waits) == pipeline.num_steps - steps_before
 
 
 def test_no_loop_kernel_on_the_default_stream(tmp_path):
     model = cuda_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async"))
     prompts = random_prompts(8, 8, 30, seed=6)
-    engine.generate(prompts, max_new_tokens=4)
-    torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, max_new_tokens=16)
+    with Engine(model, BatchingConfig(mode="async")) as engine:
+        engine.generate(prompts, max_new_tokens=4)
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, max_new_tokens=16)
+            torch.cuda.synchronize()
     trace = tmp_path / "trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]

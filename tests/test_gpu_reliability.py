@@ -64,7 +64,9 @@ def loop_threads():
 
 
 # -- out of memory asked for by a hook -----------------------------------------------------------
-HOOK_CONFIG = dict(page_size=16, num_pages=256, max_batch_tokens=64, max_running_requests=16)
+# Prefill steps run eagerly here: a prefill graph's capture that runs out of memory falls back to an
+# eager step (the OOM is not seen), and its replay allocates nothing (the graph pool holds its memory).
+HOOK_CONFIG = dict(page_size=16, num_pages=256, max_batch_tokens=64, max_running_requests=16, prefill_graphs=False)
 MIN_PREFILL = 24  # tokens: more than any decode step (at most 16 rows, graph buckets included)
 
 
@@ -119,7 +121,8 @@ def test_oom_in_a_step_of_model_generate_leaves_the_model_usable():
     model = cuda_tiny()
     ids, mask = (t.cuda() for t in left_pad(random_prompts(8, 20, 60, seed=32)))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=[2], pad_token_id=0)
-    config = BatchingConfig(max_batch_tokens=64, max_running_requests=16)  # the pool sized from memory
+    config = BatchingConfig(max_batch_tokens=64, max_running_requests=16,  # the pool sized from memory
+                            prefill_graphs=False)
     stock = model.generate(ids, batching="off", **kwargs)
     fresh = model.generate(ids, batching="async", batching_config=config, **kwargs)
     attention = model.config._attn_implementation
@@ -240,7 +243,8 @@ def test_activations_that_no_longer_fit_raise_an_explained_oom_and_the_engine_re
     model = wide_llama()
     prompts = random_prompts(8, PROMPT, PROMPT, seed=36, vocab=4096)
     config = BatchingConfig(mode="async", page_size=16, num_pages=len(prompts) * (PROMPT // 16 + 1) + 16,
-                            max_batch_tokens=len(prompts) * PROMPT, max_running_requests=len(prompts))
+                            max_batch_tokens=len(prompts) * PROMPT, max_running_requests=len(prompts),
+                            prefill_graphs=False)
     with Engine(model, config) as engine:
         if online:
             engine.start()

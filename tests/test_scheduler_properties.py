@@ -130,6 +130,12 @@ class Sim:
         for req in self.scheduler.running:
             assert len(req.pages) >= ceil_div(req.num_computed, self.cfg.page_size)
             assert req.num_computed <= req.num_tokens
+        # The page table mirrors exactly the requests holding pages, page for page.
+        table = self.scheduler.page_table
+        holders = [r for r, _ in self.accepted if r.pages]
+        assert set(table.rows) == set(holders)
+        for req in holders:
+            assert table.gather([req], len(req.pages))[0].tolist() == req.pages
 
     def launch(self) -> bool:
         sched = self.scheduler

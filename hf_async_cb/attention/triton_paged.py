@@ -157,13 +157,25 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _launch_defaults(head_dim: int, dtype: torch.dtype) -> dict:
+    """Key block and launch shape, from a sweep of decode steps on the H200 (benchmarks/tune_kernels.py,
+    docs/benchmarks.md): 16-bit K/V tiles of 64 x 64 with 2 warps, of 128 x 128 with 4, both two
+    stages deep. fp32 (the tests' exact path) keeps 64-key blocks, whose tiles fit shared memory."""
+    if dtype.itemsize == 2 and head_dim <= 64:
+        return dict(block_n=64, num_warps=2, num_stages=2)
+    if dtype.itemsize == 2 and head_dim <= 128:
+        return dict(block_n=128, num_warps=4, num_stages=2)
+    return dict(block_n=64 if head_dim <= 128 else 32)
+
+
 def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -> int:
-    """Split decode contexts when the step has too few (request, KV head) programs to fill the
-    GPU twice over, and the contexts are long enough to share (at least 256 keys per split)."""
+    """Split decode contexts when the step has too few (request, KV head) programs to give every
+    SM one, and the contexts are long enough to share (at least 256 keys per split). At 32
+    requests x 8 KV heads on the H200's 132 SMs, splitting already loses (the merge costs more)."""
     if not meta.is_decode:
         return 1
     programs = meta.num_requests * num_kv_heads
-    wanted = -(-2 * _num_sms(device) // programs)
+    wanted = -(-_num_sms(device) // programs)
     splits = min(wanted, max(1, meta.max_context // 256), 16)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
@@ -176,9 +188,11 @@ def paged_attention_triton(
     scaling: float | None,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
     """query [1, H, T, D] (packed), pools [slots, KVH, D] -> output [1, T, H, D]; same contract as
-    paged_attention_reference. `num_splits` overrides the split heuristic (tests)."""
+    paged_attention_reference. `num_splits` overrides the split heuristic (tests); `tuning` the
+    launch parameters (block_n, num_warps, num_stages: benchmarks/tune_kernels.py)."""
     _, num_heads, total, head_dim = query.shape
     num_kv_heads = key_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -191,7 +205,9 @@ def paged_attention_triton(
     block_q = max(1, 16 // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if head_dim <= 128 else 32
+    tuning = {**_launch_defaults(head_dim, query.dtype), **(tuning or {})}
+    block_n = tuning["block_n"]
+    launch = {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}
     splits = num_splits or choose_splits(meta, num_kv_heads, query.device)
     out = torch.empty(total, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if splits > 1:
@@ -212,7 +228,7 @@ def paged_attention_triton(
         *part_strides[:3], *ml_strides, meta.block_table.stride(0),
         PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
-        IEEE=query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](

@@ -1,0 +1,114 @@
+"""Kernel sweeps on the GPU, timed inside CUDA graphs (as the engine runs them, without the launch
+cost of Python): the paged decode attention's launch parameters at the bench shapes, and the
+one-pass greedy pick and the K/V store against the torch ops they replace.
+
+    python benchmarks/tune_kernels.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from hf_async_cb.attention.metadata import StepMetadata, block_table
+from hf_async_cb.attention.store_kv import store_kv
+from hf_async_cb.attention.triton_paged import choose_splits, paged_attention_triton
+from hf_async_cb.greedy import greedy_packed
+from hf_async_cb.sampling import pack
+
+
+def graph_ms(fn, iters: int = 50) -> float:
+    """Mean time of fn() replayed from a CUDA graph of `iters` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (5 * iters)
+
+
+def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page: int = 16):
+    g = torch.Generator().manual_seed(ctx)
+    per = -(-ctx // page)
+    pages = requests * per
+    kp = torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    order = torch.randperm(pages, generator=g).view(requests, per).tolist()  # scattered pages
+    lens = [max(1, ctx - int(x)) for x in torch.randint(0, 64, (requests,), generator=g)]  # ragged
+    width = -(-ctx // 64) * 64 // page
+    meta = StepMetadata(slot_mapping=torch.zeros(requests, dtype=torch.long, device="cuda"),
+                        block_table=torch.from_numpy(block_table(order, lens, page, width)).cuda(),
+                        query_start=torch.arange(requests + 1, device="cuda"),
+                        context_lens=torch.tensor(lens, device="cuda"), page_size=page, max_query_len=1,
+                        max_context=width * page)
+    q = torch.randn(1, heads, requests, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * sum(lens) * kv_heads * head_dim * 2
+    return q, kp, vp, meta, kv_bytes
+
+
+def sweep_attention() -> None:
+    cases = {"1B x 64, ctx 256": (64, 256, 32, 8, 64), "1B x 64, ctx 384": (64, 384, 32, 8, 64),
+             "8B x 32, ctx 640": (32, 640, 32, 8, 128), "8B x 32, ctx 1152": (32, 1152, 32, 8, 128)}
+    for name, shape in cases.items():
+        q, kp, vp, meta, kv_bytes = decode_case(*shape)
+        default_splits = choose_splits(meta, shape[3], q.device)
+        base = graph_ms(lambda: paged_attention_triton(q, kp, vp, meta, None))
+        results = []
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2)):
+            tuning = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = graph_ms(lambda: paged_attention_triton(q, kp, vp, meta, None, num_splits=splits, tuning=tuning))
+            except Exception as e:  # noqa: BLE001 (a config that does not compile)
+                print(f"  skip {tuning} splits {splits}: {type(e).__name__}")
+                continue
+            results.append((ms, block_n, warps, stages, splits))
+        results.sort()
+        print(f"\n{name}: default (splits {default_splits}) {base * 1e3:.1f} us = {kv_bytes / base / 1e6:,.0f} GB/s")
+        print("| us | GB/s | block_n | warps | stages | splits |\n|---|---|---|---|---|---|")
+        for ms, *cfg in results[:6]:
+            print(f"| {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} | " + " | ".join(map(str, cfg)) + " |")
+
+
+def compare_small_kernels() -> None:
+    print("\n| op | shape | torch us | triton us |\n|---|---|---|---|")
+    for rows in (32, 64, 256):
+        logits = torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16)
+
+        def torch_greedy():
+            x = logits.float()
+            t = x.argmax(-1)
+            return pack(t, x.log_softmax(-1).gather(1, t[:, None]).squeeze(1))
+
+        assert torch.equal(torch_greedy()[0], greedy_packed(logits)[0])
+        print(f"| greedy pick | {rows} x 128256 bf16 | {graph_ms(torch_greedy) * 1e3:.1f} | "
+              f"{graph_ms(lambda: greedy_packed(logits)) * 1e3:.1f} |")
+    for tokens, heads, dim in ((64, 8, 64), (32, 8, 128), (2048, 8, 128)):
+        pools = [torch.zeros(40000, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        k = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn_like(k)
+        slots = torch.randperm(40000, device="cuda")[:tokens]
+
+        def torch_store():
+            pools[0].index_copy_(0, slots, k[0].transpose(0, 1))
+            pools[1].index_copy_(0, slots, v[0].transpose(0, 1))
+
+        print(f"| K/V store | {tokens} tokens x {heads} x {dim} | {graph_ms(torch_store) * 1e3:.1f} | "
+              f"{graph_ms(lambda: store_kv(pools[0], pools[1], k, v, slots)) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    compare_small_kernels()
+    sweep_attention()
