@@ -16,6 +16,7 @@ tensors, which lets CI test the padding, the static buffers and the carry-over t
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -100,7 +101,9 @@ class _Graph:
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
             logits_indices=t["logits_indices"], meta=meta, sampling=None, sample_requests=[], processor_rows=[],
         )
-        self._fn = lambda: runner.step(static, self.previous)
+        # No reference back to self (a lambda over self would make a cycle that keeps the runner, and
+        # with it the KV pool, alive after Engine.close() until the garbage collector runs).
+        self._fn = functools.partial(runner.step, static, self.previous)
         self.out: torch.Tensor | None = None
         self.graph = None
         self.load(inputs, previous_tokens)

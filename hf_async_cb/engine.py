@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -173,7 +174,10 @@ class Engine:
             return self.config.num_pages
         bytes_per_page = self.layout.bytes_per_token(self.dtype) * self.config.page_size
         if self.device.type == "cuda":
+            gc.collect()  # a dropped engine's pool may still wait in a reference cycle of the caller's
             free, _ = torch.cuda.mem_get_info(self.device)
+            # Memory torch's allocator caches but does not use is free for the pool too.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             reserve = self._activation_bytes()
             budget = max(0, min(int(free * self.config.kv_memory_fraction), free - reserve))
             logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",

@@ -85,3 +85,23 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
     assert engine.graphs.failed and engine.graphs.num_replays == 0 and len(engine.graphs) == 0
     assert sum("capture failed" in r.message for r in caplog.records) == 1  # warned once
+
+
+def test_a_closed_engine_frees_its_pool_without_the_garbage_collector():
+    """On CUDA each engine's pool is most of the free memory: a reference cycle through the graphs
+    would keep it until the next collection, and the next engine would find no room."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    gc.disable()
+    try:
+        engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
+        engine.generate(random_prompts(5, 3, 30, seed=3), max_new_tokens=6)
+        assert len(engine.graphs) > 0
+        engine.close()
+        pool = weakref.ref(engine.cache.keys[0])
+        del engine
+        assert pool() is None
+    finally:
+        gc.enable()
