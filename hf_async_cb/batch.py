@@ -18,12 +18,13 @@ import torch
 from .attention.metadata import StepMetadata, block_table
 from .page_table import PageTable
 from .penalties import HistoryProcessors, HostProcessors, TokenBlock
-from .requests import Request
+from .requests import Request, SamplingParams
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
 from .slots import IOSlot
 
 PLACEHOLDER = 0
+_GREEDY = SamplingParams()
 CONTEXT_BUCKET = 64
 
 
@@ -169,6 +170,9 @@ class BatchBuilder:
         if any(p.do_sample for p in params):
             # Index of the token each row samples in its request's output (what seeded sampling hashes).
             token_index = [r.num_sampled for r in sample_requests]
+            if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
+                pads = len(logits_rows) - len(params)
+                params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
             sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         unseeded = any(p.do_sample and p.seed is None for p in params)
         ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),

@@ -121,8 +121,14 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_path(path: str, model, prompts: list[list[int]], new, config=None) -> Result:
-    """`new`: new tokens per request, one int for all or a list (mixed workload, our paths only)."""
+# --sample: what every path draws with instead of greedy picks (ours seeded, so reproducible).
+SAMPLING = dict(do_sample=True, temperature=0.8, top_p=0.95)
+
+
+def run_path(path: str, model, prompts: list[list[int]], new, config=None, sample: bool = False) -> Result:
+    """`new`: new tokens per request, one int for all or a list (mixed workload, our paths only).
+    `sample`: draw with SAMPLING on every path instead of greedy picks."""
+    decoding = SAMPLING if sample else dict(do_sample=False)
     device = model.device
     gc.collect()
     if device.type == "cuda":
@@ -134,14 +140,14 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None) -> Re
     steps = busy = decode_ms = None
     if path == "stock":
         ids = torch.tensor(prompts, device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             batching="off")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, batching="off",
+                             eos_token_id=None, pad_token_id=0, **decoding)
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     elif path.startswith("hf-cb"):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        gcfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        gcfg = GenerationConfig(max_new_tokens=new, eos_token_id=None, pad_token_id=0, **decoding)
         cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"))
         outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
         tokens = sum(len(o.generated_tokens) for o in outs.values())
@@ -152,10 +158,13 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None) -> Re
         from .config import BatchingConfig
 
         mode, changes = our_path(path)
-        engine = Engine(model, replace(config or BatchingConfig(), mode=mode, **changes))
+        config = config or BatchingConfig()
+        if sample and config.seed is None:
+            changes["seed"] = 0
+        engine = Engine(model, replace(config, mode=mode, **changes))
         pipeline = engine.pipeline(mode)
-        params = [SamplingParams(max_new_tokens=n) for n in new] if isinstance(new, list) \
-            else SamplingParams(max_new_tokens=new)
+        params = [SamplingParams(max_new_tokens=n, **decoding) for n in new] if isinstance(new, list) \
+            else SamplingParams(max_new_tokens=new, **decoding)
         # Warm-up: the same workload once (graph captures, kernel selection), timed on its own.
         warm = time.perf_counter()
         engine.generate(prompts, params)
@@ -188,7 +197,7 @@ def mixed_workload(requests: int, vocab: int, lo: int = 64, hi: int = 1024) -> t
 
 
 def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=None, dtype=None,
-        config=None, mixed: bool = False) -> dict:
+        config=None, mixed: bool = False, sample: bool = False) -> dict:
     check_paths(paths, mixed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -202,11 +211,11 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
         floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
-        run_path(path, model, prompts[:2], 2, config)
-    results = [run_path(path, model, prompts, new, config) for path in paths]
+        run_path(path, model, prompts[:2], 2, config, sample)
+    results = [run_path(path, model, prompts, new, config, sample) for path in paths]
     if mixed:
         prompt, new = "64..1024", "64..1024"
-    return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "device": str(device),
+    return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "sample": sample, "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12, "floor_ms_per_step": floor,
             "floor_tokens_per_s": requests / floor * 1e3, "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s}
@@ -215,7 +224,8 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
 
 def format_table(report: dict) -> str:
     lines = [
-        f"{report['shape']}, {report['requests']} requests x prompt {report['prompt']} x {report['new']} new, "
+        f"{report['shape']}, {report['requests']} requests x prompt {report['prompt']} x {report['new']} new"
+        f"{', sampled ' + str(SAMPLING) if report.get('sample') else ''}, "
         f"{report['dtype']} on {report['gpu']}; copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; floor "
         f"{report['floor_ms_per_step']:.2f} ms/step = {report['floor_tokens_per_s']:,.0f} tok/s",
         "| path | tokens/s | % of floor | s | steps | decode ms/step | GPU busy (decode) | peak GiB | warm-up s |",

@@ -79,7 +79,7 @@ def bench(args: argparse.Namespace) -> int:
                             max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress)
     report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config,
-                   mixed=args.mixed)
+                   mixed=args.mixed, sample=args.sample)
     print(b.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
     _workload_args(p, shape="llama3.2-1b", requests=64, prompt=128, new=256)
     p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async",
-                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager")
+                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, -noprefill")
+    p.add_argument("--sample", action="store_true",
+                   help="sampled decoding (temperature 0.8, top-p 0.95; ours seeded) instead of greedy, on every path")
     p.add_argument("--mixed", action="store_true",
                    help="prompts and outputs of 64..1024 tokens per request (our paths only)")
     p.add_argument("--page-size", type=int, default=16)

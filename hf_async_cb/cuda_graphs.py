@@ -1,14 +1,18 @@
-"""CUDA graphs for greedy steps: one graph per bucket, captured on first use.
+"""CUDA graphs for steps without logits processors: one graph per bucket, captured on first use.
 
-A decode-only, all-greedy step is padded to a bucket: the batch to a power of two (padding rows
-write to a trash slot outside the page pool and are never read back), the context to a power of
-two >= 64. With the Triton attention, whose launch depends only on token and request counts,
-prefill and mixed steps get graphs too (bucketed by their token count as well): on a slow host an
-eager prefill step of a small model costs more CPU time than its GPU work. Each graph owns static copies of every input tensor of the step; a step copies its
-freshly uploaded inputs (and the previous step's tokens, for carry-over) into them on the device,
-replays the graph, and clones the sampled tokens out, so that the next replay cannot overwrite
-tokens still on their way to the host. The graphs do not depend on the I/O slot, so the sync and
-async loops share them, and all of them share one memory pool (they never run at the same time).
+A decode step is padded to a bucket: the batch to a power of two (padding rows write to a trash
+slot outside the page pool and are never read back), the context to a power of two >= 64. With
+the Triton attention, whose launch depends only on token and request counts, prefill and mixed
+steps get graphs too (bucketed by their token count as well): on a slow host an eager prefill
+step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
+ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
+device tensors (sampling.py), so it replays like the forward; padding rows sample greedily.
+
+Each graph owns static copies of every input tensor of the step; a step copies its freshly
+uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
+the graph, and clones the sampled tokens out, so that the next replay cannot overwrite tokens
+still on their way to the host. The graphs do not depend on the I/O slot, so the sync and async
+loops share them, and all of them share one memory pool (they never run at the same time).
 
 On the CPU there is nothing to capture: a "graph" runs the same function eagerly on its static
 tensors, which lets CI test the padding, the static buffers and the carry-over through them.
@@ -25,6 +29,7 @@ import torch
 from .attention.metadata import StepMetadata
 from .batch import StepInputs
 from .runner import ModelRunner
+from .sampling import SamplingTensors
 from .scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -33,6 +38,8 @@ MIN_CONTEXT_BUCKET = 64
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
+_SAMPLING_INTS = ("top_k", "seed", "token_index")  # uploaded after the tensors above, in the same buffer
+_SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's float buffer
 
 
 def _pow2(n: int) -> int:
@@ -47,15 +54,23 @@ def _token_bucket(n: int) -> int:
 @dataclass(frozen=True)
 class GraphKey:
     """batch: requests (padding rows included); context: keys per request; tokens: the step's
-    token stream, 0 for a decode step (one token per request)."""
+    token stream, 0 for a decode step (one token per request); sampled: some row samples."""
 
     batch: int
     context: int
     tokens: int = 0
+    sampled: bool = False  # some row samples (the graph takes the sampling parameters)
 
 
-def _step_tensors(inputs: StepInputs) -> list[torch.Tensor]:
-    return [getattr(inputs, name) for name in _STATIC] + [getattr(inputs.meta, name) for name in _STATIC_META]
+def _step_ints(inputs: StepInputs) -> list[torch.Tensor]:
+    tensors = [getattr(inputs, name) for name in _STATIC] + [getattr(inputs.meta, name) for name in _STATIC_META]
+    if inputs.sampling is not None:
+        tensors += [getattr(inputs.sampling, name) for name in _SAMPLING_INTS]
+    return tensors
+
+
+def _step_floats(inputs: StepInputs) -> list[torch.Tensor]:
+    return [getattr(inputs.sampling, name) for name in _SAMPLING_FLOATS] if inputs.sampling is not None else []
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple | None:
@@ -70,6 +85,30 @@ def _layout(tensors: list[torch.Tensor]) -> tuple | None:
     return start, max(o + t.numel() for o, t in zip(offsets, tensors)) - start, tuple(o - start for o in offsets)
 
 
+class _Static:
+    """Static copies of step tensors that were uploaded back to back into one buffer: views of one
+    buffer laid out the same way, so that loading a step is one copy (separate clones otherwise)."""
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        self.layout = _layout(sources) if sources else None
+        if self.layout is not None:
+            _, length, offsets = self.layout
+            self.flat = torch.empty(length, dtype=sources[0].dtype, device=sources[0].device)
+            self.views = [self.flat[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
+        else:
+            self.views = [t.clone() for t in sources]
+
+    def load(self, sources: list[torch.Tensor]) -> None:
+        layout = _layout(sources) if self.layout is not None else None
+        if layout is not None and layout[1:] == self.layout[1:]:
+            start, length, _ = layout
+            self.flat.copy_(torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
+                            .set_(sources[0].untyped_storage(), start, (length,)))
+        else:
+            for static, source in zip(self.views, sources):
+                static.copy_(source)
+
+
 class _Graph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
                  max_previous: int, pool, stream, decode: bool = True) -> None:
@@ -78,17 +117,16 @@ class _Graph:
         The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
         are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
         device = inputs.input_ids.device
-        sources = _step_tensors(inputs)
-        self.layout = _layout(sources)
-        if self.layout is not None:
-            start, length, offsets = self.layout
-            self.flat = torch.empty(length, dtype=sources[0].dtype, device=device)
-            views = [self.flat[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
-        else:
-            views = [t.clone() for t in sources]
-        self.tensors = dict(zip(_STATIC + _STATIC_META, views))
+        self.ints = _Static(_step_ints(inputs))
+        self.floats = _Static(_step_floats(inputs))
+        self.layout = self.ints.layout
+        t = self.tensors = dict(zip(_STATIC + _STATIC_META + _SAMPLING_INTS, self.ints.views))
+        t.update(zip(_SAMPLING_FLOATS, self.floats.views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
-        t = self.tensors
+        sampling = None
+        if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
+            sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
+                                       unseeded=False)
         meta = StepMetadata(
             **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
             # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
@@ -99,7 +137,7 @@ class _Graph:
         self.meta = meta
         static = StepInputs(
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
-            logits_indices=t["logits_indices"], meta=meta, sampling=None, sample_requests=[], processor_rows=[],
+            logits_indices=t["logits_indices"], meta=meta, sampling=sampling, sample_requests=[], processor_rows=[],
         )
         # No reference back to self (a lambda over self would make a cycle that keeps the runner, and
         # with it the KV pool, alive after Engine.close() until the garbage collector runs).
@@ -125,15 +163,8 @@ class _Graph:
         self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
-        sources = _step_tensors(inputs)
-        layout = _layout(sources) if self.layout is not None else None
-        if layout is not None and layout[1:] == self.layout[1:]:
-            start, length, _ = layout
-            self.flat.copy_(torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
-                            .set_(sources[0].untyped_storage(), start, (length,)))
-        else:
-            for static, source in zip(self.tensors.values(), sources):
-                static.copy_(source)
+        self.ints.load(_step_ints(inputs))
+        self.floats.load(_step_floats(inputs))
         if previous_tokens is not None:
             self.previous[: previous_tokens.numel()].copy_(previous_tokens)
         # Read only when the step runs eagerly (the CPU stand-in): the reference attention's padded view.
@@ -165,23 +196,26 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of an all-greedy step without logits processors or penalties (a decode step, or
-        with `prefill` any step), whose capture has not failed; else None.
+        """The bucket of a step without logits processors, penalties, blocked tokens or unseeded
+        sampling (a decode step, or with `prefill` any step), whose capture has not failed; else None.
 
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
         decode = True
+        sampled = False
         for c in chunks:
-            r = c.request
-            if (r.params.do_sample or r.logits_processor is not None or r.keep_scores
-                    or r.params.reads_history or r.blocked_tokens):
+            r, p = c.request, c.request.params
+            if (r.logits_processor is not None or r.keep_scores or p.reads_history or r.blocked_tokens
+                    or (p.do_sample and p.seed is None)):
                 return None
             decode = decode and c.num_tokens == 1 and c.samples
+            sampled = sampled or (p.do_sample and c.samples)
         if decode:
             if len(chunks) > self.max_batch:
                 return None
-            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))))
+            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))),
+                           sampled=sampled)
         else:
             if not self.prefill:
                 return None
@@ -193,7 +227,7 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(c.start + c.num_tokens for c in chunks), padding if batch > size else 0)
-            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket)
+            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 return None
         return None if key in self.failed else key

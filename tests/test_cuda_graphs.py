@@ -58,13 +58,37 @@ def test_prefill_graphs_are_capped():
     assert sum(key.tokens > 0 for key in engine.graphs._graphs) == 2
 
 
-def test_sampled_and_processor_steps_stay_eager():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_seeded_sampling_replays_graphs_with_the_eager_tokens(mode):
+    """Sampled and greedy requests (different warpers) share graph buckets, decode and prefill, and
+    draw the very tokens of eager steps: a seeded draw depends on device tensors only."""
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("llama")
+    prompts = random_prompts(7, 3, 40, seed=5)
+    params = [SamplingParams(max_new_tokens=14, do_sample=True, top_k=k, top_p=p, temperature=t, min_p=m)
+              for k, p, t, m in [(0, 1.0, 1.0, 0.0), (5, 1.0, 0.7, 0.0), (0, 0.8, 1.3, 0.0), (0, 1.0, 1.0, 0.1),
+                                 (20, 0.9, 0.9, 0.05)]] + [SamplingParams(max_new_tokens=14)] * 2
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, seed=11, page_size=4,
+                                              max_batch_tokens=48))
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        if graphs:
+            keys = set(engine.graphs._graphs)
+            assert engine.graphs.num_replays > 0
+            assert any(k.sampled and k.tokens == 0 for k in keys) and any(k.sampled and k.tokens for k in keys)
+    assert runs[0] == runs[1]
+
+
+def test_processor_steps_stay_eager():
     from hf_async_cb import SamplingParams
 
     model = tiny_model("llama")
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
     prompts = random_prompts(4, 3, 10, seed=2)
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, top_k=5))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, repetition_penalty=1.3))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, suppress_tokens=(5, 6)))
     assert engine.graphs.num_replays == 0
     assert len(engine.graphs) == 0
 

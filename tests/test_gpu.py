@@ -194,3 +194,23 @@ def test_device_processors_match_stock_on_cuda(option):
     expected = model.generate(ids, batching="off", **common)
     for mode in ("sync", "async"):
         assert torch.equal(model.generate(ids, batching=mode, **common), expected), mode
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_seeded_sampling_in_graphs_gives_the_eager_tokens_on_cuda(mode):
+    """Sampled steps replay CUDA graphs (decode and prefill buckets): in fp32 (graph padding changes
+    GEMM shapes, which bf16 rounds differently) the draws are the eager steps' draws."""
+    from hf_async_cb import SamplingParams
+
+    model = cuda_model("llama", torch.float32)
+    prompts = random_prompts(12, 3, 60, seed=13)
+    params = [SamplingParams(max_new_tokens=20, do_sample=True, top_k=k, top_p=p, temperature=t)
+              for k, p, t in [(0, 1.0, 1.0), (8, 1.0, 0.7), (0, 0.85, 1.2)]] * 4
+    runs = []
+    for graphs in (False, True):
+        with Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, seed=3, max_batch_tokens=96)) as engine:
+            runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+            if graphs:
+                assert engine.graphs.num_replays > 0 and not engine.graphs.failed
+                assert any(key.sampled for key in engine.graphs._graphs)
+    assert runs[0] == runs[1]
