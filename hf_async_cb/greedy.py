@@ -37,13 +37,14 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_ro
         cols = off + lanes
         x = tl.load(base + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, x)
-        finite = new_m != float("-inf")
-        s = tl.where(finite, s * tl.exp(m - new_m) + tl.exp(x - new_m), 0.0)
+        # A lane still at -inf rescales by a finite stand-in: exp(-inf - 0) = 0, never -inf - -inf.
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
         idx = tl.where(x > m, cols, idx)  # strictly greater: each lane keeps its first maximum
         m = new_m
     best = tl.max(m, 0)
     first = tl.min(tl.where(m == best, idx, vocab), 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - best)), 0)
+    total = tl.sum(s * tl.exp(m - tl.where(best == float("-inf"), 0.0, best)), 0)
     out = row * NUM_PARTS + part
     tl.store(max_ptr + out, best)
     tl.store(idx_ptr + out, first)
@@ -57,7 +58,7 @@ def _greedy_merge_kernel(max_ptr, idx_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vo
     m = tl.load(max_ptr + parts)
     best = tl.max(m, 0)
     first = tl.min(tl.where(m == best, tl.load(idx_ptr + parts), vocab), 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, tl.load(sum_ptr + parts) * tl.exp(m - best)), 0)
+    total = tl.sum(tl.load(sum_ptr + parts) * tl.exp(m - tl.where(best == float("-inf"), 0.0, best)), 0)
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
     tl.store(tokens_ptr + row, first.to(tl.int64))
     tl.store(logprobs_ptr + row, (-tl.log(total)).to(tl.float64))
