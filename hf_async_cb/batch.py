@@ -178,7 +178,7 @@ class BatchBuilder:
         ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
                 positions, slot_mapping, _ints(logits_rows), table,
                 _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
-        processors = HostProcessors.build(history_rows)
+        processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked)
         dev, floats = slot.upload(ints + processor_ints + block_ints, sampling_floats + processor_floats)

@@ -1,4 +1,4 @@
-"""CUDA graphs for steps without logits processors: one graph per bucket, captured on first use.
+"""CUDA graphs for steps without per-step-shaped processors: one per bucket, captured on first use.
 
 A decode step is padded to a bucket: the batch to a power of two (padding rows write to a trash
 slot outside the page pool and are never read back), the context to a power of two >= 64. With
@@ -6,7 +6,10 @@ the Triton attention, whose launch depends only on token and request counts, pre
 steps get graphs too (bucketed by their token count as well): on a slow host an eager prefill
 step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
 ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
-device tensors (sampling.py), so it replays like the forward; padding rows sample greedily.
+device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So do
+repetition penalties: each logits row gets an entry (1.0 where none applies) and the history
+prefix a power-of-two width, both fixed by the bucket. N-grams, key lists and blocked tokens
+have shapes of their own per step: such steps run eagerly.
 
 Each graph owns static copies of every input tensor of the step; a step copies its freshly
 uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
@@ -20,6 +23,7 @@ tensors, which lets CI test the padding, the static buffers and the carry-over t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ import torch
 from .attention.metadata import StepMetadata
 from .batch import StepInputs
 from .runner import ModelRunner
+from .penalties import graph_ready, prefix_bucket
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
 
@@ -40,6 +45,9 @@ _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
 _SAMPLING_INTS = ("top_k", "seed", "token_index")  # uploaded after the tensors above, in the same buffer
 _SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's float buffer
+# A repetition penalty's tensors (penalties.HistoryProcessors), uploaded after the sampling ones.
+_PENALTY_INTS = ("sample_rows", "batch_rows", "prefix", "prefix_len", "penalty_start", "ngram")
+_PENALTY_FLOATS = ("penalty",)
 
 
 def _pow2(n: int) -> int:
@@ -54,23 +62,40 @@ def _token_bucket(n: int) -> int:
 @dataclass(frozen=True)
 class GraphKey:
     """batch: requests (padding rows included); context: keys per request; tokens: the step's
-    token stream, 0 for a decode step (one token per request); sampled: some row samples."""
+    token stream, 0 for a decode step (one token per request); sampled: some row samples; penalty:
+    what the step's repetition penalties need (which directions, the history prefix's width)."""
 
     batch: int
     context: int
     tokens: int = 0
     sampled: bool = False  # some row samples (the graph takes the sampling parameters)
+    penalty: tuple[bool, bool, int] | None = None  # some row is penalised: (above 1, below 1, prefix width)
 
 
 def _step_ints(inputs: StepInputs) -> list[torch.Tensor]:
     tensors = [getattr(inputs, name) for name in _STATIC] + [getattr(inputs.meta, name) for name in _STATIC_META]
     if inputs.sampling is not None:
         tensors += [getattr(inputs.sampling, name) for name in _SAMPLING_INTS]
+    if inputs.processors is not None:
+        tensors += [getattr(inputs.processors, name) for name in _PENALTY_INTS]
     return tensors
 
 
 def _step_floats(inputs: StepInputs) -> list[torch.Tensor]:
-    return [getattr(inputs.sampling, name) for name in _SAMPLING_FLOATS] if inputs.sampling is not None else []
+    tensors = [getattr(inputs.sampling, name) for name in _SAMPLING_FLOATS] if inputs.sampling is not None else []
+    if inputs.processors is not None:
+        tensors += [getattr(inputs.processors, name) for name in _PENALTY_FLOATS]
+    return tensors
+
+
+def _names(inputs: StepInputs) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Names of _step_ints(inputs) and _step_floats(inputs), in their order."""
+    ints, floats = _STATIC + _STATIC_META, ()
+    if inputs.sampling is not None:
+        ints, floats = ints + _SAMPLING_INTS, _SAMPLING_FLOATS
+    if inputs.processors is not None:
+        ints, floats = ints + _PENALTY_INTS, floats + _PENALTY_FLOATS
+    return ints, floats
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple | None:
@@ -120,13 +145,17 @@ class _Graph:
         self.ints = _Static(_step_ints(inputs))
         self.floats = _Static(_step_floats(inputs))
         self.layout = self.ints.layout
-        t = self.tensors = dict(zip(_STATIC + _STATIC_META + _SAMPLING_INTS, self.ints.views))
-        t.update(zip(_SAMPLING_FLOATS, self.floats.views))
+        int_names, float_names = _names(inputs)
+        t = self.tensors = dict(zip(int_names, self.ints.views))
+        t.update(zip(float_names, self.floats.views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
-        sampling = None
+        sampling = processors = None
         if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
             sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
                                        unseeded=False)
+        if inputs.processors is not None:  # the repetition penalty alone (key_for), every row padded
+            processors = dataclasses.replace(inputs.processors,
+                                             **{name: t[name] for name in _PENALTY_INTS + _PENALTY_FLOATS})
         meta = StepMetadata(
             **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
             # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
@@ -138,6 +167,7 @@ class _Graph:
         static = StepInputs(
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
             logits_indices=t["logits_indices"], meta=meta, sampling=sampling, sample_requests=[], processor_rows=[],
+            processors=processors,
         )
         # No reference back to self (a lambda over self would make a cycle that keeps the runner, and
         # with it the KV pool, alive after Engine.close() until the garbage collector runs).
@@ -196,26 +226,34 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a step without logits processors, penalties, blocked tokens or unseeded
-        sampling (a decode step, or with `prefill` any step), whose capture has not failed; else None.
+        """The bucket of a step without logits processors (the repetition penalty excepted), blocked
+        tokens or unseeded sampling (a decode step, or with `prefill` any step), whose capture has not
+        failed; else None.
 
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
         decode = True
         sampled = False
+        penalised = []
         for c in chunks:
             r, p = c.request, c.request.params
-            if (r.logits_processor is not None or r.keep_scores or p.reads_history or r.blocked_tokens
-                    or (p.do_sample and p.seed is None)):
+            if (r.logits_processor is not None or r.keep_scores or r.blocked_tokens
+                    or (p.do_sample and p.seed is None) or (p.reads_history and not graph_ready(p))):
                 return None
             decode = decode and c.num_tokens == 1 and c.samples
             sampled = sampled or (p.do_sample and c.samples)
+            if c.samples and p.reads_history:
+                penalised.append(r)
+        penalty = None
+        if penalised:
+            penalty = (any(r.params.repetition_penalty > 1 for r in penalised),
+                       any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised))
         if decode:
             if len(chunks) > self.max_batch:
                 return None
             key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))),
-                           sampled=sampled)
+                           sampled=sampled, penalty=penalty)
         else:
             if not self.prefill:
                 return None
@@ -227,7 +265,7 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(c.start + c.num_tokens for c in chunks), padding if batch > size else 0)
-            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled)
+            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 return None
         return None if key in self.failed else key

@@ -216,14 +216,20 @@ class HostProcessors:
     has_bad_words: bool
 
     @classmethod
-    def build(cls, rows: list[tuple[int, int, object]]) -> "HostProcessors | None":
-        """rows: (sampled row, batch row, Request) of every row with a history option."""
+    def build(cls, rows: list[tuple[int, int, object]], pad_rows: int | None = None) -> "HostProcessors | None":
+        """rows: (sampled row, batch row, Request) of every row with a history option.
+
+        pad_rows (a CUDA-graph bucket, repetition penalty only): one entry per logits row, those
+        without a penalty neutral (1.0), and the prefix `prefix_bucket` wide, so that the shapes
+        depend on the bucket only."""
         if not rows:
             return None
         requests = [req for _, _, req in rows]
+        if pad_rows is not None:
+            rows, requests = _padded_rows(rows, pad_rows)
         params = [req.params for req in requests]
         prefixes = [req.history_prefix for req in requests]
-        width = max(map(len, prefixes))
+        width = max(map(len, prefixes)) if pad_rows is None else prefix_bucket(requests)
         prefix = np.full((len(rows), width), -1, dtype=np.int64)
         for i, p in enumerate(prefixes):
             prefix[i, : len(p)] = p
@@ -243,6 +249,32 @@ class HostProcessors:
                    penalty_below=any(p.repetition_penalty < 1 for p in params),
                    max_ngram=max(p.no_repeat_ngram_size for p in params),
                    has_bias=bool(biased), has_bad_words=bool(banned))
+
+
+@functools.lru_cache(maxsize=1)
+def _neutral():
+    """A request without history options: the filler of a padded (CUDA-graph) step's rows."""
+    from .requests import Request, SamplingParams
+
+    return Request([0], SamplingParams(), request_id="padding")
+
+
+def _padded_rows(rows, num_rows: int):
+    by_row = {s: (b, req) for s, b, req in rows}
+    padded = [(s, *by_row.get(s, (0, _neutral()))) for s in range(num_rows)]
+    return padded, [req for _, _, req in padded]
+
+
+def graph_ready(params) -> bool:
+    """Whether a row's history options can run in a CUDA graph: the repetition penalty alone
+    (n-grams and key lists have shapes of their own)."""
+    return not (params.no_repeat_ngram_size or params.bad_words_ids or params.sequence_bias)
+
+
+def prefix_bucket(requests) -> int:
+    """Width of the history prefix of a padded step: a power of two (0 when no row has one)."""
+    longest = max((len(r.history_prefix) for r in requests if r.params.reads_history), default=0)
+    return 0 if longest == 0 else 1 << (longest - 1).bit_length()
 
 
 def _keys(request) -> tuple[SequenceBlock | None, SequenceBlock | None]:

@@ -2,6 +2,7 @@
 trash slot, static buffers and carry-over through them must leave every token as stock's."""
 
 import pytest
+import torch
 
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.cuda_graphs import GraphKey
@@ -81,13 +82,36 @@ def test_seeded_sampling_replays_graphs_with_the_eager_tokens(mode):
     assert runs[0] == runs[1]
 
 
-def test_processor_steps_stay_eager():
+def test_repetition_penalty_steps_replay_graphs_with_stock_tokens(monkeypatch):
+    """Penalised rows (left-padded generate: the history prefix has a bucket of its own) replay
+    graphs, next to unpenalised padding rows, and give stock's tokens."""
+    from hf_async_cb import cuda_graphs
+    from models import left_pad
+
+    keys = []
+    step = cuda_graphs.DecodeGraphs.step
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "step", lambda self, key, *a: keys.append(key) or step(self, key, *a))
+    model = tiny_model("llama")
+    ids, mask = left_pad(random_prompts(6, 2, 30, seed=33))
+    for penalty in (1.3, 0.7):
+        common = dict(attention_mask=mask, max_new_tokens=12, repetition_penalty=penalty, pad_token_id=0)
+        expected = model.generate(ids, batching="off", **common)
+        for mode in ("sync", "async"):
+            got = model.generate(ids, batching=mode, **common,
+                                 batching_config=BatchingConfig(page_size=4, max_batch_tokens=32, cuda_graphs=True))
+            assert torch.equal(got, expected), (penalty, mode)
+    penalties = {k.penalty for k in keys if k.penalty}
+    assert {p[:2] for p in penalties} == {(True, False), (False, True)} and any(p[2] > 0 for p in penalties)
+    assert any(k.tokens == 0 for k in keys if k.penalty) and any(k.tokens for k in keys if k.penalty)
+
+
+def test_other_processor_steps_stay_eager():
     from hf_async_cb import SamplingParams
 
     model = tiny_model("llama")
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
     prompts = random_prompts(4, 3, 10, seed=2)
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, repetition_penalty=1.3))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, repetition_penalty=1.3, no_repeat_ngram_size=2))
     engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, suppress_tokens=(5, 6)))
     assert engine.graphs.num_replays == 0
     assert len(engine.graphs) == 0
