@@ -180,7 +180,7 @@ class BatchBuilder:
                 _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
-        block_ints = TokenBlock.host_parts(blocked)
+        block_ints = TokenBlock.host_parts(blocked, padded=pad_to is not None)
         dev, floats = slot.upload(ints + processor_ints + block_ints, sampling_floats + processor_floats)
         dev, dev_processor_ints, dev_block_ints = _split(dev, len(ints), len(processor_ints))
         floats, dev_processor_floats = _split(floats, len(sampling_floats))

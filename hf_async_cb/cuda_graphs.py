@@ -8,8 +8,9 @@ step of a small model costs more CPU time than its GPU work. Sampled rows share 
 ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
 device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So do
 repetition penalties: each logits row gets an entry (1.0 where none applies) and the history
-prefix a power-of-two width, both fixed by the bucket. N-grams, key lists and blocked tokens
-have shapes of their own per step: such steps run eagerly.
+prefix a power-of-two width, and blocked tokens (min_new_tokens' EOS, suppressed tokens), whose
+(row, token) pairs are padded to a power of two with pairs that change nothing: all fixed by the
+bucket. N-grams and key lists have shapes of their own per step: such steps run eagerly.
 
 Each graph owns static copies of every input tensor of the step; a step copies its freshly
 uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
@@ -33,7 +34,7 @@ import torch
 from .attention.metadata import StepMetadata
 from .batch import StepInputs
 from .runner import ModelRunner
-from .penalties import graph_ready, prefix_bucket
+from .penalties import TokenBlock, block_bucket, graph_ready, prefix_bucket
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
 
@@ -48,6 +49,7 @@ _SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's 
 # A repetition penalty's tensors (penalties.HistoryProcessors), uploaded after the sampling ones.
 _PENALTY_INTS = ("sample_rows", "batch_rows", "prefix", "prefix_len", "penalty_start", "ngram")
 _PENALTY_FLOATS = ("penalty",)
+_BLOCK_INTS = ("rows", "tokens")  # penalties.TokenBlock, uploaded last
 
 
 def _pow2(n: int) -> int:
@@ -70,6 +72,7 @@ class GraphKey:
     tokens: int = 0
     sampled: bool = False  # some row samples (the graph takes the sampling parameters)
     penalty: tuple[bool, bool, int] | None = None  # some row is penalised: (above 1, below 1, prefix width)
+    blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
 
 
 def _step_ints(inputs: StepInputs) -> list[torch.Tensor]:
@@ -78,6 +81,8 @@ def _step_ints(inputs: StepInputs) -> list[torch.Tensor]:
         tensors += [getattr(inputs.sampling, name) for name in _SAMPLING_INTS]
     if inputs.processors is not None:
         tensors += [getattr(inputs.processors, name) for name in _PENALTY_INTS]
+    if inputs.token_block is not None:
+        tensors += [getattr(inputs.token_block, name) for name in _BLOCK_INTS]
     return tensors
 
 
@@ -95,6 +100,8 @@ def _names(inputs: StepInputs) -> tuple[tuple[str, ...], tuple[str, ...]]:
         ints, floats = ints + _SAMPLING_INTS, _SAMPLING_FLOATS
     if inputs.processors is not None:
         ints, floats = ints + _PENALTY_INTS, floats + _PENALTY_FLOATS
+    if inputs.token_block is not None:
+        ints = ints + tuple("block_" + name for name in _BLOCK_INTS)
     return ints, floats
 
 
@@ -149,13 +156,15 @@ class _Graph:
         t = self.tensors = dict(zip(int_names, self.ints.views))
         t.update(zip(float_names, self.floats.views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
-        sampling = processors = None
+        sampling = processors = token_block = None
         if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
             sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
                                        unseeded=False)
         if inputs.processors is not None:  # the repetition penalty alone (key_for), every row padded
             processors = dataclasses.replace(inputs.processors,
                                              **{name: t[name] for name in _PENALTY_INTS + _PENALTY_FLOATS})
+        if inputs.token_block is not None:  # padded to the bucket's pair count
+            token_block = TokenBlock(*(t["block_" + name] for name in _BLOCK_INTS))
         meta = StepMetadata(
             **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
             # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
@@ -167,7 +176,7 @@ class _Graph:
         static = StepInputs(
             input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
             logits_indices=t["logits_indices"], meta=meta, sampling=sampling, sample_requests=[], processor_rows=[],
-            processors=processors,
+            processors=processors, token_block=token_block,
         )
         # No reference back to self (a lambda over self would make a cycle that keeps the runner, and
         # with it the KV pool, alive after Engine.close() until the garbage collector runs).
@@ -226,9 +235,9 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a step without logits processors (the repetition penalty excepted), blocked
-        tokens or unseeded sampling (a decode step, or with `prefill` any step), whose capture has not
-        failed; else None.
+        """The bucket of a step without logits processors (the repetition penalty excepted) or
+        unseeded sampling (a decode step, or with `prefill` any step), whose capture has not failed;
+        else None.
 
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
@@ -236,15 +245,18 @@ class DecodeGraphs:
         decode = True
         sampled = False
         penalised = []
+        blocked = 0
         for c in chunks:
             r, p = c.request, c.request.params
-            if (r.logits_processor is not None or r.keep_scores or r.blocked_tokens
+            if (r.logits_processor is not None or r.keep_scores
                     or (p.do_sample and p.seed is None) or (p.reads_history and not graph_ready(p))):
                 return None
             decode = decode and c.num_tokens == 1 and c.samples
             sampled = sampled or (p.do_sample and c.samples)
             if c.samples and p.reads_history:
                 penalised.append(r)
+            if c.samples:
+                blocked += len(r.blocked_tokens)
         penalty = None
         if penalised:
             penalty = (any(r.params.repetition_penalty > 1 for r in penalised),
@@ -253,7 +265,7 @@ class DecodeGraphs:
             if len(chunks) > self.max_batch:
                 return None
             key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))),
-                           sampled=sampled, penalty=penalty)
+                           sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
             if not self.prefill:
                 return None
@@ -265,7 +277,8 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(c.start + c.num_tokens for c in chunks), padding if batch > size else 0)
-            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty)
+            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
+                           blocked and block_bucket(blocked))
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 return None
         return None if key in self.failed else key

@@ -289,22 +289,31 @@ def _keys(request) -> tuple[SequenceBlock | None, SequenceBlock | None]:
     return cached[1:]
 
 
+def block_bucket(num_pairs: int) -> int:
+    """Pairs of a padded (CUDA-graph) step's TokenBlock: a power of two, at least 16."""
+    return max(16, 1 << max(0, num_pairs - 1).bit_length())
+
+
 @dataclass
 class TokenBlock:
     """Tokens a row may not sample this step, their logits set to -inf: EOS while the request is
     short of min_new_tokens (the host knows its count, tokens in flight included), suppress_tokens
-    always, begin_suppress_tokens for its first token. The host sends the (row, token) pairs."""
+    always, begin_suppress_tokens for its first token. The host sends the (row, token) pairs; a
+    padded step adds (0, -1) pairs, which change nothing."""
 
     rows: torch.Tensor  # [N] int64
-    tokens: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N] int64, -1 = padding
 
     @staticmethod
-    def host_parts(entries: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """entries: (sampled row, the tokens it may not sample)."""
+    def host_parts(entries: list[tuple[int, tuple[int, ...]]], padded: bool = False) -> list[torch.Tensor]:
+        """entries: (sampled row, the tokens it may not sample); padded: to block_bucket pairs."""
         if not entries:
             return []
         rows = [row for row, eos in entries for _ in eos]
         tokens = [t for _, eos in entries for t in eos]
+        if padded:
+            extra = block_bucket(len(rows)) - len(rows)
+            rows, tokens = rows + [0] * extra, tokens + [-1] * extra
         return [torch.tensor(rows), torch.tensor(tokens)]
 
     @classmethod
@@ -312,4 +321,7 @@ class TokenBlock:
         return cls(*ints) if ints else None
 
     def apply(self, logits: torch.Tensor) -> None:
-        logits[self.rows, self.tokens] = float("-inf")
+        # min(-inf, x) blocks; min(+inf, x) (a padding pair) leaves the logit as it was.
+        index = self.rows * logits.shape[1] + self.tokens.clamp(min=0)
+        values = torch.where(self.tokens >= 0, -_INF, _INF).to(logits.dtype)
+        logits.view(-1).scatter_reduce_(0, index, values, reduce="amin")

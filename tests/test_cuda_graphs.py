@@ -105,14 +105,38 @@ def test_repetition_penalty_steps_replay_graphs_with_stock_tokens(monkeypatch):
     assert any(k.tokens == 0 for k in keys if k.penalty) and any(k.tokens for k in keys if k.penalty)
 
 
-def test_other_processor_steps_stay_eager():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_blocked_token_steps_replay_graphs_with_the_eager_tokens(mode):
+    """min_new_tokens' EOS, suppress_tokens and begin_suppress_tokens (per request, with sampled rows
+    beside): their (row, token) pairs padded to a bucket, the tokens those of eager steps."""
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 30, seed=7)
+    eos = (2, 3)
+    params = [SamplingParams(max_new_tokens=12, min_new_tokens=m, suppress_tokens=s, begin_suppress_tokens=b,
+                             eos_token_ids=eos, do_sample=d)
+              for m, s, b, d in [(5, (), (), False), (0, (7, 8, 9), (), False), (3, (11,), tuple(range(20, 40)), True),
+                                 (0, (), (), False), (8, (4,), (), True), (0, (), (), True)]]
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, seed=5, page_size=4, max_batch_tokens=40))
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        if graphs:
+            assert any(k.blocked for k in engine.graphs._graphs) and engine.graphs.num_replays > 0
+    assert runs[0] == runs[1]
+    for out, p in zip(runs[0], params):
+        assert not set(out[: p.min_new_tokens]) & set(eos) and not set(out) & set(p.suppress_tokens)
+
+
+def test_ngram_and_key_list_steps_stay_eager():
     from hf_async_cb import SamplingParams
 
     model = tiny_model("llama")
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
     prompts = random_prompts(4, 3, 10, seed=2)
     engine.generate(prompts, SamplingParams(max_new_tokens=6, repetition_penalty=1.3, no_repeat_ngram_size=2))
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, suppress_tokens=(5, 6)))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, bad_words_ids=((5, 6),)))
     assert engine.graphs.num_replays == 0
     assert len(engine.graphs) == 0
 
