@@ -37,8 +37,8 @@ class BatchingConfig:
     fuse_elementwise: run RMSNorm, rotary embeddings and the MLP's SiLU-mul as one Triton kernel
         each, rounding as torch does (elementwise.py). None: on CUDA only. Engine.close() restores.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
-    cuda_graphs: replay decode steps (greedy or seeded sampling, repetition penalty and blocked
-        tokens included; n-grams, bad words, sequence biases run eagerly) from CUDA graphs, one per
+    cuda_graphs: replay decode steps (greedy or seeded sampling; repetition penalty, n-grams and
+        blocked tokens included; bad words and sequence biases run eagerly) from CUDA graphs, one per
         (batch, context) bucket, captured on first use. None: on CUDA. On the CPU, True runs the
         same padded static-buffer path eagerly (for tests).
     prefill_graphs: with cuda_graphs, replay prefill and mixed steps from graphs too (up to

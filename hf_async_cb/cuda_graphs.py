@@ -6,11 +6,12 @@ the Triton attention, whose launch depends only on token and request counts, pre
 steps get graphs too (bucketed by their token count as well): on a slow host an eager prefill
 step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
 ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
-device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So do
-repetition penalties: each logits row gets an entry (1.0 where none applies) and the history
-prefix a power-of-two width, and blocked tokens (min_new_tokens' EOS, suppressed tokens), whose
-(row, token) pairs are padded to a power of two with pairs that change nothing: all fixed by the
-bucket. N-grams and key lists have shapes of their own per step: such steps run eagerly.
+device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So
+do repetition penalties and n-gram bans (each logits row gets an entry, neutral where none
+applies, and the history prefix a power-of-two width) and blocked tokens (min_new_tokens' EOS,
+suppressed tokens: the (row, token) pairs padded to a power of two with pairs that change
+nothing), all fixed by the bucket. Key lists (bad words, sequence biases) have shapes of their
+own per step: such steps run eagerly.
 
 Each graph owns static copies of every input tensor of the step; a step copies its freshly
 uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
@@ -71,7 +72,8 @@ class GraphKey:
     context: int
     tokens: int = 0
     sampled: bool = False  # some row samples (the graph takes the sampling parameters)
-    penalty: tuple[bool, bool, int] | None = None  # some row is penalised: (above 1, below 1, prefix width)
+    # Some row reads its history: (a penalty above 1, one below 1, prefix width, largest n-gram size).
+    penalty: tuple[bool, bool, int, int] | None = None
     blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
 
 
@@ -160,7 +162,7 @@ class _Graph:
         if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
             sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
                                        unseeded=False)
-        if inputs.processors is not None:  # the repetition penalty alone (key_for), every row padded
+        if inputs.processors is not None:  # penalty and n-grams only (key_for), every row padded
             processors = dataclasses.replace(inputs.processors,
                                              **{name: t[name] for name in _PENALTY_INTS + _PENALTY_FLOATS})
         if inputs.token_block is not None:  # padded to the bucket's pair count
@@ -260,7 +262,8 @@ class DecodeGraphs:
         penalty = None
         if penalised:
             penalty = (any(r.params.repetition_penalty > 1 for r in penalised),
-                       any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised))
+                       any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised),
+                       max(r.params.no_repeat_ngram_size for r in penalised))
         if decode:
             if len(chunks) > self.max_batch:
                 return None

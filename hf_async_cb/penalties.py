@@ -219,9 +219,9 @@ class HostProcessors:
     def build(cls, rows: list[tuple[int, int, object]], pad_rows: int | None = None) -> "HostProcessors | None":
         """rows: (sampled row, batch row, Request) of every row with a history option.
 
-        pad_rows (a CUDA-graph bucket, repetition penalty only): one entry per logits row, those
-        without a penalty neutral (1.0), and the prefix `prefix_bucket` wide, so that the shapes
-        depend on the bucket only."""
+        pad_rows (a CUDA-graph bucket; repetition penalty and n-grams only): one entry per logits
+        row, those without an option neutral (penalty 1.0, n-gram size 0), and the prefix
+        `prefix_bucket` wide, so that the shapes depend on the bucket only."""
         if not rows:
             return None
         requests = [req for _, _, req in rows]
@@ -266,9 +266,9 @@ def _padded_rows(rows, num_rows: int):
 
 
 def graph_ready(params) -> bool:
-    """Whether a row's history options can run in a CUDA graph: the repetition penalty alone
-    (n-grams and key lists have shapes of their own)."""
-    return not (params.no_repeat_ngram_size or params.bad_words_ids or params.sequence_bias)
+    """Whether a row's history options can run in a CUDA graph: the repetition penalty and
+    n-grams (key lists have shapes of their own, per step)."""
+    return not (params.bad_words_ids or params.sequence_bias)
 
 
 def prefix_bucket(requests) -> int:

@@ -129,13 +129,35 @@ def test_blocked_token_steps_replay_graphs_with_the_eager_tokens(mode):
         assert not set(out[: p.min_new_tokens]) & set(eos) and not set(out) & set(p.suppress_tokens)
 
 
-def test_ngram_and_key_list_steps_stay_eager():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ngram_steps_replay_graphs_with_the_eager_tokens(mode):
+    """Per-request n-gram sizes (and none) beside a penalty: stock's bans, in graph buckets."""
+    from hf_async_cb import SamplingParams
+
+    model = tiny_model("llama")
+    prompts = random_prompts(5, 3, 30, seed=9)
+    params = [SamplingParams(max_new_tokens=16, no_repeat_ngram_size=n, repetition_penalty=r)
+              for n, r in [(2, 1.0), (3, 1.2), (0, 1.0), (1, 1.0), (4, 0.9)]]
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, page_size=4, max_batch_tokens=40))
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        if graphs:
+            assert any(k.penalty and k.penalty[3] == 4 for k in engine.graphs._graphs)
+    assert runs[0] == runs[1]
+    for prompt, out, p in zip(prompts, runs[0], params):
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=16, no_repeat_ngram_size=p.no_repeat_ngram_size,
+                               repetition_penalty=p.repetition_penalty, eos_token_id=None, batching="off")
+        assert out == stock[0, len(prompt):].tolist()
+
+
+def test_key_list_steps_stay_eager():
     from hf_async_cb import SamplingParams
 
     model = tiny_model("llama")
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
     prompts = random_prompts(4, 3, 10, seed=2)
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, repetition_penalty=1.3, no_repeat_ngram_size=2))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, sequence_bias=(((5,), 2.0),)))
     engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, bad_words_ids=((5, 6),)))
     assert engine.graphs.num_replays == 0
     assert len(engine.graphs) == 0
