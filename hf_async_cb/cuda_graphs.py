@@ -64,9 +64,8 @@ def _token_bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class GraphKey:
-    """batch: requests (padding rows included); context: keys per request; tokens: the step's
-    token stream, 0 for a decode step (one token per request); sampled: some row samples; penalty:
-    what the step's repetition penalties need (which directions, the history prefix's width)."""
+    """A step's shape, as far as its graph depends on it: batch: requests (padding rows included);
+    context: keys per request; tokens: the token stream, 0 for a decode step (one per request)."""
 
     batch: int
     context: int
@@ -77,33 +76,19 @@ class GraphKey:
     blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
 
 
-def _step_ints(inputs: StepInputs) -> list[torch.Tensor]:
-    tensors = [getattr(inputs, name) for name in _STATIC] + [getattr(inputs.meta, name) for name in _STATIC_META]
+def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The step's uploaded tensors by name, in upload order: (the int64 buffer's, the float32 one's)."""
+    ints = {name: getattr(inputs, name) for name in _STATIC}
+    ints.update((name, getattr(inputs.meta, name)) for name in _STATIC_META)
+    floats = {}
     if inputs.sampling is not None:
-        tensors += [getattr(inputs.sampling, name) for name in _SAMPLING_INTS]
+        ints.update((name, getattr(inputs.sampling, name)) for name in _SAMPLING_INTS)
+        floats.update((name, getattr(inputs.sampling, name)) for name in _SAMPLING_FLOATS)
     if inputs.processors is not None:
-        tensors += [getattr(inputs.processors, name) for name in _PENALTY_INTS]
+        ints.update((name, getattr(inputs.processors, name)) for name in _PENALTY_INTS)
+        floats.update((name, getattr(inputs.processors, name)) for name in _PENALTY_FLOATS)
     if inputs.token_block is not None:
-        tensors += [getattr(inputs.token_block, name) for name in _BLOCK_INTS]
-    return tensors
-
-
-def _step_floats(inputs: StepInputs) -> list[torch.Tensor]:
-    tensors = [getattr(inputs.sampling, name) for name in _SAMPLING_FLOATS] if inputs.sampling is not None else []
-    if inputs.processors is not None:
-        tensors += [getattr(inputs.processors, name) for name in _PENALTY_FLOATS]
-    return tensors
-
-
-def _names(inputs: StepInputs) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Names of _step_ints(inputs) and _step_floats(inputs), in their order."""
-    ints, floats = _STATIC + _STATIC_META, ()
-    if inputs.sampling is not None:
-        ints, floats = ints + _SAMPLING_INTS, _SAMPLING_FLOATS
-    if inputs.processors is not None:
-        ints, floats = ints + _PENALTY_INTS, floats + _PENALTY_FLOATS
-    if inputs.token_block is not None:
-        ints = ints + tuple("block_" + name for name in _BLOCK_INTS)
+        ints.update(("block_" + name, getattr(inputs.token_block, name)) for name in _BLOCK_INTS)
     return ints, floats
 
 
@@ -151,12 +136,11 @@ class _Graph:
         The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
         are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
         device = inputs.input_ids.device
-        self.ints = _Static(_step_ints(inputs))
-        self.floats = _Static(_step_floats(inputs))
+        ints, floats = _step_tensors(inputs)
+        self.ints, self.floats = _Static(list(ints.values())), _Static(list(floats.values()))
         self.layout = self.ints.layout
-        int_names, float_names = _names(inputs)
-        t = self.tensors = dict(zip(int_names, self.ints.views))
-        t.update(zip(float_names, self.floats.views))
+        t = self.tensors = dict(zip(ints, self.ints.views))
+        t.update(zip(floats, self.floats.views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
         sampling = processors = token_block = None
         if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
@@ -204,8 +188,9 @@ class _Graph:
         self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
-        self.ints.load(_step_ints(inputs))
-        self.floats.load(_step_floats(inputs))
+        ints, floats = _step_tensors(inputs)
+        self.ints.load(list(ints.values()))
+        self.floats.load(list(floats.values()))
         if previous_tokens is not None:
             self.previous[: previous_tokens.numel()].copy_(previous_tokens)
         # Read only when the step runs eagerly (the CPU stand-in): the reference attention's padded view.
