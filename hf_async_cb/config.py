@@ -37,9 +37,9 @@ class BatchingConfig:
     fuse_elementwise: run RMSNorm, rotary embeddings and the MLP's SiLU-mul as one Triton kernel
         each, rounding as torch does (elementwise.py). None: on CUDA only. Engine.close() restores.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
-    cuda_graphs: replay decode steps (greedy or seeded sampling; repetition penalty, n-grams and
-        blocked tokens included; bad words and sequence biases run eagerly) from CUDA graphs, one per
-        (batch, context) bucket, captured on first use. None: on CUDA. On the CPU, True runs the
+    cuda_graphs: replay decode steps (greedy or seeded sampling, the engine's own logits processors
+        included; user processors run eagerly) from CUDA graphs, one per (batch, context) bucket,
+        captured on first use. None: on CUDA. On the CPU, True runs the
         same padded static-buffer path eagerly (for tests).
     prefill_graphs: with cuda_graphs, replay prefill and mixed steps from graphs too (up to
         16 buckets of token count, batch and context; on CUDA with the Triton attention only).

@@ -1,4 +1,4 @@
-"""CUDA graphs for steps without per-step-shaped processors: one per bucket, captured on first use.
+"""CUDA graphs for steps: one per bucket, captured on first use.
 
 A decode step is padded to a bucket: the batch to a power of two (padding rows write to a trash
 slot outside the page pool and are never read back), the context to a power of two >= 64. With
@@ -7,11 +7,11 @@ steps get graphs too (bucketed by their token count as well): on a slow host an 
 step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
 ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
 device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So
-do repetition penalties and n-gram bans (each logits row gets an entry, neutral where none
-applies, and the history prefix a power-of-two width) and blocked tokens (min_new_tokens' EOS,
-suppressed tokens: the (row, token) pairs padded to a power of two with pairs that change
-nothing), all fixed by the bucket. Key lists (bad words, sequence biases) have shapes of their
-own per step: such steps run eagerly.
+do the engine's logits processors (penalties.py): each logits row gets an entry, neutral where no
+option applies; the history prefix a power-of-two width; key lists (bad words, sequence biases)
+are padded to powers of two with keys no history reaches, blocked (row, token) pairs with pairs
+that change nothing; all those shapes are part of the bucket. User processors (the slow path)
+and kept scores run eagerly.
 
 Each graph owns static copies of every input tensor of the step; a step copies its freshly
 uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
@@ -35,7 +35,7 @@ import torch
 from .attention.metadata import StepMetadata
 from .batch import StepInputs
 from .runner import ModelRunner
-from .penalties import TokenBlock, block_bucket, graph_ready, prefix_bucket
+from .penalties import SequenceBias, TokenBlock, block_bucket, prefix_bucket, sequence_shapes
 from .sampling import SamplingTensors
 from .scheduler import StepPlan
 
@@ -71,8 +71,9 @@ class GraphKey:
     context: int
     tokens: int = 0
     sampled: bool = False  # some row samples (the graph takes the sampling parameters)
-    # Some row reads its history: (a penalty above 1, one below 1, prefix width, largest n-gram size).
-    penalty: tuple[bool, bool, int, int] | None = None
+    # Some row reads its history: (a penalty above 1, one below 1, prefix width, largest n-gram size,
+    # the padded shapes of the sequence-bias and bad-words key lists or None).
+    penalty: tuple | None = None
     blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
 
 
@@ -87,6 +88,11 @@ def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str
     if inputs.processors is not None:
         ints.update((name, getattr(inputs.processors, name)) for name in _PENALTY_INTS)
         floats.update((name, getattr(inputs.processors, name)) for name in _PENALTY_FLOATS)
+        for kind in ("bias", "bad_words"):
+            keys = getattr(inputs.processors, kind)
+            if keys is not None:
+                ints.update((f"{kind}_{name}", getattr(keys, name)) for name in SequenceBias.FIELDS[:-1])
+                floats[f"{kind}_value"] = keys.value
     if inputs.token_block is not None:
         ints.update(("block_" + name, getattr(inputs.token_block, name)) for name in _BLOCK_INTS)
     return ints, floats
@@ -146,8 +152,10 @@ class _Graph:
         if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
             sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
                                        unseeded=False)
-        if inputs.processors is not None:  # penalty and n-grams only (key_for), every row padded
-            processors = dataclasses.replace(inputs.processors,
+        if inputs.processors is not None:  # every row and key list padded (penalties.HostProcessors)
+            lists = {kind: SequenceBias(**{name: t[f"{kind}_{name}"] for name in SequenceBias.FIELDS})
+                     for kind in ("bias", "bad_words") if getattr(inputs.processors, kind) is not None}
+            processors = dataclasses.replace(inputs.processors, **lists,
                                              **{name: t[name] for name in _PENALTY_INTS + _PENALTY_FLOATS})
         if inputs.token_block is not None:  # padded to the bucket's pair count
             token_block = TokenBlock(*(t["block_" + name] for name in _BLOCK_INTS))
@@ -222,9 +230,8 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a step without logits processors (the repetition penalty excepted) or
-        unseeded sampling (a decode step, or with `prefill` any step), whose capture has not failed;
-        else None.
+        """The bucket of a step without user logits processors, kept scores or unseeded sampling (a
+        decode step, or with `prefill` any step), whose capture has not failed; else None.
 
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
@@ -236,7 +243,7 @@ class DecodeGraphs:
         for c in chunks:
             r, p = c.request, c.request.params
             if (r.logits_processor is not None or r.keep_scores
-                    or (p.do_sample and p.seed is None) or (p.reads_history and not graph_ready(p))):
+                    or (p.do_sample and p.seed is None)):
                 return None
             decode = decode and c.num_tokens == 1 and c.samples
             sampled = sampled or (p.do_sample and c.samples)
@@ -248,7 +255,7 @@ class DecodeGraphs:
         if penalised:
             penalty = (any(r.params.repetition_penalty > 1 for r in penalised),
                        any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised),
-                       max(r.params.no_repeat_ngram_size for r in penalised))
+                       max(r.params.no_repeat_ngram_size for r in penalised), *sequence_shapes(penalised))
         if decode:
             if len(chunks) > self.max_batch:
                 return None

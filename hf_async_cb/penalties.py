@@ -90,12 +90,21 @@ class SequenceBias:
     value: torch.Tensor  # [E] float32
 
     INTS = 7
+    FIELDS = ("rows", "prefix", "length", "min_history", "target", "target_rows", "target_tokens", "value")
 
     @staticmethod
-    def host_parts(blocks: list[tuple[int, SequenceBlock]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """blocks: (history row, its keys) -> (ints, floats) to upload."""
+    def host_parts(blocks: list[tuple[int, SequenceBlock]], padded: bool = False
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """blocks: (history row, its keys) -> (ints, floats) to upload. padded (a CUDA-graph
+        bucket): to `sequence_shape(blocks)`, with keys that never match and targets that get 0."""
         num = [len(b.length) for _, b in blocks]
         width = max(b.prefix.shape[1] for _, b in blocks)
+        if padded:
+            entries, width, targets = sequence_shape([b for _, b in blocks])
+            blocks = blocks + [(0, _NO_KEY)] * (entries - sum(num))
+            num += [1] * (entries - sum(num))
+            blocks += [(0, _NO_TARGET)] * (targets - sum(len(b.tokens) for _, b in blocks))
+            num += [0] * (len(blocks) - len(num))
         prefix = np.full((sum(num), width), -1, dtype=np.int64)
         start = 0
         for n, (_, b) in zip(num, blocks):
@@ -121,6 +130,29 @@ class SequenceBias:
         bias.index_add_(0, self.target, torch.where(matches, self.value, 0.0))
         vocab = logits.shape[1]
         logits.view(-1).index_add_(0, sample_rows[self.target_rows] * vocab + self.target_tokens, bias)
+
+
+def sequence_shape(blocks: list[SequenceBlock]) -> tuple[int, int, int]:
+    """(keys, prefix width, targets) of a padded step's SequenceBias: powers of two (at least 8 keys
+    and targets; the width 0 when every key is one token long)."""
+    keys = sum(len(b.length) for b in blocks)
+    width = max(b.prefix.shape[1] for b in blocks)
+    targets = sum(len(b.tokens) for b in blocks)
+    return _pow2(max(8, keys)), width and _pow2(width), _pow2(max(8, targets + 1))  # >= 1 padding target
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# Padding of a SequenceBias: a key no history reaches (bias 0), aimed at the first padding target
+# (it has no target of its own, so its offset is the real targets' count), and a target with no key.
+_NO_KEY = SequenceBlock(prefix=np.zeros((1, 0), dtype=np.int64), length=np.zeros(1, dtype=np.int64),
+                        min_history=np.full(1, 1 << 62, dtype=np.int64), target=np.zeros(1, dtype=np.int64),
+                        value=np.zeros(1, dtype=np.float32), tokens=np.zeros(0, dtype=np.int64))
+_NO_TARGET = SequenceBlock(prefix=np.zeros((0, 0), dtype=np.int64), length=np.zeros(0, dtype=np.int64),
+                           min_history=np.zeros(0, dtype=np.int64), target=np.zeros(0, dtype=np.int64),
+                           value=np.zeros(0, dtype=np.float32), tokens=np.zeros(1, dtype=np.int64))
 
 
 def _reduce(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, how: str) -> None:
@@ -219,9 +251,9 @@ class HostProcessors:
     def build(cls, rows: list[tuple[int, int, object]], pad_rows: int | None = None) -> "HostProcessors | None":
         """rows: (sampled row, batch row, Request) of every row with a history option.
 
-        pad_rows (a CUDA-graph bucket; repetition penalty and n-grams only): one entry per logits
-        row, those without an option neutral (penalty 1.0, n-gram size 0), and the prefix
-        `prefix_bucket` wide, so that the shapes depend on the bucket only."""
+        pad_rows (a CUDA-graph bucket): one entry per logits row, those without an option neutral
+        (penalty 1.0, n-gram size 0, no keys), the prefix `prefix_bucket` wide and the key lists
+        padded to `sequence_shape`, so that the shapes depend on the bucket only."""
         if not rows:
             return None
         requests = [req for _, _, req in rows]
@@ -242,7 +274,7 @@ class HostProcessors:
         banned = [(i, bad) for i, (_, bad) in enumerate(keys) if bad is not None]
         for blocks in (biased, banned):
             if blocks:
-                more_ints, more_floats = SequenceBias.host_parts(blocks)
+                more_ints, more_floats = SequenceBias.host_parts(blocks, padded=pad_rows is not None)
                 ints += more_ints
                 floats += more_floats
         return cls(ints, floats, penalty_above=any(p.repetition_penalty > 1 for p in params),
@@ -265,10 +297,11 @@ def _padded_rows(rows, num_rows: int):
     return padded, [req for _, _, req in padded]
 
 
-def graph_ready(params) -> bool:
-    """Whether a row's history options can run in a CUDA graph: the repetition penalty and
-    n-grams (key lists have shapes of their own, per step)."""
-    return not (params.bad_words_ids or params.sequence_bias)
+def sequence_shapes(requests) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+    """The padded shapes of a step's (sequence_bias, bad_words_ids) lists, None where no row has any."""
+    keys = [_keys(r) for r in requests]
+    bias, bad = [b for b, _ in keys if b is not None], [d for _, d in keys if d is not None]
+    return sequence_shape(bias) if bias else None, sequence_shape(bad) if bad else None
 
 
 def prefix_bucket(requests) -> int:

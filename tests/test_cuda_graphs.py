@@ -151,16 +151,37 @@ def test_ngram_steps_replay_graphs_with_the_eager_tokens(mode):
         assert out == stock[0, len(prompt):].tolist()
 
 
-def test_key_list_steps_stay_eager():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_key_list_steps_replay_graphs_with_stock_tokens(mode):
+    """bad_words_ids and sequence_bias (one- and multi-token keys, per request, and none), their
+    key lists padded to the bucket with keys that never match: stock's tokens for each request."""
     from hf_async_cb import SamplingParams
 
     model = tiny_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, seed=0))
-    prompts = random_prompts(4, 3, 10, seed=2)
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, sequence_bias=(((5,), 2.0),)))
-    engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, bad_words_ids=((5, 6),)))
-    assert engine.graphs.num_replays == 0
-    assert len(engine.graphs) == 0
+    prompts = random_prompts(5, 3, 30, seed=12)
+    stock_runs = [model.generate(torch.tensor([p]), max_new_tokens=14, eos_token_id=None, batching="off")[0, len(p):]
+                  for p in prompts]
+    # Keys built from stock's own picks, so that they do change the tokens.
+    picks = [t.tolist() for t in stock_runs]
+    options = [dict(bad_words_ids=((picks[0][2],), tuple(picks[0][4:6]))),
+               dict(sequence_bias=(((picks[1][1],), -4.0), (tuple(picks[1][3:6]), -9.0), ((7,), 1.5))),
+               dict(),
+               dict(bad_words_ids=((picks[3][0],),), sequence_bias=((tuple(picks[3][2:4]), -6.0),)),
+               dict(repetition_penalty=1.2, bad_words_ids=(tuple(picks[4][1:3]),))]
+    params = [SamplingParams(max_new_tokens=14, **o) for o in options]
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, page_size=4, max_batch_tokens=40))
+        runs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+        if graphs:
+            assert any(k.penalty and k.penalty[4] and k.penalty[5] for k in engine.graphs._graphs)
+    assert runs[0] == runs[1]
+    for prompt, out, option, plain in zip(prompts, runs[0], options, picks):
+        kwargs = {k: ([list(w) for w in v] if k == "bad_words_ids" else {tuple(key): b for key, b in v})
+                  if k != "repetition_penalty" else v for k, v in option.items()}
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=14, eos_token_id=None, batching="off", **kwargs)
+        assert out == stock[0, len(prompt):].tolist()
+        assert option == {} or out != plain, "the option should change the tokens"
 
 
 def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
