@@ -39,8 +39,8 @@ class BatchingConfig:
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay decode steps (greedy or seeded sampling, the engine's own logits processors
         included; user processors run eagerly) from CUDA graphs, one per (batch, context) bucket,
-        captured on first use. None: on CUDA. On the CPU, True runs the
-        same padded static-buffer path eagerly (for tests).
+        captured on first use. None: on CUDA. On the CPU, True runs the same padded static-buffer
+        path eagerly (for tests).
     prefill_graphs: with cuda_graphs, replay prefill and mixed steps from graphs too (up to
         16 buckets of token count, batch and context; on CUDA with the Triton attention only).
     """
