@@ -183,10 +183,12 @@ def test_fused_model_logits_match_the_original_in_bf16(family):
     dict(min_new_tokens=6),
     dict(suppress_tokens=list(range(10, 60)), begin_suppress_tokens=list(range(60, 200))),
     dict(repetition_penalty=0.8, min_new_tokens=3, suppress_tokens=[7, 8, 9]),
+    dict(no_repeat_ngram_size=3, bad_words_ids=[[5], [9, 10]], sequence_bias={(7,): -3.0, (11, 12): 2.0}),
 ])
 def test_device_processors_match_stock_on_cuda(option):
-    """The processors the engine runs on the device (penalty histories, blocked tokens), on the
-    default CUDA path (graphs, Triton, fusions) in fp32: stock's tokens in both modes."""
+    """The processors the engine runs on the device (history options, blocked tokens), on the
+    default CUDA path (graphs with padded processor inputs, Triton, fusions) in fp32: stock's
+    tokens in both modes."""
     model = cuda_model("llama", torch.float32)
     prompts = random_prompts(8, 5, 40, seed=12)
     ids, mask = (t.cuda() for t in left_pad(prompts))
