@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention.metadata import StepMetadata, block_table
+from .attention.metadata import StepMetadata
 from .page_table import PageTable
 from .penalties import HistoryProcessors, HostProcessors, TokenBlock
 from .requests import Request, SamplingParams
@@ -44,6 +44,9 @@ class StepInputs:
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
     processors: HistoryProcessors | None = None  # rows whose processors read their history, else None
     token_block: TokenBlock | None = None  # tokens some rows may not sample this step, else None
+    # The two device buffers every tensor above was uploaded in (int64, float32 or None): a CUDA
+    # graph loads a step with one copy of each.
+    packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 def _ints(values) -> torch.Tensor:
@@ -61,11 +64,10 @@ def _split(items: list, *sizes: int) -> list[list]:
 
 
 class BatchBuilder:
-    def __init__(self, page_size: int, trash_slot: int, attention_backend: str = "reference",
-                 page_table: PageTable | None = None) -> None:
+    def __init__(self, page_size: int, trash_slot: int, page_table: PageTable,
+                 attention_backend: str = "reference") -> None:
         """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read.
-        `page_table`: the scheduler's mirror of the running requests' pages (else the block table is
-        built from their page lists)."""
+        `page_table`: the scheduler's mirror of the running requests' pages (the block tables' source)."""
         self.page_size = page_size
         self.attention_backend = attention_backend
         self.trash_page = trash_slot // page_size
@@ -95,7 +97,6 @@ class BatchBuilder:
         """
         ids: list[int] = []
         carry: list[int] = []
-        page_lists: list[list[int]] = []
         query_start, query_lens, context_lens = [], [], []
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
@@ -121,7 +122,6 @@ class BatchBuilder:
                     raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
                 ids.append(PLACEHOLDER)
                 carry.append(row)
-            page_lists.append(req.pages)
             query_lens.append(n)
             context_lens.append(stop)
             if chunk.samples:
@@ -146,7 +146,6 @@ class BatchBuilder:
                 query_start.append(len(ids))
                 ids.extend([PLACEHOLDER] * n)
                 carry.extend([-1] * n)
-                page_lists.append([self.trash_page] * -(-n // self.page_size))
                 query_lens.append(n)
                 context_lens.append(n)
                 logits_rows.append(len(ids) - 1)
@@ -155,12 +154,9 @@ class BatchBuilder:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
             max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         width = -(-max_ctx // self.page_size)
-        if self.page_table is not None:
-            table = self.page_table.gather([c.request for c in plan.chunks], width)
-            if len(page_lists) > len(plan.chunks):  # padding requests: the trash page only
-                table = np.concatenate([table, np.full((len(page_lists) - len(plan.chunks), width), self.trash_page)])
-        else:
-            table = block_table(page_lists, context_lens, self.page_size, width)
+        table = self.page_table.gather([c.request for c in plan.chunks], width)
+        if len(context_lens) > len(plan.chunks):  # padding requests: the trash page only
+            table = np.concatenate([table, np.full((len(context_lens) - len(plan.chunks), width), self.trash_page)])
         positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
         table = torch.from_numpy(table)
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
@@ -181,7 +177,7 @@ class BatchBuilder:
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked, padded=pad_to is not None)
-        dev, floats = slot.upload(ints + processor_ints + block_ints, sampling_floats + processor_floats)
+        dev, floats, packed = slot.upload(ints + processor_ints + block_ints, sampling_floats + processor_floats)
         dev, dev_processor_ints, dev_block_ints = _split(dev, len(ints), len(processor_ints))
         floats, dev_processor_floats = _split(floats, len(sampling_floats))
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
@@ -203,4 +199,5 @@ class BatchBuilder:
             keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
             processors=HistoryProcessors.from_device(processors, dev_processor_ints, dev_processor_floats),
             token_block=TokenBlock.from_device(dev_block_ints),
+            packed=packed,
         )

@@ -98,40 +98,21 @@ def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str
     return ints, floats
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple | None:
-    """Where `tensors` lie in the one buffer they were uploaded into: (start, length, offsets), or None
-    when they do not share one buffer of one dtype (then each is copied on its own)."""
-    storage = tensors[0].untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() != storage or t.dtype != tensors[0].dtype or not t.is_contiguous()
-           for t in tensors):
-        return None
-    offsets = [t.storage_offset() for t in tensors]
-    start = min(offsets)
-    return start, max(o + t.numel() for o, t in zip(offsets, tensors)) - start, tuple(o - start for o in offsets)
-
-
 class _Static:
-    """Static copies of step tensors that were uploaded back to back into one buffer: views of one
-    buffer laid out the same way, so that loading a step is one copy (separate clones otherwise)."""
+    """Static copies of a step's tensors as views of one buffer laid out like the step's packed
+    upload (StepInputs.packed), so that loading a step into its graph is one copy."""
 
-    def __init__(self, sources: list[torch.Tensor]) -> None:
-        self.layout = _layout(sources) if sources else None
-        if self.layout is not None:
-            _, length, offsets = self.layout
-            self.flat = torch.empty(length, dtype=sources[0].dtype, device=sources[0].device)
-            self.views = [self.flat[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
-        else:
-            self.views = [t.clone() for t in sources]
+    def __init__(self, sources: list[torch.Tensor], packed: torch.Tensor | None) -> None:
+        self.flat = None if packed is None else torch.empty_like(packed)
+        base = 0 if packed is None else packed.storage_offset()
+        self.views = [self.flat[t.storage_offset() - base:][: t.numel()].view(t.shape) for t in sources]
 
-    def load(self, sources: list[torch.Tensor]) -> None:
-        layout = _layout(sources) if self.layout is not None else None
-        if layout is not None and layout[1:] == self.layout[1:]:
-            start, length, _ = layout
-            self.flat.copy_(torch.empty(0, dtype=self.flat.dtype, device=self.flat.device)
-                            .set_(sources[0].untyped_storage(), start, (length,)))
-        else:
-            for static, source in zip(self.views, sources):
-                static.copy_(source)
+    def load(self, packed: torch.Tensor | None) -> None:
+        if self.flat is None:
+            return
+        if packed.shape != self.flat.shape:
+            raise RuntimeError(f"a step's inputs ({packed.numel()} values) do not fit its graph ({self.flat.numel()})")
+        self.flat.copy_(packed)
 
 
 class _Graph:
@@ -143,8 +124,8 @@ class _Graph:
         are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
         device = inputs.input_ids.device
         ints, floats = _step_tensors(inputs)
-        self.ints, self.floats = _Static(list(ints.values())), _Static(list(floats.values()))
-        self.layout = self.ints.layout
+        self.ints = _Static(list(ints.values()), inputs.packed[0])
+        self.floats = _Static(list(floats.values()), inputs.packed[1])
         t = self.tensors = dict(zip(ints, self.ints.views))
         t.update(zip(floats, self.floats.views))
         self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
@@ -196,9 +177,8 @@ class _Graph:
         self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
-        ints, floats = _step_tensors(inputs)
-        self.ints.load(list(ints.values()))
-        self.floats.load(list(floats.values()))
+        self.ints.load(inputs.packed[0])
+        self.floats.load(inputs.packed[1])
         if previous_tokens is not None:
             self.previous[: previous_tokens.numel()].copy_(previous_tokens)
         # Read only when the step runs eagerly (the CPU stand-in): the reference attention's padded view.
@@ -240,16 +220,22 @@ class DecodeGraphs:
         sampled = False
         penalised = []
         blocked = 0
-        for c in chunks:
-            r, p = c.request, c.request.params
-            if (r.logits_processor is not None or r.keep_scores
-                    or (p.do_sample and p.seed is None)):
+        for c in chunks:  # runs over every request of every step: the common case first
+            r = c.request
+            if r.logits_processor is not None or r.keep_scores:
                 return None
-            decode = decode and c.num_tokens == 1 and c.samples
-            sampled = sampled or (p.do_sample and c.samples)
-            if c.samples and p.reads_history:
+            if c.num_tokens != 1 or not c.samples:
+                decode = False
+            p = r.params
+            if p.plain or not c.samples:
+                continue
+            if p.do_sample:
+                if p.seed is None:
+                    return None
+                sampled = True
+            if p.reads_history:
                 penalised.append(r)
-            if c.samples:
+            if p.blocks_tokens:
                 blocked += len(r.blocked_tokens)
         penalty = None
         if penalised:

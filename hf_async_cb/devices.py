@@ -8,8 +8,15 @@ the same code, which is what lets CI test them without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int | None:
+    """The GPU's streaming multiprocessors (what kernels size their grids by); None off CUDA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 class _NoEvent:

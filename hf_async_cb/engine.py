@@ -138,8 +138,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
                                    self.config.max_running_requests)
         self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
-        self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size,
-                                    attention_backend=self.attention_backend, page_table=self.scheduler.page_table)
+        self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
+                                    attention_backend=self.attention_backend)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache)

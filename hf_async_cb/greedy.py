@@ -12,13 +12,14 @@ log_softmax at the argmax.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .devices import num_sms
+
 BLOCK = 2048
+CPU_PROGRAMS = 4  # the interpreter's stand-in for the SM count: rows still split into parts, as on a GPU
 
 
 @triton.jit
@@ -64,11 +65,6 @@ def _greedy_merge_kernel(max_ptr, idx_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vo
     tl.store(logprobs_ptr + row, (-tl.log(total)).to(tl.float64))
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     """logits [S, V] (any float dtype) -> [2, S] int64 as sampling.pack(argmax, its log-probability)."""
     rows, vocab = logits.shape
@@ -78,7 +74,7 @@ def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     # Enough programs to fill the GPU twice over, each part a whole number of blocks.
-    parts = max(1, min(64, triton.next_power_of_2(-(-2 * _num_sms(logits.device) // rows))))
+    parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(logits.device) or CPU_PROGRAMS) // rows))))
     chunk = -(-vocab // (parts * BLOCK)) * BLOCK
     parts = min(parts, triton.next_power_of_2(-(-vocab // chunk)))
     partial = torch.empty(2, rows * parts, dtype=torch.float32, device=logits.device)

@@ -41,6 +41,10 @@ class SamplingParams:
     begin_suppress_tokens: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Derived once, read every step by the batch builder and the graph buckets:
+    reads_history: bool = field(init=False, repr=False, compare=False)  # a processor reads the history
+    blocks_tokens: bool = field(init=False, repr=False, compare=False)  # some tokens may get blocked
+    plain: bool = field(init=False, repr=False, compare=False)  # greedy, nothing to apply to the logits
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -81,12 +85,12 @@ class SamplingParams:
                 raise ValueError(f"sequence_bias entries must be (token ids, bias), got {item!r}.")
             merged[_token_sequence("sequence_bias", item[0])] = float(item[1])
         object.__setattr__(self, "sequence_bias", tuple(merged.items()))
-
-    @property
-    def reads_history(self) -> bool:
-        """Whether a processor that reads the request's history runs (on the device, history.py)."""
-        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
-                or bool(self.sequence_bias))
+        reads = (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
+                 or bool(self.sequence_bias))
+        blocks = bool(self.min_new_tokens or self.suppress_tokens or self.begin_suppress_tokens)
+        object.__setattr__(self, "reads_history", reads)
+        object.__setattr__(self, "blocks_tokens", blocks)
+        object.__setattr__(self, "plain", not (reads or blocks or self.do_sample))
 
 
 def _token_sequence(name: str, tokens) -> tuple[int, ...]:
@@ -174,7 +178,7 @@ class Request:
     def blocked_tokens(self) -> tuple[int, ...]:
         """Tokens the next sampled token may not be (see SamplingParams)."""
         p = self.params
-        if not (p.min_new_tokens or p.suppress_tokens or p.begin_suppress_tokens):
+        if not p.blocks_tokens:
             return ()
         generated = self.num_sampled
         tokens = p.suppress_tokens

@@ -29,8 +29,9 @@ class _Staging:
         self.host = self.streams.pin(torch.empty(capacity, dtype=self.dtype))
         self.device = torch.empty(capacity, dtype=self.dtype, device=self.streams.device)
 
-    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pack host tensors, copy them up in one non-blocking H2D (on the current stream), return device views."""
+    def upload(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Pack host tensors, copy them up in one non-blocking H2D (on the current stream); return
+        the device views and the packed device buffer they are views of."""
         sizes = [t.numel() for t in tensors]
         total = sum(sizes)
         if total > self.host.numel():
@@ -41,7 +42,7 @@ class _Staging:
             flat = self.device[:total]
         else:
             flat = self.host[:total].clone()  # the CPU "device" copy: later slots must not alias it
-        return [view.view(t.shape) for view, t in zip(flat.split(sizes), tensors)]
+        return [view.view(t.shape) for view, t in zip(flat.split(sizes), tensors)], flat
 
 
 @dataclass
@@ -64,13 +65,14 @@ class IOSlot:
         self._tokens = streams.pin(torch.empty(256, dtype=torch.int64))
         self.uploaded = streams.event()
 
-    def upload(self, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> tuple[list, list]:
-        """All of a step's inputs up on the H2D stream; `uploaded` marks their arrival."""
+    def upload(self, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> tuple[list, list, tuple]:
+        """All of a step's inputs up on the H2D stream; `uploaded` marks their arrival. Returns the
+        device views of `ints` and `floats`, and the two packed buffers (None for no floats)."""
         with self.streams.on(self.streams.h2d):
-            dev_ints = self.ints.upload(ints)
-            dev_floats = self.floats.upload(floats) if floats else []
+            dev_ints, packed_ints = self.ints.upload(ints)
+            dev_floats, packed_floats = self.floats.upload(floats) if floats else ([], None)
             self.uploaded.record()
-        return dev_ints, dev_floats
+        return dev_ints, dev_floats, (packed_ints, packed_floats)
 
     def download(self, sampled: torch.Tensor, computed) -> Download:
         """Copy a step's packed [2, S] output down on the D2H stream once `computed` has fired."""

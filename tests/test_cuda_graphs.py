@@ -45,7 +45,9 @@ def test_graph_buckets():
     assert keys <= {GraphKey(4, 64), GraphKey(4, 128), GraphKey(4, 128, 256)}, keys
     assert engine.graphs.max_batch == 32
     # The step's inputs are one uploaded buffer, so a graph loads them with one copy.
-    assert all(graph.layout is not None for graph in engine.graphs._graphs.values())
+    for graph in engine.graphs._graphs.values():
+        flat = graph.ints.flat.untyped_storage().data_ptr()
+        assert all(view.untyped_storage().data_ptr() == flat for view in graph.ints.views)
 
 
 def test_prefill_graphs_are_capped():

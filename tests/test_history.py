@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, NoBadWo
 from hf_async_cb.batch import BatchBuilder
 from hf_async_cb.devices import Streams
 from hf_async_cb.history import TokenHistory
+from hf_async_cb.page_table import PageTable
 from hf_async_cb.requests import Request, SamplingParams
 from hf_async_cb.scheduler import ScheduledChunk, StepPlan
 from hf_async_cb.slots import IOSlot
@@ -62,15 +63,16 @@ def _stock(options: dict, penalty_start: int) -> LogitsProcessorList:
 def _step(requests: list[Request], prefill: set[int], num_pages: int):
     """One step over `requests` (those in `prefill` feed their whole prompt, the others their last
     token), the pool holding what earlier steps wrote; returns (inputs, pool)."""
-    next_page, chunks = 0, []
+    next_page, chunks, table = 0, [], PageTable()
     for i, req in enumerate(requests):
         n = len(req.prompt_token_ids)
         req.pages = list(range(next_page, next_page + -(-n // PAGE)))
+        table.sync(req, req.pages)
         next_page += len(req.pages)
         start = 0 if i in prefill else n - 1
         chunks.append(ScheduledChunk(req, start=start, num_tokens=n - start, samples=True))
     assert next_page <= num_pages
-    builder = BatchBuilder(PAGE, trash_slot=num_pages * PAGE)
+    builder = BatchBuilder(PAGE, trash_slot=num_pages * PAGE, page_table=table)
     inputs = builder.build(StepPlan(chunks, []), IOSlot(Streams(CPU)), {})
     pool = TokenHistory((num_pages + 1) * PAGE, CPU)
     for i, req in enumerate(requests):  # what the steps before this one wrote

@@ -17,13 +17,13 @@ first imported, as the tests do): slow, but the same code, so CI checks the kern
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from ..devices import num_sms
 from .metadata import StepMetadata
 
 NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
@@ -150,13 +150,6 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch_defaults(head_dim: int, dtype: torch.dtype) -> dict:
     """Key block and launch shape, from a sweep of decode steps on the H200 (benchmarks/tune_kernels.py,
     docs/benchmarks.md): 16-bit K/V tiles of 64 x 64 with 2 warps, of 128 x 128 with 4, both two
@@ -175,7 +168,7 @@ def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -
     if not meta.is_decode:
         return 1
     programs = meta.num_requests * num_kv_heads
-    wanted = -(-_num_sms(device) // programs)
+    wanted = -(-(num_sms(device) or 1) // programs)
     splits = min(wanted, max(1, meta.max_context // 256), 16)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
