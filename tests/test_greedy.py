@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from hf_async_cb.greedy import greedy_packed
+from hf_async_cb.greedy import BLOCK, greedy_packed
 from hf_async_cb.sampling import pack
+from sm90 import assert_compiles_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,39 +33,18 @@ def test_greedy_packed_reads_strided_rows():
     assert torch.equal(got[0], logits.argmax(-1))
 
 
-COMPILE_CHECK = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hf_async_cb import greedy
-from hf_async_cb.attention import store_kv
-
-def build(fn, sig, const):
-    sig = {**sig, **{k: "constexpr" for k in const}}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 64))
-    print("compiled", fn.__name__)
-
-build(greedy._greedy_parts_kernel, {"logits_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32",
-      "vocab": "i32", "stride_row": "i64", "chunk": "i32"}, dict(NUM_PARTS=8, BLOCK=greedy.BLOCK))
-build(greedy._greedy_merge_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64",
-      "logprobs_ptr": "*fp64", "vocab": "i32"}, dict(NUM_PARTS=8))
-sig = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
-sig.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_pool_t stride_pool_h".split()})
-build(store_kv._store_kv_kernel, sig, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
-"""
-
-
 def test_kernels_compile_for_sm90():
     """The greedy and K/V store kernels compile for an H200 (no GPU needed), without the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.count("compiled") == 3
+    parts = {"logits_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "vocab": "i32",
+             "stride_row": "i64", "chunk": "i32"}
+    merge = {"max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64",
+             "vocab": "i32"}
+    store = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
+    store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_pool_t "
+                                                              "stride_pool_h".split()})
+    assert_compiles_for_sm90([
+        ("hf_async_cb.greedy", "_greedy_parts_kernel", parts, dict(NUM_PARTS=8, BLOCK=BLOCK)),
+        ("hf_async_cb.greedy", "_greedy_merge_kernel", merge, dict(NUM_PARTS=8)),
+        ("hf_async_cb.attention.store_kv", "_store_kv_kernel", store, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8,
+                                                                            BLOCK_D=128)),
+    ])
