@@ -13,7 +13,7 @@ from . import attention
 from .batch import StepInputs
 from .history import TokenHistory
 from .kv_cache import PagedKVCache
-from .sampling import pack, processed_scores, sample
+from .sampling import SamplingTensors, pack, processed_scores, sample
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -81,11 +81,11 @@ class ModelRunner:
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         self.history.record(inputs.meta.slot_mapping, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
-        if (inputs.meta.backend == "triton" and inputs.sampling is None and inputs.processors is None
-                and inputs.token_block is None and not inputs.processor_rows and not inputs.keep_rows):
-            from .greedy import greedy_packed
-
-            return greedy_packed(logits)  # all greedy, nothing to apply: one pass over the logits
+        # Kernels for the draw where Triton runs (the torch sampler sorts and hashes all of [S, V]).
+        kernels = inputs.meta.backend == "triton" and (inputs.sampling is None or not inputs.sampling.unseeded)
+        if (kernels and inputs.processors is None and inputs.token_block is None and not inputs.processor_rows
+                and not inputs.keep_rows):  # nothing to apply: the kernels read the model's logits as they are
+            return _draw_packed(logits, inputs.sampling)
         logits = logits.float()  # processors and samplers work in float32, as stock generate does
         raw = logits[inputs.keep_rows].clone() if inputs.keep_rows else None
         if inputs.processors is not None:
@@ -105,4 +105,17 @@ class ModelRunner:
             if sampling is not None:
                 sampling = sampling.rows(rows)
             inputs.kept = (raw, processed_scores(logits[rows], sampling))
+        if kernels:
+            return _draw_packed(logits, inputs.sampling)
         return pack(*sample(logits, inputs.sampling))
+
+
+def _draw_packed(logits: torch.Tensor, sampling: SamplingTensors | None) -> torch.Tensor:
+    """sampling.pack(*sampling.sample(logits, sampling)) in Triton kernels (seeded rows only)."""
+    if sampling is None:
+        from .greedy import greedy_packed
+
+        return greedy_packed(logits)  # all greedy: one pass over the logits
+    from .sampled import sampled_packed
+
+    return sampled_packed(logits, sampling)

@@ -78,45 +78,51 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     """logits [S, V] float32 -> (token ids [S] int64, their log-probabilities [S] float32).
 
     A log-probability is taken under the distribution the token was drawn from: the logits for
-    greedy rows, the temperature/top-k/top-p-filtered distribution for sampled rows.
+    greedy rows, the temperature/top-k/top-p/min-p-filtered distribution for sampled rows. This is
+    the reference that `sampled.sampled_packed` (the GPU kernels) computes too: the same kept set,
+    the same noise, ties to the lowest token id.
     """
     greedy = logits.argmax(dim=-1)
     greedy_logprob = logits.log_softmax(dim=-1).gather(1, greedy[:, None]).squeeze(1)
     if params is None or logits.shape[0] == 0:
         return greedy, greedy_logprob
-    sorted_scores, sorted_idx = _warp_sorted(logits, params)
-    # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) (-inf stays out).
-    gumbel = -torch.log(-torch.log(hash_uniform(params.seed[:, None], params.token_index[:, None], sorted_idx)))
-    rank = (sorted_scores + gumbel.to(sorted_scores.dtype)).argmax(dim=-1, keepdim=True)
+    scores = logits / params.temperature[:, None]
+    kept = scores >= keep_threshold(scores, params)[:, None]
+    # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) over the kept tokens.
+    noise = gumbel_noise(params.seed, params.token_index, logits.shape[1])
     if params.unseeded:
-        drawn_rank = torch.multinomial(sorted_scores.softmax(dim=-1), 1, generator=generator)
-        rank = torch.where(params.seed[:, None] >= 0, rank, drawn_rank)
-    drawn = sorted_idx.gather(1, rank).squeeze(1)
-    drawn_logprob = sorted_scores.log_softmax(dim=-1).gather(1, rank).squeeze(1)
+        drawn = torch.randint(0, 1 << 24, logits.shape, generator=generator, device=logits.device)
+        noise = torch.where(params.seed[:, None] >= 0, noise, _gumbel(drawn))
+    drawn = torch.where(kept, scores + noise, float("-inf")).argmax(dim=-1)
+    top = scores.max(dim=-1).values
+    mass = torch.where(kept, (scores - top[:, None]).exp(), 0.0).sum(dim=-1)
+    drawn_logprob = scores.gather(1, drawn[:, None]).squeeze(1) - top - mass.log()
     sampled = params.do_sample != 0
     return torch.where(sampled, drawn, greedy), torch.where(sampled, drawn_logprob, greedy_logprob)
 
 
-def _warp_sorted(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p, min-p (stock's order), on the scores sorted in descending order."""
-    scores = logits / params.temperature[:, None]
-    vocab = scores.shape[-1]
-    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
-    # top-k: drop scores below the k-th largest (ties kept, as stock); k = 0 keeps all.
-    k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), torch.full_like(params.top_k, vocab))
-    kth = sorted_scores.gather(1, (k - 1)[:, None])
-    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, float("-inf"))
-    # top-p: keep the most likely tokens until their mass reaches p (always at least the first).
-    probs_sorted = sorted_scores.softmax(dim=-1)
-    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-    remove_sorted = mass_before >= params.top_p[:, None]
-    remove_sorted[:, 0] = False
-    sorted_scores = sorted_scores.masked_fill(remove_sorted, float("-inf"))
-    # min-p: drop tokens less likely than min_p times the most likely one (always keep the first).
-    probs_sorted = sorted_scores.softmax(dim=-1)
-    remove_sorted = probs_sorted < params.min_p[:, None] * probs_sorted[:, :1]
-    remove_sorted[:, 0] = False
-    return sorted_scores.masked_fill(remove_sorted, float("-inf")), sorted_idx
+def keep_threshold(scores: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """[S] float32: a sampled row keeps the (temperature-scaled) scores >= its threshold; -inf keeps all.
+
+    Stock's warpers in its order, each on what the one before kept: top-k keeps the scores >= the
+    k-th largest (ties kept); top-p keeps a score when the mass of the kept scores strictly above
+    it is below top_p of their total (ties at the edge are all kept or all dropped, so the set does
+    not depend on a sort order); min-p keeps the scores >= max + log(min_p) (probability ratio to
+    the most likely token). Each filter keeps the most likely token. Greedy rows keep everything.
+    """
+    rows, vocab = scores.shape
+    ordered = scores.sort(dim=-1, descending=True).values
+    top = ordered[:, 0]
+    k = torch.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
+    kth = ordered.gather(1, (k - 1)[:, None]).squeeze(1)
+    weight = torch.where(ordered >= kth[:, None], (ordered - top[:, None]).exp(), 0.0)
+    mass_above = weight.cumsum(dim=-1) - weight  # for the first of a run of ties: the mass strictly above
+    within = (mass_above < params.top_p[:, None] * weight.sum(dim=-1, keepdim=True)).sum(dim=-1).clamp(min=1)
+    nucleus = torch.where(params.top_p < 1.0, ordered.gather(1, (within - 1)[:, None]).squeeze(1), float("-inf"))
+    ratio = top + params.min_p.log()
+    cut = torch.maximum(torch.maximum(kth, nucleus), ratio)
+    filtered = (params.do_sample != 0) & ((k < vocab) | (params.top_p < 1.0) | (params.min_p > 0.0))
+    return torch.where(filtered, cut, float("-inf"))
 
 
 def processed_scores(logits: torch.Tensor, params: SamplingTensors | None) -> torch.Tensor:
@@ -124,8 +130,8 @@ def processed_scores(logits: torch.Tensor, params: SamplingTensors | None) -> to
     after its warpers (filtered tokens at -inf), in vocabulary order."""
     if params is None:
         return logits.clone()
-    sorted_scores, sorted_idx = _warp_sorted(logits, params)
-    warped = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_scores)
+    scores = logits / params.temperature[:, None]
+    warped = torch.where(scores >= keep_threshold(scores, params)[:, None], scores, float("-inf"))
     return torch.where((params.do_sample != 0)[:, None], warped, logits)
 
 
@@ -146,16 +152,41 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
-def hash_uniform(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) float64 from a SplitMix64-style mix of three int64 tensors (broadcast).
-
-    A pure function of its inputs, on any device, with no generator state to keep.
-    """
-    x = seed * _GOLDEN + index * _MIX2 + token * _MIX1 + _GOLDEN
+def row_keys(seed: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row (int64 tensors) from a SplitMix64 mix of (seed, token index)."""
+    x = seed * _GOLDEN + index * _MIX2 + _GOLDEN
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return (_shift_right(x, 11).double() + 0.5) * 2.0**-53
+    return x & 0xFFFFFFFF, _shift_right(x, 32)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def hash_bits(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] int64 holding 24 random bits per (row, token id): a pure function of the row's seed
+    and token index, so a request draws the same tokens whatever shares its batch."""
+    k1, k2 = row_keys(seed, index)
+    token = torch.arange(vocab, device=seed.device)
+    return _fmix32(_fmix32(token[None] ^ k1[:, None]) ^ k2[:, None]) >> 8
+
+
+def _gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise in float32 from 24 uniform bits (the kernels compute the same)."""
+    uniform = (bits.float() + 0.5) * 2.0**-24
+    return -(-uniform.log()).log()
+
+
+def gumbel_noise(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] float32 Gumbel noise of each row's (seed, token index)."""
+    return _gumbel(hash_bits(seed, index, vocab))
 
 
 def derive_seed(seed: int, index: int) -> int:

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from hf_async_cb.sampling import SamplingTensors, hash_uniform, sample as sample_with_logprobs
+from hf_async_cb.sampling import SamplingTensors, hash_bits, sample as sample_with_logprobs
 
 
 from hf_async_cb.sampling import derive_seed
@@ -21,15 +21,19 @@ def sample(*args, **kwargs):
     return sample_with_logprobs(*args, **kwargs)[0]
 
 
-def test_hash_uniform_is_uniform_and_deterministic():
-    seed = torch.arange(200)[:, None]
-    u = hash_uniform(seed, torch.tensor(3), torch.arange(500)[None])
-    assert ((u > 0) & (u < 1)).all()
-    assert torch.equal(u, hash_uniform(seed, torch.tensor(3), torch.arange(500)[None]))
+def test_hash_bits_are_uniform_and_deterministic():
+    seed = torch.arange(200)
+    bits = hash_bits(seed, torch.full_like(seed, 3), 500)
+    assert bits.shape == (200, 500) and bits.min() >= 0 and bits.max() < 2**24
+    assert torch.equal(bits, hash_bits(seed, torch.full_like(seed, 3), 500))
+    u = (bits.double() + 0.5) / 2**24
     assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
     hist = torch.histc(u.float(), bins=10, min=0, max=1) / u.numel()
     assert (hist - 0.1).abs().max() < 0.01
-    assert not torch.equal(u, hash_uniform(seed, torch.tensor(4), torch.arange(500)[None]))
+    # Neighbouring seeds, token indices and token ids are not correlated.
+    assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1].item()) < 0.01
+    assert abs(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1].item()) < 0.01
+    assert not torch.equal(bits, hash_bits(seed, torch.full_like(seed, 4), 500))
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])

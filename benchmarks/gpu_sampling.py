@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Time the sampling step alone on the GPU: [rows, vocab] bf16 logits -> packed tokens/log-probs.
+
+    python benchmarks/gpu_sampling.py                 # 64 and 256 rows of a 128,256 vocabulary
+    python benchmarks/gpu_sampling.py --rows 64 --vocab 32000
+
+Each case is timed inside a CUDA graph (as the decode loop runs it), median of 50 replays, with
+the greedy one-pass kernel as the yardstick: the torch sampler (`sampling.sample`, its sort and its
+hash noise alone) against the kernels of `sampled.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hf_async_cb.greedy import greedy_packed
+from hf_async_cb.sampled import sampled_packed
+from hf_async_cb.requests import SamplingParams
+from hf_async_cb.sampling import SamplingTensors, gumbel_noise, pack, sample
+
+CASES = {
+    "pure (T=1)": dict(temperature=1.0),
+    "T=0.8 top-p 0.95": dict(temperature=0.8, top_p=0.95),
+    "T=0.8 top-k 50 top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "T=0.7 min-p 0.05": dict(temperature=0.7, min_p=0.05),
+}
+
+
+def graph_ms(fn, replays: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=[64, 256])
+    parser.add_argument("--vocab", type=int, default=128256)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    print("| rows | case | torch sampler ms | sampling kernels ms | greedy kernel ms | tokens differing |")
+    print("|---|---|---|---|---|---|")
+    for rows in args.rows:
+        logits = (torch.randn(rows, args.vocab, device=device) * 3).to(torch.bfloat16)
+        greedy = graph_ms(lambda: greedy_packed(logits))
+        for name, options in CASES.items():
+            params = [SamplingParams(max_new_tokens=8, do_sample=True, seed=i, **options) for i in range(rows)]
+            tensors = SamplingTensors.build(params, device, token_index=list(range(rows)))
+            torch_ms = graph_ms(lambda: pack(*sample(logits.float(), tensors)))
+            fast = graph_ms(lambda: sampled_packed(logits, tensors))
+            differ = int((sampled_packed(logits, tensors)[0] != sample(logits.float(), tensors)[0]).sum())
+            print(f"| {rows} | {name} | {torch_ms:.3f} | {fast:.3f} | {greedy:.3f} | {differ} |")
+        floats = logits.float()
+        seed = torch.arange(rows, device=device)
+        sort_ms = graph_ms(lambda: floats.sort(dim=-1, descending=True))
+        hash_ms = graph_ms(lambda: gumbel_noise(seed, seed, args.vocab))
+        print(f"| {rows} | torch pieces: sort {sort_ms:.3f}, hash noise {hash_ms:.3f} | | | | |")
+
+
+if __name__ == "__main__":
+    main()

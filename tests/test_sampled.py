@@ -1,0 +1,154 @@
+"""The sampling kernels (sampled.py) against the torch sampler they implement (sampling.sample):
+the same kept set, the same tokens, the same log-probabilities (Triton's interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from hf_async_cb.requests import SamplingParams
+from hf_async_cb.sampled import BLOCK, sampled_packed
+from hf_async_cb.sampling import SamplingTensors, keep_threshold, pack, sample
+from tests.sm90 import assert_compiles_for_sm90
+
+CASES = [
+    dict(do_sample=False), dict(), dict(temperature=0.8, top_p=0.95), dict(temperature=0.8, top_k=50, top_p=0.95),
+    dict(temperature=0.7, min_p=0.05), dict(top_k=1), dict(top_k=7), dict(top_p=0.3, min_p=0.2),
+    dict(temperature=1.3, top_k=20, top_p=0.9, min_p=0.1), dict(top_p=1e-6), dict(min_p=1.0),
+    dict(do_sample=False, top_k=3, temperature=0.5),  # a greedy row ignores its sampling fields
+]
+
+
+def _params(rows: int) -> SamplingTensors:
+    options = [CASES[i % len(CASES)] for i in range(rows)]
+    params = [SamplingParams(max_new_tokens=4, do_sample=o.get("do_sample", True), seed=100 + i,
+                             **{k: v for k, v in o.items() if k != "do_sample"}) for i, o in enumerate(options)]
+    return SamplingTensors.build(params, torch.device("cpu"), token_index=[3 * i for i in range(rows)])
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[1::3, : vocab // 4] = 2.5  # long runs of ties, at the top-k / top-p edges for some rows
+    logits[2::5, 5:] = float("-inf")  # rows with a few finite tokens (banned words, blocked tokens)
+    return logits
+
+
+def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """What the kernels keep, read back through their threshold keys."""
+    from hf_async_cb.sampled import _cut_kernel
+
+    rows, vocab = logits.shape
+    cut = torch.empty(rows, dtype=torch.int32)
+    _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
+                         params.min_p, params.do_sample, cut, BLOCK=BLOCK)
+    scores = logits / params.temperature[:, None]
+    bits = scores.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = torch.where(scores == 0, 0, key)
+    return key >= cut[:, None]
+
+
+@pytest.mark.parametrize("vocab", [300, 2 * BLOCK + 37])
+def test_kernels_keep_the_reference_set(vocab):
+    rows = len(CASES) * 2
+    logits, params = _logits(rows, vocab), _params(rows)
+    scores = logits / params.temperature[:, None]
+    expected = scores >= keep_threshold(scores, params)[:, None]
+    got = _kept_by_kernels(logits, params)
+    assert torch.equal(got, expected), [r for r in range(rows) if not torch.equal(got[r], expected[r])]
+    # The filters did filter, and kept whole runs of ties.
+    assert not expected[3].all() and not expected[6].all() and expected[1, : vocab // 4].all() == expected[1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [300, 2 * BLOCK + 37])
+def test_kernels_draw_the_reference_tokens_and_logprobs(vocab, dtype):
+    rows = len(CASES) * 2
+    logits, params = _logits(rows, vocab, seed=vocab).to(dtype), _params(rows)
+    got = sampled_packed(logits, params)
+    tokens, logprobs = sample(logits.float(), params)
+    assert torch.equal(got[0], tokens)
+    torch.testing.assert_close(got[1].view(torch.float64), logprobs.double(), rtol=1e-5, atol=1e-5)
+    assert len(set(got[0].tolist())) > rows // 2  # not all the argmax
+
+
+def test_kernels_read_strided_rows_and_advance_with_the_token_index():
+    rows, vocab = 6, 500
+    wide = _logits(rows, vocab + 40, seed=3)
+    logits = wide[:, :vocab]  # a view with a row stride wider than the vocabulary
+    params = _params(rows)
+    got, expected = sampled_packed(logits, params), pack(*sample(logits.contiguous(), params))
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1].view(torch.float64), expected[1].view(torch.float64), rtol=1e-5, atol=1e-5)
+    later = SamplingTensors.build([SamplingParams(do_sample=True, seed=1)] * 64, torch.device("cpu"),
+                                  token_index=list(range(64)))
+    flat = torch.zeros(64, vocab)
+    drawn = sampled_packed(flat, later)[0]
+    assert torch.equal(drawn, sample(flat, later)[0])
+    assert len(set(drawn.tolist())) > 50  # a new token index is a new draw
+
+
+def test_rows_without_a_seed_are_refused():
+    params = SamplingTensors.build([SamplingParams(do_sample=True)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="seed"):
+        sampled_packed(torch.zeros(1, 10), params)
+
+
+def test_kernels_compile_for_sm90():
+    ptr = {"logits_ptr": "*bf16"}
+    assert_compiles_for_sm90([
+        ("hf_async_cb.sampled", "_cut_kernel",
+         {**ptr, "stride_row": "i32", "vocab": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
+          "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32"},
+         {"BLOCK": BLOCK}),
+        ("hf_async_cb.sampled", "_draw_parts_kernel",
+         {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
+          "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
+          "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
+         {"NUM_PARTS": 4, "BLOCK": BLOCK}),
+        ("hf_async_cb.sampled", "_draw_merge_kernel",
+         {"value_ptr": "*fp32", "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+          "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"}, {"NUM_PARTS": 4}),
+    ], options={"num_warps": 8})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_match_the_torch_sampler_on_cuda():
+    """A real vocabulary in bf16 on the GPU: the kernels and the torch sampler agree token for token
+    (up to near-ties from exp/log rounding, of which there must be almost none)."""
+    rows, vocab = 96, 128256
+    logits = _logits(rows, vocab, seed=7).cuda().to(torch.bfloat16)
+    params = _params(rows)
+    params = SamplingTensors.from_device([params.top_k.cuda(), params.seed.cuda(), params.token_index.cuda()],
+                                         [params.do_sample.cuda(), params.temperature.cuda(), params.top_p.cuda(),
+                                          params.min_p.cuda()], unseeded=False)
+    got = sampled_packed(logits, params)
+    tokens, logprobs = sample(logits.float(), params)
+    assert int((got[0] != tokens).sum()) <= 1
+    same = got[0] == tokens
+    torch.testing.assert_close(got[1].view(torch.float64)[same], logprobs.double()[same], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the interpreted kernels (CUDA runs test_gpu.py)")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_engine_with_triton_draws_the_tokens_of_the_torch_sampler(mode, monkeypatch):
+    """The engine's Triton path draws with the kernels (graphs, processors and blocked tokens too)
+    and gives the tokens of the reference path, which draws with the torch sampler."""
+    import hf_async_cb.sampled as sampled
+    from hf_async_cb import BatchingConfig, Engine
+    from tests.models import random_prompts, tiny_model
+
+    calls = []
+    monkeypatch.setattr(sampled, "sampled_packed", lambda *a: calls.append(1) or sampled_packed(*a))
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 20, seed=5)
+    params = [SamplingParams(max_new_tokens=6, **CASES[i % len(CASES)], seed=i) for i in range(5)] + [
+        SamplingParams(max_new_tokens=6, do_sample=True, temperature=0.9, top_k=30, repetition_penalty=1.3,
+                       min_new_tokens=3, eos_token_ids=(2,), seed=9)]
+    outputs = {}
+    for attention in ("triton", "reference"):
+        with Engine(model, BatchingConfig(mode=mode, attention=attention, cuda_graphs=True, page_size=8,
+                                          seed=1)) as engine:
+            outputs[attention] = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert calls, "the Triton path did not draw with the kernels"
+    assert outputs["triton"] == outputs["reference"]
+    assert len({tuple(o) for o in outputs["triton"]}) == len(prompts)
