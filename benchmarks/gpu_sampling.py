@@ -53,6 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="*", default=[64, 256])
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the threshold search's launch (CUT_BLOCK x CUT_WARPS) for the top-p cases")
     args = parser.parse_args()
     device = torch.device("cuda")
     print("| rows | case | torch sampler ms | sampling kernels ms | greedy kernel ms | tokens differing |")
@@ -72,6 +74,29 @@ def main() -> None:
         sort_ms = graph_ms(lambda: floats.sort(dim=-1, descending=True))
         hash_ms = graph_ms(lambda: gumbel_noise(seed, seed, args.vocab))
         print(f"| {rows} | torch pieces: sort {sort_ms:.3f}, hash noise {hash_ms:.3f} | | | | |")
+        if args.sweep:
+            sweep(logits, device)
+
+
+def sweep(logits: torch.Tensor, device: torch.device) -> None:
+    """The kernels' time per launch configuration of the threshold search (the top-p cases)."""
+    import hf_async_cb.sampled as sampled
+
+    default = sampled.CUT_BLOCK, sampled.CUT_WARPS
+    rows = logits.shape[0]
+    for name in ("T=0.8 top-p 0.95", "T=0.8 top-k 50 top-p 0.95"):
+        params = [SamplingParams(max_new_tokens=8, do_sample=True, seed=i, **CASES[name]) for i in range(rows)]
+        tensors = SamplingTensors.build(params, device, token_index=list(range(rows)))
+        expected = sample(logits.float(), tensors)[0]
+        cells = []
+        for block in (2048, 4096, 8192):
+            for warps in (8, 16, 32):
+                sampled.CUT_BLOCK, sampled.CUT_WARPS = block, warps
+                ms = graph_ms(lambda: sampled_packed(logits, tensors))
+                differ = int((sampled_packed(logits, tensors)[0] != expected).sum())
+                cells.append(f"{block}x{warps}: {ms:.3f}" + (f" ({differ} differ)" if differ else ""))
+        print(f"| {rows} | sweep {name} | {'; '.join(cells)} | | | |")
+    sampled.CUT_BLOCK, sampled.CUT_WARPS = default
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ from .devices import num_sms
 from .greedy import CPU_PROGRAMS
 from .sampling import SamplingTensors
 
-BLOCK = 2048  # elements per pass of the draw (one part) and of the threshold search (whole row)
+BLOCK = 2048  # elements per step of the draw, which cuts each row into parts (as greedy.py)
+# The threshold search runs one program per row: wide steps and many warps keep enough loads in
+# flight (benchmarks/gpu_sampling.py --sweep).
+CUT_BLOCK, CUT_WARPS = 4096, 16
 
 
 @triton.jit
@@ -65,17 +68,22 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
     cut = tl.full([], -2147483648, tl.int64)
     if use_k | use_p | use_min:
         top_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+        bottom_vec = tl.full([BLOCK], float("inf"), tl.float32)
         for off in range(0, vocab, BLOCK):
             cols = off + lanes
-            top_vec = tl.maximum(top_vec, _scaled(base, cols, cols < vocab, temperature))
+            valid = cols < vocab
+            s = _scaled(base, cols, valid, temperature)
+            top_vec = tl.maximum(top_vec, s)
+            bottom_vec = tl.minimum(bottom_vec, tl.where(valid, s, float("inf")))
         top = tl.max(top_vec, 0)
         top_key = _score_key(top).to(tl.int64)
-        kth = tl.full([], -2147483648, tl.int64)  # top-k's threshold (keep all without it)
+        bottom_key = _score_key(tl.min(bottom_vec, 0)).to(tl.int64)
+        kth = bottom_key  # top-k's threshold (keeps all without it)
         if use_k:
-            # Largest key lo with count(key >= lo) >= k; hi: count(key >= hi) < k.
-            lo = tl.full([], -2147483648, tl.int64)
+            # The largest key lo with count(key >= lo) >= k; hi: count(key >= hi) < k.
+            lo = bottom_key
             hi = top_key + 1
-            above_lo = tl.full([], 0, tl.int64) + vocab  # count(key > lo): every element
+            above_lo = tl.full([], 0, tl.int64) + vocab  # count(key > lo), at most
             from_hi = tl.full([], 0, tl.int64)  # count(key >= hi)
             while (hi - lo > 1) & (above_lo > from_hi):
                 mid = lo + (hi - lo) // 2
@@ -98,7 +106,7 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
             kth = lo
         cut = kth
         if use_p:
-            # Smallest key hi whose kept mass strictly above is < top_p of the kept total (over top-k's set).
+            # The smallest key hi whose mass strictly above (in top-k's set) is < top_p of the set's.
             floor32 = kth.to(tl.int32)
             total_vec = tl.zeros([BLOCK], tl.float32)
             tied_vec = tl.zeros([BLOCK], tl.int32)
@@ -244,7 +252,7 @@ def sampled_packed(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
         return out
     cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
-                         params.min_p, params.do_sample, cut, BLOCK=BLOCK, num_warps=8)
+                         params.min_p, params.do_sample, cut, BLOCK=CUT_BLOCK, num_warps=CUT_WARPS)
     parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(logits.device) or CPU_PROGRAMS) // rows))))
     chunk = -(-vocab // (parts * BLOCK)) * BLOCK
     parts = min(parts, triton.next_power_of_2(-(-vocab // chunk)))

@@ -1,14 +1,16 @@
 """The sampling kernels (sampled.py) against the torch sampler they implement (sampling.sample):
-the same kept set, the same tokens, the same log-probabilities (Triton's interpreter on the CPU)."""
+the same kept set, the same tokens, the same log-probabilities (on CUDA where there is one, else
+in Triton's interpreter on the CPU)."""
 
 import pytest
 import torch
 
 from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampled import BLOCK, sampled_packed
+from hf_async_cb.sampled import BLOCK, CUT_BLOCK, sampled_packed
 from hf_async_cb.sampling import SamplingTensors, keep_threshold, pack, sample
 from tests.sm90 import assert_compiles_for_sm90
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter without CUDA
 CASES = [
     dict(do_sample=False), dict(), dict(temperature=0.8, top_p=0.95), dict(temperature=0.8, top_k=50, top_p=0.95),
     dict(temperature=0.7, min_p=0.05), dict(top_k=1), dict(top_k=7), dict(top_p=0.3, min_p=0.2),
@@ -21,7 +23,7 @@ def _params(rows: int) -> SamplingTensors:
     options = [CASES[i % len(CASES)] for i in range(rows)]
     params = [SamplingParams(max_new_tokens=4, do_sample=o.get("do_sample", True), seed=100 + i,
                              **{k: v for k, v in o.items() if k != "do_sample"}) for i, o in enumerate(options)]
-    return SamplingTensors.build(params, torch.device("cpu"), token_index=[3 * i for i in range(rows)])
+    return SamplingTensors.build(params, DEVICE, token_index=[3 * i for i in range(rows)])
 
 
 def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -29,7 +31,7 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     logits = torch.randn(rows, vocab, generator=g) * 3
     logits[1::3, : vocab // 4] = 2.5  # long runs of ties, at the top-k / top-p edges for some rows
     logits[2::5, 5:] = float("-inf")  # rows with a few finite tokens (banned words, blocked tokens)
-    return logits
+    return logits.to(DEVICE)
 
 
 def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -37,9 +39,9 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Ten
     from hf_async_cb.sampled import _cut_kernel
 
     rows, vocab = logits.shape
-    cut = torch.empty(rows, dtype=torch.int32)
+    cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
     _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
-                         params.min_p, params.do_sample, cut, BLOCK=BLOCK)
+                         params.min_p, params.do_sample, cut, BLOCK=CUT_BLOCK)
     scores = logits / params.temperature[:, None]
     bits = scores.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -47,7 +49,7 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Ten
     return key >= cut[:, None]
 
 
-@pytest.mark.parametrize("vocab", [300, 2 * BLOCK + 37])
+@pytest.mark.parametrize("vocab", [300, 2 * CUT_BLOCK + 37])
 def test_kernels_keep_the_reference_set(vocab):
     rows = len(CASES) * 2
     logits, params = _logits(rows, vocab), _params(rows)
@@ -79,18 +81,17 @@ def test_kernels_read_strided_rows_and_advance_with_the_token_index():
     got, expected = sampled_packed(logits, params), pack(*sample(logits.contiguous(), params))
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1].view(torch.float64), expected[1].view(torch.float64), rtol=1e-5, atol=1e-5)
-    later = SamplingTensors.build([SamplingParams(do_sample=True, seed=1)] * 64, torch.device("cpu"),
-                                  token_index=list(range(64)))
-    flat = torch.zeros(64, vocab)
+    later = SamplingTensors.build([SamplingParams(do_sample=True, seed=1)] * 64, DEVICE, token_index=list(range(64)))
+    flat = torch.zeros(64, vocab, device=DEVICE)
     drawn = sampled_packed(flat, later)[0]
     assert torch.equal(drawn, sample(flat, later)[0])
     assert len(set(drawn.tolist())) > 50  # a new token index is a new draw
 
 
 def test_rows_without_a_seed_are_refused():
-    params = SamplingTensors.build([SamplingParams(do_sample=True)], torch.device("cpu"))
+    params = SamplingTensors.build([SamplingParams(do_sample=True)], DEVICE)
     with pytest.raises(ValueError, match="seed"):
-        sampled_packed(torch.zeros(1, 10), params)
+        sampled_packed(torch.zeros(1, 10, device=DEVICE), params)
 
 
 def test_kernels_compile_for_sm90():
@@ -99,7 +100,7 @@ def test_kernels_compile_for_sm90():
         ("hf_async_cb.sampled", "_cut_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
           "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32"},
-         {"BLOCK": BLOCK}),
+         {"BLOCK": CUT_BLOCK}),
         ("hf_async_cb.sampled", "_draw_parts_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
           "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
@@ -116,11 +117,8 @@ def test_kernels_match_the_torch_sampler_on_cuda():
     """A real vocabulary in bf16 on the GPU: the kernels and the torch sampler agree token for token
     (up to near-ties from exp/log rounding, of which there must be almost none)."""
     rows, vocab = 96, 128256
-    logits = _logits(rows, vocab, seed=7).cuda().to(torch.bfloat16)
+    logits = _logits(rows, vocab, seed=7).to(torch.bfloat16)
     params = _params(rows)
-    params = SamplingTensors.from_device([params.top_k.cuda(), params.seed.cuda(), params.token_index.cuda()],
-                                         [params.do_sample.cuda(), params.temperature.cuda(), params.top_p.cuda(),
-                                          params.min_p.cuda()], unseeded=False)
     got = sampled_packed(logits, params)
     tokens, logprobs = sample(logits.float(), params)
     assert int((got[0] != tokens).sum()) <= 1
