@@ -34,6 +34,8 @@ BLOCK = 2048  # elements per step of the draw, which cuts each row into parts (a
 # The threshold search runs one program per row: wide steps and many warps keep enough loads in
 # flight (benchmarks/gpu_sampling.py --sweep).
 CUT_BLOCK, CUT_WARPS = 4096, 16
+CAP = 2048  # the search stops once this few scores are left around the edge, and sorts them
+CPU_CAP = 32  # the interpreter's (its sort is slow; more search rounds over a small vocabulary are not)
 
 
 @triton.jit
@@ -52,11 +54,57 @@ def _scaled(base, cols, mask, temperature):
 
 
 @triton.jit
+def _key_score(key):
+    """The float32 score of a key (the inverse of _score_key)."""
+    key = key.to(tl.int32)
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _midpoint(lo, hi):
+    """A key strictly inside (lo, hi): that of the scores' midpoint (halving the score range empties
+    a dense bracket far faster than halving the key range, whose first halvings only split signs
+    and exponents), or the keys' midpoint where a bound is no finite score."""
+    s_lo = _key_score(lo)
+    s_hi = _key_score(hi)
+    finite = (tl.abs(s_lo) < float("inf")) & (tl.abs(s_hi) < float("inf"))
+    guess = _score_key(tl.where(finite, s_lo, 0.0) * 0.5 + tl.where(finite, s_hi, 0.0) * 0.5).to(tl.int64)
+    guess = tl.minimum(tl.maximum(guess, lo + 1), hi - 1)
+    return tl.where(finite, guess, lo + (hi - lo) // 2)
+
+
+@triton.jit
+def _bracket_sorted(base, vocab, temperature, floor, lo, hi, cand_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The scores whose key k has floor <= k and lo < k < hi (at most CAP of them: the caller's
+    search stops there), in descending order, padded with -inf; and their number."""
+    lanes = tl.arange(0, BLOCK)
+    floor32 = floor.to(tl.int32)
+    lo32 = lo.to(tl.int32)
+    hi32 = hi.to(tl.int32)
+    n = tl.zeros([], tl.int32)
+    for off in range(0, vocab, BLOCK):
+        cols = off + lanes
+        valid = cols < vocab
+        s = _scaled(base, cols, valid, temperature)
+        key = _score_key(s)
+        take = (valid & (key >= floor32) & (key > lo32) & (key < hi32)).to(tl.int32)
+        at = n + tl.cumsum(take, 0) - take
+        tl.store(cand_ptr + at, s, mask=(take != 0) & (at < CAP))
+        n += tl.sum(take, 0)
+    tl.debug_barrier()  # the stores above, by every thread, before the loads below
+    slots = tl.arange(0, CAP)
+    ranked = tl.load(cand_ptr + slots, mask=slots < n, other=float("-inf"))
+    return tl.sort(ranked, descending=True), n
+
+
+@triton.jit
 def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, do_sample_ptr,
-                cut_ptr, BLOCK: tl.constexpr):
+                cut_ptr, cand_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
+    cand_ptr += row.to(tl.int64) * CAP
     lanes = tl.arange(0, BLOCK)
+    slots = tl.arange(0, CAP)
     temperature = tl.load(temperature_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -77,16 +125,16 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
             bottom_vec = tl.minimum(bottom_vec, tl.where(valid, s, float("inf")))
         top = tl.max(top_vec, 0)
         top_key = _score_key(top).to(tl.int64)
-        bottom_key = _score_key(tl.min(bottom_vec, 0)).to(tl.int64)
-        kth = bottom_key  # top-k's threshold (keeps all without it)
+        kth = _score_key(tl.min(bottom_vec, 0)).to(tl.int64)  # top-k's threshold; without it, keep all
         if use_k:
-            # The largest key lo with count(key >= lo) >= k; hi: count(key >= hi) < k.
-            lo = bottom_key
+            # Bracket the k-th largest key: count(key >= lo) >= k > count(key >= hi), until at most
+            # CAP keys lie strictly between; then it is the (k - count(key >= hi))-th of those.
+            lo = kth
             hi = top_key + 1
             above_lo = tl.full([], 0, tl.int64) + vocab  # count(key > lo), at most
             from_hi = tl.full([], 0, tl.int64)  # count(key >= hi)
-            while (hi - lo > 1) & (above_lo > from_hi):
-                mid = lo + (hi - lo) // 2
+            while (hi - lo > 1) & (above_lo - from_hi > CAP):
+                mid = _midpoint(lo, hi)
                 mid32 = mid.to(tl.int32)
                 at_least = tl.zeros([BLOCK], tl.int32)
                 above = tl.zeros([BLOCK], tl.int32)
@@ -103,15 +151,19 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
                 else:
                     hi = mid
                     from_hi = count
-            kth = lo
+            ranked, n = _bracket_sorted(base, vocab, temperature, lo * 0 - 2147483648, lo, hi, cand_ptr, CAP, BLOCK)
+            rank = top_k - from_hi  # >= 1
+            inside = tl.max(tl.where(slots == rank - 1, ranked, float("-inf")), 0)
+            kth = tl.where(rank <= n, _score_key(inside).to(tl.int64), lo)  # else: the keys equal to lo
         cut = kth
         if use_p:
-            # The smallest key hi whose mass strictly above (in top-k's set) is < top_p of the set's.
+            # Bracket the smallest key whose mass strictly above (in top-k's set) is < top_p of the
+            # set's: mass(key > lo) >= target > mass(key > hi), until at most CAP keys lie between.
             floor32 = kth.to(tl.int32)
+            top32 = top_key.to(tl.int32)
             total_vec = tl.zeros([BLOCK], tl.float32)
             tied_vec = tl.zeros([BLOCK], tl.int32)
             kept_vec = tl.zeros([BLOCK], tl.int32)
-            top32 = top_key.to(tl.int32)
             for off in range(0, vocab, BLOCK):
                 cols = off + lanes
                 valid = cols < vocab
@@ -124,12 +176,14 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
             target = top_p * tl.sum(total_vec, 0)
             lo = kth - 1
             hi = top_key
-            above_lo = tl.sum(kept_vec, 0).to(tl.int64)  # count(key > lo) within top-k's set
+            above_lo = tl.sum(kept_vec, 0).to(tl.int64)  # count(key > lo) in the set
             from_hi = tl.sum(tied_vec, 0).to(tl.int64)  # count(key >= hi)
-            while (hi - lo > 1) & (above_lo > from_hi):
-                mid = lo + (hi - lo) // 2
+            mass_hi = from_hi.to(tl.float32)  # mass(key >= hi): each top score weighs exp(0) = 1
+            while (hi - lo > 1) & (above_lo - from_hi > CAP):
+                mid = _midpoint(lo, hi)
                 mid32 = mid.to(tl.int32)
-                mass_vec = tl.zeros([BLOCK], tl.float32)
+                above_mass = tl.zeros([BLOCK], tl.float32)
+                from_mass = tl.zeros([BLOCK], tl.float32)
                 at_least = tl.zeros([BLOCK], tl.int32)
                 above = tl.zeros([BLOCK], tl.int32)
                 for off in range(0, vocab, BLOCK):
@@ -138,16 +192,24 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
                     s = _scaled(base, cols, valid, temperature)
                     key = _score_key(s)
                     keep = valid & (key >= floor32)
-                    mass_vec += tl.where(keep & (key > mid32), tl.exp(s - top), 0.0)
+                    weight = tl.where(keep & (key >= mid32), tl.exp(s - top), 0.0)
+                    from_mass += weight
+                    above_mass += tl.where(key > mid32, weight, 0.0)
                     at_least += (keep & (key >= mid32)).to(tl.int32)
                     above += (keep & (key > mid32)).to(tl.int32)
-                if tl.sum(mass_vec, 0) < target:
+                if tl.sum(above_mass, 0) < target:
                     hi = mid
                     from_hi = tl.sum(at_least, 0).to(tl.int64)
+                    mass_hi = tl.sum(from_mass, 0)
                 else:
                     lo = mid
                     above_lo = tl.sum(above, 0).to(tl.int64)
-            cut = tl.maximum(cut, hi)
+            ranked, n = _bracket_sorted(base, vocab, temperature, kth, lo, hi, cand_ptr, CAP, BLOCK)
+            weight = tl.exp(ranked - top)  # the -inf padding weighs 0
+            mass_above = mass_hi + tl.cumsum(weight, 0) - weight  # exact for the first of a run of ties
+            kept = tl.sum(((mass_above < target) & (slots < n)).to(tl.int32), 0)
+            edge = tl.max(tl.where(slots == kept - 1, ranked, float("-inf")), 0)
+            cut = tl.maximum(cut, tl.where(kept > 0, _score_key(edge).to(tl.int64), hi))
         if use_min:  # after top-p, as stock: the ratio to the most likely token, which every filter keeps
             cut = tl.maximum(cut, _score_key(top + tl.log(min_p)).to(tl.int64))
     tl.store(cut_ptr + row, cut.to(tl.int32))
@@ -251,8 +313,11 @@ def sampled_packed(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     if rows == 0:
         return out
     cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    cap = CAP if logits.is_cuda else CPU_CAP
+    candidates = torch.empty(rows, cap, dtype=torch.float32, device=logits.device)
     _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
-                         params.min_p, params.do_sample, cut, BLOCK=CUT_BLOCK, num_warps=CUT_WARPS)
+                         params.min_p, params.do_sample, cut, candidates, BLOCK=CUT_BLOCK, CAP=cap,
+                         num_warps=CUT_WARPS)
     parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(logits.device) or CPU_PROGRAMS) // rows))))
     chunk = -(-vocab // (parts * BLOCK)) * BLOCK
     parts = min(parts, triton.next_power_of_2(-(-vocab // chunk)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampled import BLOCK, CUT_BLOCK, sampled_packed
+from hf_async_cb.sampled import BLOCK, CAP, CUT_BLOCK, sampled_packed
 from hf_async_cb.sampling import SamplingTensors, keep_threshold, pack, sample
 from tests.sm90 import assert_compiles_for_sm90
 
@@ -34,14 +34,15 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return logits.to(DEVICE)
 
 
-def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int) -> torch.Tensor:
     """What the kernels keep, read back through their threshold keys."""
     from hf_async_cb.sampled import _cut_kernel
 
     rows, vocab = logits.shape
     cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    candidates = torch.empty(rows, cap, dtype=torch.float32, device=logits.device)
     _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
-                         params.min_p, params.do_sample, cut, BLOCK=CUT_BLOCK)
+                         params.min_p, params.do_sample, cut, candidates, BLOCK=CUT_BLOCK, CAP=cap)
     scores = logits / params.temperature[:, None]
     bits = scores.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -49,13 +50,14 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors) -> torch.Ten
     return key >= cut[:, None]
 
 
-@pytest.mark.parametrize("vocab", [300, 2 * CUT_BLOCK + 37])
-def test_kernels_keep_the_reference_set(vocab):
+@pytest.mark.parametrize("vocab, cap", [(300, 16), (300, 512), (2 * CUT_BLOCK + 37, 64)])
+def test_kernels_keep_the_reference_set(vocab, cap):
+    """Small caps make the searches narrow the bracket before they sort it; the default sorts at once."""
     rows = len(CASES) * 2
     logits, params = _logits(rows, vocab), _params(rows)
     scores = logits / params.temperature[:, None]
     expected = scores >= keep_threshold(scores, params)[:, None]
-    got = _kept_by_kernels(logits, params)
+    got = _kept_by_kernels(logits, params, cap)
     assert torch.equal(got, expected), [r for r in range(rows) if not torch.equal(got[r], expected[r])]
     # The filters did filter, and kept whole runs of ties.
     assert not expected[3].all() and not expected[6].all() and expected[1, : vocab // 4].all() == expected[1, 0]
@@ -99,8 +101,8 @@ def test_kernels_compile_for_sm90():
     assert_compiles_for_sm90([
         ("hf_async_cb.sampled", "_cut_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
-          "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32"},
-         {"BLOCK": CUT_BLOCK}),
+          "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32", "cand_ptr": "*fp32"},
+         {"BLOCK": CUT_BLOCK, "CAP": CAP}),
         ("hf_async_cb.sampled", "_draw_parts_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
           "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
@@ -109,7 +111,7 @@ def test_kernels_compile_for_sm90():
         ("hf_async_cb.sampled", "_draw_merge_kernel",
          {"value_ptr": "*fp32", "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
           "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"}, {"NUM_PARTS": 4}),
-    ], options={"num_warps": 8})
+    ], options={"num_warps": 16})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
