@@ -15,7 +15,7 @@ from .engine import Engine  # noqa: E402
 from .integration import install, is_installed, uninstall  # noqa: E402
 from .requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["BatchingConfig", "Engine", "FinishReason", "RequestOutput", "SamplingParams", "install",
            "is_installed", "uninstall", "__version__"]
