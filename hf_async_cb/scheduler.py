@@ -17,7 +17,7 @@ from .page_table import PageTable
 from .requests import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Feed tokens [start, start + num_tokens) of `request`; sample after them when `samples`."""
 
@@ -79,32 +79,47 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        # A request whose last sampled tokens are all still in flight has nothing left to run.
-        # (Request.wants_more_tokens and num_tokens inlined: this loop runs over every running request.)
-        decoding, prefilling = [], []
-        for r in self.running:
-            sampled = len(r.output_token_ids) + r.num_pending
-            if sampled < r.params.max_new_tokens:
-                left = len(r.prompt_token_ids) + sampled - r.num_computed
-                (decoding if left == 1 else prefilling).append((r, left))
+        # One pass over the running requests schedules the decodes as it meets them (oldest first,
+        # one token each) and sets the prefills aside for after them. A request whose last sampled
+        # tokens are all still in flight has nothing left to run. (Request.wants_more_tokens and
+        # num_tokens inlined: this loop runs over every running request, every step.)
+        prefilling: list[tuple[Request, int]] = []
         page_size = self.page_size
-        for req, left in decoding + prefilling:
+        for req in self.running[:]:  # a copy: preemption removes requests from the list
+            if preempted and req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            sampled = len(req.output_token_ids) + req.num_pending
+            if sampled >= req.params.max_new_tokens:
+                continue
+            start = req.num_computed
+            left = len(req.prompt_token_ids) + sampled - start
+            if left != 1:
+                prefilling.append((req, left))
+                continue
+            if budget == 0:
+                break  # no room for any chunk, decode or prefill
+            # Most decode steps need no new page: skip the allocator then.
+            if start >= len(req.pages) * page_size:
+                victims = self._reserve(req, 1)
+                if victims:
+                    budget, chunks = self._drop(victims, preempted, budget, chunks)
+                    if req in victims:
+                        continue
+            chunks.append(ScheduledChunk(req, start, 1, True))
+            budget -= 1
+        for req, left in prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
-            # Most decode steps need no new page: skip the allocator then.
             fits = req.num_computed + n <= len(req.pages) * page_size
             victims = () if fits else self._reserve(req, n)
             if victims:
-                preempted.extend(victims)
-                # A victim may already have a chunk in this step (decodes go before older prefills).
-                budget += sum(c.num_tokens for c in chunks if c.request in victims)
-                chunks = [c for c in chunks if c.request not in victims]
+                budget, chunks = self._drop(victims, preempted, budget, chunks)
                 if req in victims:
                     continue
-            chunks.append(ScheduledChunk(req, req.num_computed, n, samples=n == left))
+            chunks.append(ScheduledChunk(req, req.num_computed, n, n == left))
             budget -= n
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
         deferred: list[Request] = []
@@ -131,6 +146,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return StepPlan(chunks, preempted)
+
+    @staticmethod
+    def _drop(victims: list[Request], preempted: list[Request], budget: int,
+              chunks: list[ScheduledChunk]) -> tuple[int, list[ScheduledChunk]]:
+        """Record preempted requests; a victim may already have a chunk in this step (decodes go
+        before older prefills): its tokens go back to the budget."""
+        preempted.extend(victims)
+        budget += sum(c.num_tokens for c in chunks if c.request in victims)
+        return budget, [c for c in chunks if c.request not in victims]
 
     # -- prompt sharing (num_return_sequences) --------------------------------------------------
     def _shared_length(self, req: Request) -> int:
