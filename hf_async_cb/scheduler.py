@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from .kv_cache import PageAllocator
 from .page_table import PageTable
@@ -29,12 +30,44 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
+    """A step's chunks, and the requests preempted to make room for them.
+
+    The per-chunk columns below are derived once, on first use, and shared by the graph-bucket
+    choice and the batch builder, which both read every chunk of every step. A plan is not
+    changed after the scheduler made it."""
+
     chunks: list[ScheduledChunk]
     preempted: list[Request]
 
-    @property
+    @cached_property
+    def requests(self) -> list[Request]:
+        return [c.request for c in self.chunks]
+
+    @cached_property
+    def starts(self) -> list[int]:
+        return [c.start for c in self.chunks]
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Tokens each chunk feeds."""
+        return [c.num_tokens for c in self.chunks]
+
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(self.sizes)
+
+    @cached_property
+    def all_sample(self) -> bool:
+        return all([c.samples for c in self.chunks])
+
+    @cached_property
+    def plain(self) -> bool:
+        """Every request picks greedily with nothing to apply to its logits (SamplingParams.plain),
+        no logits processor of its own and no scores to keep: nothing per row beyond the token."""
+        for r in self.requests:
+            if r.logits_processor is not None or r.keep_scores or not r.params.plain:
+                return False
+        return True
 
     @property
     def is_empty(self) -> bool:
