@@ -57,8 +57,13 @@ class StepPlan:
         return sum(self.sizes)
 
     @cached_property
+    def samples(self) -> list[bool]:
+        """Whether each chunk samples a token after its last one."""
+        return [c.samples for c in self.chunks]
+
+    @cached_property
     def all_sample(self) -> bool:
-        return all([c.samples for c in self.chunks])
+        return all(self.samples)
 
     @cached_property
     def plain(self) -> bool:
