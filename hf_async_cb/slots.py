@@ -45,8 +45,10 @@ class _Staging:
             self.device[:total].copy_(self.host[:total], non_blocking=True)
             flat = self.device[:total]
         else:
-            flat = self.host[:total].clone()  # the CPU "device" copy: later slots must not alias it
-        return [view.view(a.shape) for view, a in zip(flat.split(sizes), arrays)], flat
+            # The CPU "device" copy (later slots must not alias it), by numpy: torch would split a
+            # large one over its intra-op threads, which costs more than it saves at this size.
+            flat = torch.from_numpy(self.host_array[:total].copy())
+        return [view if a.ndim == 1 else view.view(a.shape) for view, a in zip(flat.split(sizes), arrays)], flat
 
 
 @dataclass
