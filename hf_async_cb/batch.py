@@ -70,12 +70,13 @@ class BatchBuilder:
         self.page_table = page_table
 
     @staticmethod
-    def _token_ids(plan: StepPlan, carry_rows: dict[int, int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """The step's known input ids, a placeholder for each token still in flight, and those
-        placeholders as (index in the stream, row in the step in flight). The one per-request loop
-        of a step's build: everything else is numpy over the plan's columns."""
+    def _token_ids(plan: StepPlan, carry_rows: dict[int, int]) -> tuple[list[int], list[int], list[int]]:
+        """The step's known input ids with a placeholder for each token still in flight, those
+        placeholders' indices in the stream, and their rows in the step in flight. The one
+        per-request loop of a step's build: everything else is numpy over the plan's columns."""
         ids: list[int] = []
-        carried: list[tuple[int, int]] = []
+        carry_at: list[int] = []
+        carry_src: list[int] = []
         for req, start, n in zip(plan.requests, plan.starts, plan.sizes):
             prompt = req.prompt_token_ids
             n_prompt = len(prompt)
@@ -84,8 +85,15 @@ class BatchBuilder:
                     ids.append(prompt[start])
                     continue
                 output = req.output_token_ids
-                if start - n_prompt < len(output):
-                    ids.append(output[start - n_prompt])
+                i = start - n_prompt
+                if i < len(output):
+                    ids.append(output[i])
+                    continue
+                row = carry_rows.get(id(req))
+                if i == len(output) and row is not None:  # the async loop's decode step
+                    carry_at.append(len(ids))
+                    carry_src.append(row)
+                    ids.append(PLACEHOLDER)
                     continue
             stop = start + n
             known = min(stop, n_prompt + len(req.output_token_ids))
@@ -95,9 +103,10 @@ class BatchBuilder:
                 row = carry_rows.get(id(req))
                 if stop - known != 1 or row is None:
                     raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
-                carried.append((len(ids), row))
+                carry_at.append(len(ids))
+                carry_src.append(row)
                 ids.append(PLACEHOLDER)
-        return ids, carried
+        return ids, carry_at, carry_src
 
     def _row_options(self, plan: StepPlan, sample_requests: list[Request], carry_rows: dict[int, int]):
         """What some sampled rows need besides their token (a plan that is not plain): the slow
@@ -136,7 +145,7 @@ class BatchBuilder:
         token each, the last one all the tokens left. Logits rows are padded to `batch` too.
         """
         ps = self.page_size
-        ids, carried = self._token_ids(plan, carry_rows)
+        ids, carry_at, carry_src = self._token_ids(plan, carry_rows)
         real_rows, real_tokens = len(plan.chunks), len(ids)  # each chunk feeds its num_tokens
         sizes = plan.sizes
         if pad_to is not None:
@@ -181,11 +190,9 @@ class BatchBuilder:
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
         input_ids = np.zeros(num_tokens, dtype=np.int64)  # PLACEHOLDER past the real tokens
         input_ids[:real_tokens] = ids
-        has_carry = pad_to is not None or bool(carried)  # graphs always take a carry map
+        has_carry = pad_to is not None or bool(carry_at)  # graphs always take a carry map
         carry = np.full(num_tokens if has_carry else 0, -1, dtype=np.int64)
-        if carried:
-            at, row_in_flight = zip(*carried)
-            carry[list(at)] = row_in_flight
+        carry[carry_at] = carry_src
         processor_rows, history_rows, blocked, keep_rows = [], [], [], []
         sampling_ints, sampling_floats, unseeded = [], [], False
         if not plan.plain:
