@@ -76,7 +76,7 @@ class BatchBuilder:
         per-request loop of a step's build: everything else is numpy over the plan's columns."""
         ids: list[int] = []
         carry_at: list[int] = []
-        carry_src: list[int] = []
+        carry_from: list[int] = []
         for req, start, n in zip(plan.requests, plan.starts, plan.sizes):
             prompt = req.prompt_token_ids
             n_prompt = len(prompt)
@@ -92,7 +92,7 @@ class BatchBuilder:
                 row = carry_rows.get(id(req))
                 if i == len(output) and row is not None:  # the async loop's decode step
                     carry_at.append(len(ids))
-                    carry_src.append(row)
+                    carry_from.append(row)
                     ids.append(PLACEHOLDER)
                     continue
             stop = start + n
@@ -104,11 +104,12 @@ class BatchBuilder:
                 if stop - known != 1 or row is None:
                     raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
                 carry_at.append(len(ids))
-                carry_src.append(row)
+                carry_from.append(row)
                 ids.append(PLACEHOLDER)
-        return ids, carry_at, carry_src
+        return ids, carry_at, carry_from
 
-    def _row_options(self, plan: StepPlan, sample_requests: list[Request], carry_rows: dict[int, int]):
+    @staticmethod
+    def _row_options(plan: StepPlan, sample_requests: list[Request], carry_rows: dict[int, int]):
         """What some sampled rows need besides their token (a plan that is not plain): the slow
         path's processors, the rows whose processors read their history, the blocked tokens, and
         the rows whose scores go back to the host."""
@@ -145,7 +146,7 @@ class BatchBuilder:
         token each, the last one all the tokens left. Logits rows are padded to `batch` too.
         """
         ps = self.page_size
-        ids, carry_at, carry_src = self._token_ids(plan, carry_rows)
+        ids, carry_at, carry_from = self._token_ids(plan, carry_rows)
         real_rows, real_tokens = len(plan.chunks), len(ids)  # each chunk feeds its num_tokens
         sizes = plan.sizes
         if pad_to is not None:
@@ -192,7 +193,7 @@ class BatchBuilder:
         input_ids[:real_tokens] = ids
         has_carry = pad_to is not None or bool(carry_at)  # graphs always take a carry map
         carry = np.full(num_tokens if has_carry else 0, -1, dtype=np.int64)
-        carry[carry_at] = carry_src
+        carry[carry_at] = carry_from
         processor_rows, history_rows, blocked, keep_rows = [], [], [], []
         sampling_ints, sampling_floats, unseeded = [], [], False
         if not plan.plain:
