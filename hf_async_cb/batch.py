@@ -11,6 +11,7 @@ themselves are on the device already (history.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 import torch
@@ -49,11 +50,6 @@ class StepInputs:
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
-def _ints(values) -> torch.Tensor:
-    """int64 tensor of a Python list (numpy converts lists several times faster than torch.tensor)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
-
-
 def _split(items: list, *sizes: int) -> list[list]:
     """items cut into consecutive parts of the given sizes, and the rest."""
     parts, start = [], 0
@@ -73,19 +69,73 @@ class BatchBuilder:
         self.trash_page = trash_slot // page_size
         self.page_table = page_table
 
-    def _slots(self, table: np.ndarray, query_start, query_lens, context_lens):
-        """Position and cache slot of each new token, from the block table, in a few numpy ops
-        (torch's small CPU ops cost microseconds each; repeat_interleave far more)."""
-        ps = self.page_size
-        ql = np.array(query_lens, dtype=np.int64)
-        ctx = np.array(context_lens, dtype=np.int64)
-        if len(ql) == int(ql.sum()):  # decode: one token per request, at its last position
-            rows, positions = np.arange(len(ql)), ctx - 1
-        else:
-            rows = np.repeat(np.arange(len(ql)), ql)
-            positions = (ctx - ql)[rows] + np.arange(len(rows)) - np.array(query_start, dtype=np.int64)[rows]
-        slot_mapping = table[rows, positions // ps] * ps + positions % ps
-        return torch.from_numpy(positions), torch.from_numpy(slot_mapping)
+    @staticmethod
+    def _token_ids(plan: StepPlan, carry_rows: dict[int, int]) -> tuple[list[int], list[int], list[int]]:
+        """The step's known input ids with a placeholder for each token still in flight, those
+        placeholders' indices in the stream, and their rows in the step in flight. The one
+        per-request loop of a step's build: everything else is numpy over the plan's columns."""
+        ids: list[int] = []
+        carry_at: list[int] = []
+        carry_from: list[int] = []
+        for req, start, n in zip(plan.requests, plan.starts, plan.sizes):
+            prompt = req.prompt_token_ids
+            n_prompt = len(prompt)
+            if n == 1:  # the common decode step: one token, known unless it is still in flight
+                if start < n_prompt:
+                    ids.append(prompt[start])
+                    continue
+                output = req.output_token_ids
+                i = start - n_prompt
+                if i < len(output):
+                    ids.append(output[i])
+                    continue
+                row = carry_rows.get(id(req))
+                if i == len(output) and row is not None:  # the async loop's decode step
+                    carry_at.append(len(ids))
+                    carry_from.append(row)
+                    ids.append(PLACEHOLDER)
+                    continue
+            stop = start + n
+            known = min(stop, n_prompt + len(req.output_token_ids))
+            if known > start:
+                ids.extend(req.token_ids(start, known))
+            if stop > known:  # the last token is still on its way from the step in flight
+                row = carry_rows.get(id(req))
+                if stop - known != 1 or row is None:
+                    raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
+                carry_at.append(len(ids))
+                carry_from.append(row)
+                ids.append(PLACEHOLDER)
+        return ids, carry_at, carry_from
+
+    @staticmethod
+    def _row_options(plan: StepPlan, sample_requests: list[Request], carry_rows: dict[int, int]):
+        """What some sampled rows need besides their token (a plan that is not plain): the slow
+        path's processors, the rows whose processors read their history, the blocked tokens, and
+        the rows whose scores go back to the host."""
+        processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
+        history_rows: list[tuple[int, int, Request]] = []  # (sampled row, batch row, request)
+        blocked: list[tuple[int, tuple[int, ...]]] = []
+        sample_row = 0
+        for batch_row, chunk in enumerate(plan.chunks):
+            if not chunk.samples:
+                continue
+            req = chunk.request
+            if req.logits_processor is not None:
+                stop = chunk.start + chunk.num_tokens
+                known = min(stop, req.num_known_tokens)
+                history = req.history_prefix + req.token_ids(0, known)
+                pending_row = carry_rows[id(req)] if stop > known else -1
+                processor_rows.append((sample_row, req.logits_processor, torch.tensor(history, dtype=torch.long),
+                                       pending_row))
+            if req.params.reads_history:  # read on the device from the token pool
+                history_rows.append((sample_row, batch_row, req))
+            tokens = req.blocked_tokens
+            if tokens:
+                blocked.append((sample_row, tokens))
+            sample_row += 1
+        keep_rows = [i for i, r in enumerate(sample_requests) if r.keep_scores]
+        return processor_rows, history_rows, blocked, keep_rows
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
               pad_to: tuple[int, int, int] | None = None) -> StepInputs:
@@ -95,85 +145,70 @@ class BatchBuilder:
         step, one token per request). Padding requests write to and read from the trash page: one
         token each, the last one all the tokens left. Logits rows are padded to `batch` too.
         """
-        ids: list[int] = []
-        carry: list[int] = []
-        query_start, query_lens, context_lens = [], [], []
-        logits_rows: list[int] = []
-        sample_requests: list[Request] = []
-        processor_rows: list[tuple[int, object, torch.Tensor, int]] = []
-        history_rows: list[tuple[int, int, Request]] = []  # (sampled row, batch row, request)
-        blocked: list[tuple[int, tuple[int, ...]]] = []
-        for batch_row, chunk in enumerate(plan.chunks):
-            req, start, n = chunk.request, chunk.start, chunk.num_tokens
-            stop = start + n
-            prompt, output = req.prompt_token_ids, req.output_token_ids
-            n_prompt = len(prompt)
-            known = min(stop, n_prompt + len(output))
-            query_start.append(len(ids))
-            if known - start == 1:  # the common decode step: one known token
-                ids.append(prompt[start] if start < n_prompt else output[start - n_prompt])
-                carry.append(-1)
-            elif known > start:
-                ids.extend(req.token_ids(start, known))
-                carry.extend([-1] * (known - start))
-            if stop > known:  # the last token is still on its way from the step in flight
-                row = carry_rows.get(id(req))
-                if stop - known != 1 or row is None:
-                    raise RuntimeError(f"{req.request_id}: tokens [{known}, {stop}) are neither known nor in flight")
-                ids.append(PLACEHOLDER)
-                carry.append(row)
-            query_lens.append(n)
-            context_lens.append(stop)
-            if chunk.samples:
-                if req.logits_processor is not None:
-                    history = req.history_prefix + req.token_ids(0, known)
-                    pending_row = carry[-1] if stop > known else -1
-                    processor_rows.append((len(sample_requests), req.logits_processor,
-                                           torch.tensor(history, dtype=torch.long), pending_row))
-                if req.params.reads_history:  # read on the device from the token pool
-                    history_rows.append((len(sample_requests), batch_row, req))
-                tokens = req.blocked_tokens
-                if tokens:
-                    blocked.append((len(sample_requests), tokens))
-                logits_rows.append(len(ids) - 1)
-                sample_requests.append(req)
-        real_tokens = len(ids)
+        ps = self.page_size
+        ids, carry_at, carry_from = self._token_ids(plan, carry_rows)
+        real_rows, real_tokens = len(plan.chunks), len(ids)  # each chunk feeds its num_tokens
+        sizes = plan.sizes
         if pad_to is not None:
             batch, max_ctx, tokens = pad_to
-            pads = batch - len(plan.chunks)
-            for i in range(pads):
-                n = 1 if i < pads - 1 or not tokens else tokens - len(ids)
-                query_start.append(len(ids))
-                ids.extend([PLACEHOLDER] * n)
-                carry.extend([-1] * n)
-                query_lens.append(n)
-                context_lens.append(n)
-                logits_rows.append(len(ids) - 1)
-            logits_rows.extend([0] * (batch - len(logits_rows)))  # chunks that do not sample
-        else:
+            pads = batch - real_rows
+            if pads > 0:
+                last = 1 if not tokens else tokens - (real_tokens + pads - 1)
+                sizes = sizes + [1] * (pads - 1) + [last]
+        query_lens = np.array(sizes, dtype=np.int64)
+        rows = len(query_lens)
+        query_start = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        context_lens = query_lens.copy()  # padding requests: their own tokens
+        context_lens[:real_rows] += plan.starts
+        if pad_to is None:
             # Pad the context to a multiple of CONTEXT_BUCKET, so that shapes change only every few steps.
-            max_ctx = -(-max(context_lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
-        width = -(-max_ctx // self.page_size)
-        table = self.page_table.gather([c.request for c in plan.chunks], width)
-        if len(context_lens) > len(plan.chunks):  # padding requests: the trash page only
-            table = np.concatenate([table, np.full((len(context_lens) - len(plan.chunks), width), self.trash_page)])
-        positions, slot_mapping = self._slots(table, query_start, query_lens, context_lens)
-        table = torch.from_numpy(table)
+            max_ctx = -(-int(context_lens.max()) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+        # Logits at the last token of every chunk that samples, then of every padding request,
+        # then row 0 for the bucket's remaining rows (chunks that do not sample).
+        last_token = query_start[1:] - 1
+        if plan.all_sample:
+            sample_requests = plan.requests[:]
+            logits_rows = last_token
+        else:
+            sample_requests = list(compress(plan.requests, plan.samples))
+            logits_rows = np.concatenate([last_token[:real_rows][np.array(plan.samples, dtype=bool)],
+                                          last_token[real_rows:]])
+        if pad_to is not None and len(logits_rows) < batch:
+            logits_rows = np.concatenate([logits_rows, np.zeros(batch - len(logits_rows), dtype=np.int64)])
+        # Block table: the requests' rows of the page table, padding requests on the trash page only.
+        width = -(-max_ctx // ps)
+        table = self.page_table.gather(plan.requests, width, rows - real_rows, self.trash_page)
+        # Position and cache slot of each token.
+        if num_tokens == rows:  # one token per request, at its last position
+            positions = context_lens - 1
+            token_rows = np.arange(rows)
+        else:
+            token_rows = np.repeat(np.arange(rows), query_lens)
+            positions = (context_lens - query_lens - query_start[:-1])[token_rows] + np.arange(num_tokens)
+        slot_mapping = table[token_rows, positions // ps] * ps + positions % ps
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
-        has_carry = pad_to is not None or any(c >= 0 for c in carry)  # graphs always take a carry map
-        params = [r.params for r in sample_requests]
-        sampling_ints, sampling_floats = [], []
-        if any(p.do_sample for p in params):
-            # Index of the token each row samples in its request's output (what seeded sampling hashes).
-            token_index = [r.num_sampled for r in sample_requests]
-            if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
-                pads = len(logits_rows) - len(params)
-                params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
-            sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
-        unseeded = any(p.do_sample and p.seed is None for p in params)
-        ints = [_ints(ids), torch.arange(0) if not has_carry else _ints(carry),
-                positions, slot_mapping, _ints(logits_rows), table,
-                _ints([*query_start, len(ids)]), _ints(context_lens), *sampling_ints]
+        input_ids = np.zeros(num_tokens, dtype=np.int64)  # PLACEHOLDER past the real tokens
+        input_ids[:real_tokens] = ids
+        has_carry = pad_to is not None or bool(carry_at)  # graphs always take a carry map
+        carry = np.full(num_tokens if has_carry else 0, -1, dtype=np.int64)
+        carry[carry_at] = carry_from
+        processor_rows, history_rows, blocked, keep_rows = [], [], [], []
+        sampling_ints, sampling_floats, unseeded = [], [], False
+        if not plan.plain:
+            processor_rows, history_rows, blocked, keep_rows = self._row_options(plan, sample_requests, carry_rows)
+            params = [r.params for r in sample_requests]
+            if any(p.do_sample for p in params):
+                # Index of the token each row samples in its request's output (what seeded sampling hashes).
+                token_index = [r.num_sampled for r in sample_requests]
+                if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
+                    pads = len(logits_rows) - len(params)
+                    params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
+                sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
+            unseeded = any(p.do_sample and p.seed is None for p in params)
+        ints = [input_ids, carry, positions, slot_mapping, logits_rows, table, query_start, context_lens,
+                *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked, padded=pad_to is not None)
@@ -184,7 +219,7 @@ class BatchBuilder:
          context_lens_d, *dev_sampling_ints) = dev
         meta = StepMetadata(
             slot_mapping=slot_mapping_d, block_table=table_d, query_start=query_start_d,
-            context_lens=context_lens_d, page_size=self.page_size, max_query_len=max(query_lens),
+            context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend,
         )
         return StepInputs(
@@ -196,7 +231,7 @@ class BatchBuilder:
             sampling=SamplingTensors.from_device(dev_sampling_ints, floats, unseeded),
             sample_requests=sample_requests,
             processor_rows=processor_rows,
-            keep_rows=[i for i, r in enumerate(sample_requests) if r.keep_scores],
+            keep_rows=keep_rows,
             processors=HistoryProcessors.from_device(processors, dev_processor_ints, dev_processor_floats),
             token_block=TokenBlock.from_device(dev_block_ints),
             packed=packed,

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
+from operator import add
 
 import torch
 
@@ -216,27 +217,26 @@ class DecodeGraphs:
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
-        decode = True
+        decode = plan.sizes.count(1) == len(chunks) and plan.all_sample  # one token each, all sampling
         sampled = False
         penalised = []
         blocked = 0
-        for c in chunks:  # runs over every request of every step: the common case first
-            r = c.request
-            if r.logits_processor is not None or r.keep_scores:
-                return None
-            if c.num_tokens != 1 or not c.samples:
-                decode = False
-            p = r.params
-            if p.plain or not c.samples:
-                continue
-            if p.do_sample:
-                if p.seed is None:
+        if not plan.plain:  # else no row has anything that shapes a bucket, or keeps it from one
+            for c in chunks:
+                r = c.request
+                if r.logits_processor is not None or r.keep_scores:
                     return None
-                sampled = True
-            if p.reads_history:
-                penalised.append(r)
-            if p.blocks_tokens:
-                blocked += len(r.blocked_tokens)
+                p = r.params
+                if p.plain or not c.samples:
+                    continue
+                if p.do_sample:
+                    if p.seed is None:
+                        return None
+                    sampled = True
+                if p.reads_history:
+                    penalised.append(r)
+                if p.blocks_tokens:
+                    blocked += len(r.blocked_tokens)
         penalty = None
         if penalised:
             penalty = (any(r.params.repetition_penalty > 1 for r in penalised),
@@ -245,7 +245,7 @@ class DecodeGraphs:
         if decode:
             if len(chunks) > self.max_batch:
                 return None
-            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(c.start + 1 for c in chunks))),
+            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
             if not self.prefill:
@@ -257,7 +257,7 @@ class DecodeGraphs:
                 batch = _pow2(size + 1)  # the padding tokens need a padding request
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
-            context = max(max(c.start + c.num_tokens for c in chunks), padding if batch > size else 0)
+            context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked))
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:

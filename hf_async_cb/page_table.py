@@ -18,6 +18,7 @@ class PageTable:
         self.rows: dict[object, int] = {}  # request -> its row
         self._lengths: dict[object, int] = {}  # request -> pages mirrored in its row
         self._free = list(range(rows - 1, -1, -1))
+        self._filled: dict[int, int] = {}  # page -> a row holding only that page (padding requests)
 
     def sync(self, request, pages: list[int]) -> None:
         """Mirror `pages` (the request's whole page list) into its row; an empty list releases it."""
@@ -45,12 +46,20 @@ class PageTable:
             self._lengths.pop(request)
             self._free.append(row)
 
-    def gather(self, requests: list, width: int) -> np.ndarray:
-        """[len(requests), width] page ids of these requests (each must hold pages)."""
+    def gather(self, requests: list, width: int, pad_rows: int = 0, pad_page: int = 0) -> np.ndarray:
+        """[len(requests) + pad_rows, width] page ids of these requests (each must hold pages), then
+        `pad_rows` rows of `pad_page` only: one fancy index (padding reads a row kept filled)."""
         if width > self.table.shape[1]:
             self.table = np.pad(self.table, ((0, 0), (0, width - self.table.shape[1])), mode="edge")
-        rows = np.fromiter((self.rows[r] for r in requests), dtype=np.int64, count=len(requests))
-        return self.table[rows, :width]
+        rows = self.rows
+        index = [rows[r] for r in requests]
+        if pad_rows:
+            row = self._filled.get(pad_page)
+            if row is None:
+                row = self._filled[pad_page] = self._take()
+                self.table[row] = pad_page
+            index += [row] * pad_rows
+        return self.table[np.array(index, dtype=np.int64), :width]
 
     def _take(self) -> int:
         if not self._free:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from .kv_cache import PageAllocator
 from .page_table import PageTable
 from .requests import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Feed tokens [start, start + num_tokens) of `request`; sample after them when `samples`."""
 
@@ -29,12 +30,49 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
+    """A step's chunks, and the requests preempted to make room for them.
+
+    The per-chunk columns below are derived once, on first use, and shared by the graph-bucket
+    choice and the batch builder, which both read every chunk of every step. A plan is not
+    changed after the scheduler made it."""
+
     chunks: list[ScheduledChunk]
     preempted: list[Request]
 
-    @property
+    @cached_property
+    def requests(self) -> list[Request]:
+        return [c.request for c in self.chunks]
+
+    @cached_property
+    def starts(self) -> list[int]:
+        return [c.start for c in self.chunks]
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Tokens each chunk feeds."""
+        return [c.num_tokens for c in self.chunks]
+
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(self.sizes)
+
+    @cached_property
+    def samples(self) -> list[bool]:
+        """Whether each chunk samples a token after its last one."""
+        return [c.samples for c in self.chunks]
+
+    @cached_property
+    def all_sample(self) -> bool:
+        return all(self.samples)
+
+    @cached_property
+    def plain(self) -> bool:
+        """Every request picks greedily with nothing to apply to its logits (SamplingParams.plain),
+        no logits processor of its own and no scores to keep: nothing per row beyond the token."""
+        for r in self.requests:
+            if r.logits_processor is not None or r.keep_scores or not r.params.plain:
+                return False
+        return True
 
     @property
     def is_empty(self) -> bool:
@@ -79,32 +117,47 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        # A request whose last sampled tokens are all still in flight has nothing left to run.
-        # (Request.wants_more_tokens and num_tokens inlined: this loop runs over every running request.)
-        decoding, prefilling = [], []
-        for r in self.running:
-            sampled = len(r.output_token_ids) + r.num_pending
-            if sampled < r.params.max_new_tokens:
-                left = len(r.prompt_token_ids) + sampled - r.num_computed
-                (decoding if left == 1 else prefilling).append((r, left))
+        # One pass over the running requests schedules the decodes as it meets them (oldest first,
+        # one token each) and sets the prefills aside for after them. A request whose last sampled
+        # tokens are all still in flight has nothing left to run. (Request.wants_more_tokens and
+        # num_tokens inlined: this loop runs over every running request, every step.)
+        prefilling: list[tuple[Request, int]] = []
         page_size = self.page_size
-        for req, left in decoding + prefilling:
+        for req in self.running[:]:  # a copy: preemption removes requests from the list
+            if preempted and req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            sampled = len(req.output_token_ids) + req.num_pending
+            if sampled >= req.params.max_new_tokens:
+                continue
+            start = req.num_computed
+            left = len(req.prompt_token_ids) + sampled - start
+            if left != 1:
+                prefilling.append((req, left))
+                continue
+            if budget == 0:
+                break  # no room for any chunk, decode or prefill
+            # Most decode steps need no new page: skip the allocator then.
+            if start >= len(req.pages) * page_size:
+                victims = self._reserve(req, 1)
+                if victims:
+                    budget, chunks = self._drop(victims, preempted, budget, chunks)
+                    if req in victims:
+                        continue
+            chunks.append(ScheduledChunk(req, start, 1, True))
+            budget -= 1
+        for req, left in prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
-            # Most decode steps need no new page: skip the allocator then.
             fits = req.num_computed + n <= len(req.pages) * page_size
             victims = () if fits else self._reserve(req, n)
             if victims:
-                preempted.extend(victims)
-                # A victim may already have a chunk in this step (decodes go before older prefills).
-                budget += sum(c.num_tokens for c in chunks if c.request in victims)
-                chunks = [c for c in chunks if c.request not in victims]
+                budget, chunks = self._drop(victims, preempted, budget, chunks)
                 if req in victims:
                     continue
-            chunks.append(ScheduledChunk(req, req.num_computed, n, samples=n == left))
+            chunks.append(ScheduledChunk(req, req.num_computed, n, n == left))
             budget -= n
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
         deferred: list[Request] = []
@@ -131,6 +184,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return StepPlan(chunks, preempted)
+
+    @staticmethod
+    def _drop(victims: list[Request], preempted: list[Request], budget: int,
+              chunks: list[ScheduledChunk]) -> tuple[int, list[ScheduledChunk]]:
+        """Record preempted requests; a victim may already have a chunk in this step (decodes go
+        before older prefills): its tokens go back to the budget."""
+        preempted.extend(victims)
+        budget += sum(c.num_tokens for c in chunks if c.request in victims)
+        return budget, [c for c in chunks if c.request not in victims]
 
     # -- prompt sharing (num_return_sequences) --------------------------------------------------
     def _shared_length(self, req: Request) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .devices import Streams
@@ -27,22 +28,27 @@ class _Staging:
 
     def _alloc(self, capacity: int) -> None:
         self.host = self.streams.pin(torch.empty(capacity, dtype=self.dtype))
+        self.host_array = self.host.numpy()  # the same memory, for numpy to pack into
         self.device = torch.empty(capacity, dtype=self.dtype, device=self.streams.device)
 
-    def upload(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Pack host tensors, copy them up in one non-blocking H2D (on the current stream); return
-        the device views and the packed device buffer they are views of."""
-        sizes = [t.numel() for t in tensors]
+    def upload(self, arrays: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Pack host arrays (numpy, or CPU tensors), copy them up in one non-blocking H2D (on the
+        current stream); return the device views and the packed device buffer they are views of.
+        The packing is one numpy concatenate: a handful of small torch ops cost more than the copy."""
+        arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in arrays]
+        sizes = [a.size for a in arrays]
         total = sum(sizes)
         if total > self.host.numel():
             self._alloc(max(total, 2 * self.host.numel()))
-        torch.cat([t.reshape(-1).to(self.dtype) for t in tensors], out=self.host[:total])
+        np.concatenate(arrays, axis=None, out=self.host_array[:total], casting="unsafe")
         if self.streams.is_cuda:
             self.device[:total].copy_(self.host[:total], non_blocking=True)
             flat = self.device[:total]
         else:
-            flat = self.host[:total].clone()  # the CPU "device" copy: later slots must not alias it
-        return [view.view(t.shape) for view, t in zip(flat.split(sizes), tensors)], flat
+            # The CPU "device" copy (later slots must not alias it), by numpy: torch would split a
+            # large one over its intra-op threads, which costs more than it saves at this size.
+            flat = torch.from_numpy(self.host_array[:total].copy())
+        return [view if a.ndim == 1 else view.view(a.shape) for view, a in zip(flat.split(sizes), arrays)], flat
 
 
 @dataclass

@@ -4,8 +4,12 @@ trash slot, static buffers and carry-over through them must leave every token as
 import pytest
 import torch
 
+from transformers import LogitsProcessorList
+
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.cuda_graphs import GraphKey
+from hf_async_cb.cuda_graphs import DecodeGraphs, GraphKey
+from hf_async_cb.requests import Request, SamplingParams
+from hf_async_cb.scheduler import ScheduledChunk, StepPlan
 from models import generated_rows, random_prompts, stock_generate, tiny_model
 
 
@@ -48,6 +52,27 @@ def test_graph_buckets():
     for graph in engine.graphs._graphs.values():
         flat = graph.ints.flat.untyped_storage().data_ptr()
         assert all(view.untyped_storage().data_ptr() == flat for view in graph.ints.views)
+
+
+def test_plain_plans_skip_the_row_checks_and_any_other_row_still_counts():
+    """key_for looks at rows only when a plan is not plain; then one row with a processor of its
+    own (even an empty list), kept scores or an unseeded draw keeps the step from a graph."""
+    graphs = DecodeGraphs(None, 8, is_cuda=False, prefill=True)
+
+    def request(**options):
+        return Request([3] * 5, SamplingParams(**options))
+
+    def plan(*requests):
+        return StepPlan([ScheduledChunk(r, 4, 1, True) for r in requests], [])
+
+    plain = [request() for _ in range(3)]
+    assert plan(*plain).plain and graphs.key_for(plan(*plain)) == GraphKey(4, 64)
+    processor, keeps = request(), request()
+    processor.logits_processor = LogitsProcessorList()
+    keeps.keep_scores = True
+    for other in (processor, keeps, request(do_sample=True)):
+        assert not plan(*plain, other).plain and graphs.key_for(plan(*plain, other)) is None
+    assert graphs.key_for(plan(*plain, request(do_sample=True, seed=3))) == GraphKey(4, 64, sampled=True)
 
 
 def test_prefill_graphs_are_capped():

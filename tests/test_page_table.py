@@ -29,8 +29,10 @@ def test_gather_equals_the_block_table_of_the_page_lists(operations):
         holders = [r for r in pages if pages[r]]
         if op == "gather" and holders:
             width = max(len(pages[r]) for r in holders) + k
-            got = table.gather(holders, width)
+            pad_rows = k % 3  # padding requests: rows of one page only
+            got = table.gather(holders, width, pad_rows, pad_page=10_000)
             lists = [pages[r] for r in holders]
             full = [len(p) * 16 for p in lists]
-            assert np.array_equal(got, block_table(lists, full, 16, width))
+            assert np.array_equal(got[:len(holders)], block_table(lists, full, 16, width))
+            assert got.shape == (len(holders) + pad_rows, width) and (got[len(holders):] == 10_000).all()
     assert len(table.rows) == sum(1 for p in pages.values() if p)
