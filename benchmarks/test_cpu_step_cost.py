@@ -28,9 +28,15 @@ def decoding_scheduler(running: int, context: int = 512, page_size: int = 16) ->
     for i in range(running):
         req = Request(list(range(3, 3 + context)), SamplingParams(max_new_tokens=64))
         scheduler.add(req)
-    while scheduler.waiting:  # admit and "compute" the prompts
+    def prefilling():
+        return scheduler.waiting or any(r.num_computed < len(r.prompt_token_ids) for r in scheduler.running)
+
+    while prefilling():  # admit and "compute" the prompts, to their last token
         for chunk in scheduler.schedule().chunks:
-            chunk.request.num_computed += chunk.num_tokens
+            if chunk.request.num_computed < len(chunk.request.prompt_token_ids):
+                chunk.request.num_computed += chunk.num_tokens
+            else:  # a finished prompt's decode chunk: its token is "sampled" below
+                chunk.request.num_computed = chunk.start
     for req in scheduler.running:
         req.output_token_ids.append(5)
     return scheduler
@@ -52,6 +58,10 @@ def test_schedule_and_build_one_decode_step(benchmark, running):
             chunk.request.num_computed = chunk.start
         return inputs
 
+    plan = scheduler.schedule()
+    assert len(plan.chunks) == running and all(c.num_tokens == 1 for c in plan.chunks), "not a pure decode step"
+    for chunk in plan.chunks:
+        chunk.request.num_computed = chunk.start
     inputs = benchmark(step)
     assert inputs.input_ids.shape[1] >= running
 

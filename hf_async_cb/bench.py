@@ -121,8 +121,9 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-# --sample: what every path draws with instead of greedy picks (ours seeded, so reproducible).
-SAMPLING = dict(do_sample=True, temperature=0.8, top_p=0.95)
+# --sample: what every path draws with instead of greedy picks (ours seeded, so reproducible). top_k
+# is explicit: generate's default (GenerationConfig.top_k = 50) would apply to stock and HF only.
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
 
 
 def run_path(path: str, model, prompts: list[list[int]], new, config=None, sample: bool = False) -> Result:
