@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -45,6 +46,10 @@ class SamplingParams:
     reads_history: bool = field(init=False, repr=False, compare=False)  # a processor reads the history
     blocks_tokens: bool = field(init=False, repr=False, compare=False)  # some tokens may get blocked
     plain: bool = field(init=False, repr=False, compare=False)  # greedy, nothing to apply to the logits
+    # This request's row of the sampler's upload, as packed bytes (a step joins them; numpy over
+    # tuples cost ~10x more): int64 (top_k, seed or -1), float32 (do_sample, temperature, top_p, min_p).
+    sampler_ints: bytes = field(init=False, repr=False, compare=False)
+    sampler_floats: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -67,8 +72,8 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}.")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}.")
         for name in ("eos_token_ids", "suppress_tokens", "begin_suppress_tokens"):
             object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
         n = self.no_repeat_ngram_size
@@ -91,6 +96,12 @@ class SamplingParams:
         object.__setattr__(self, "reads_history", reads)
         object.__setattr__(self, "blocks_tokens", blocks)
         object.__setattr__(self, "plain", not (reads or blocks or self.do_sample))
+        object.__setattr__(self, "sampler_ints", struct.pack("<2q", min(self.top_k, 2**62),  # above any vocabulary: off
+                                                             -1 if self.seed is None else self.seed))
+        # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
+        object.__setattr__(self, "sampler_floats", struct.pack("<4f", float(self.do_sample),
+                                                               self.temperature if self.do_sample else 1.0,
+                                                               self.top_p, self.min_p))
 
 
 def _token_sequence(name: str, tokens) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .requests import SamplingParams
@@ -32,23 +33,16 @@ class SamplingTensors:
 
     @staticmethod
     def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Host tensors (ints, floats) to upload; empty when no row samples."""
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host arrays (ints, floats) to upload; empty when no row samples. Each request keeps its
+        row ready (SamplingParams.sampler_ints / sampler_floats), so a step only stacks them."""
         if not any(p.do_sample for p in params):
             return [], []
-        ints = [
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([-1 if p.seed is None else p.seed for p in params], dtype=torch.long),
-            torch.tensor(list(token_index) if token_index is not None else [0] * len(params), dtype=torch.long),
-        ]
-        floats = [
-            torch.tensor([float(p.do_sample) for p in params]),
-            # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
-            torch.tensor([p.temperature if p.do_sample else 1.0 for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.min_p for p in params]),
-        ]
-        return ints, floats
+        ints = np.empty((3, len(params)), dtype=np.int64)
+        ints[:2] = np.frombuffer(b"".join([p.sampler_ints for p in params]), dtype="<i8").reshape(-1, 2).T
+        ints[2] = token_index if token_index is not None else 0
+        floats = np.frombuffer(b"".join([p.sampler_floats for p in params]), dtype="<f4").reshape(-1, 4).T
+        return list(ints), list(floats)
 
     @classmethod
     def from_device(cls, ints: list[torch.Tensor], floats: list[torch.Tensor],
@@ -65,7 +59,8 @@ class SamplingTensors:
         """Direct construction (tests, callers outside the pipeline)."""
         ints, floats = cls.host_parts(params, token_index)
         unseeded = any(p.do_sample and p.seed is None for p in params)
-        return cls.from_device([t.to(device) for t in ints], [t.to(device) for t in floats], unseeded)
+        return cls.from_device([torch.from_numpy(t.copy()).to(device) for t in ints],
+                               [torch.from_numpy(t.copy()).to(device) for t in floats], unseeded)
 
     def rows(self, rows: list[int]) -> "SamplingTensors":
         """The parameters of some rows only."""

@@ -92,6 +92,9 @@ def test_different_seeds_differ_and_unseeded_rows_still_sample():
 def test_seed_must_be_a_non_negative_integer():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-1)
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        SamplingParams(do_sample=True, seed=2**63)
+    assert SamplingParams(do_sample=True, seed=2**63 - 1, top_k=2**70).sampler_ints  # the largest seed; top_k off
 
 
 def test_logprobs_are_those_of_the_drawing_distribution():
