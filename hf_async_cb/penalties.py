@@ -264,12 +264,13 @@ class HostProcessors:
         width = max(map(len, prefixes)) if pad_rows is None else prefix_bucket(requests)
         prefix = np.full((len(rows), width), -1, dtype=np.int64)
         for i, p in enumerate(prefixes):
-            prefix[i, : len(p)] = p
+            if p:  # most requests have none (only a left-padded generate call gives them one)
+                prefix[i, : len(p)] = p
         ints = [torch.from_numpy(np.array(a, dtype=np.int64)) for a in (
             [s for s, _, _ in rows], [b for _, b, _ in rows], prefix, [len(p) for p in prefixes],
             [req.penalty_start for req in requests], [p.no_repeat_ngram_size for p in params])]
-        floats = [torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)]
-        keys = [_keys(req) for req in requests]
+        floats = [np.array([p.repetition_penalty for p in params], dtype=np.float32)]
+        keys = [_keys(req) if req.params.sequence_bias or req.params.bad_words_ids else _NO_KEYS for req in requests]
         biased = [(i, bias) for i, (bias, _) in enumerate(keys) if bias is not None]
         banned = [(i, bad) for i, (_, bad) in enumerate(keys) if bad is not None]
         for blocks in (biased, banned):
@@ -292,8 +293,11 @@ def _neutral():
 
 
 def _padded_rows(rows, num_rows: int):
+    if len(rows) == num_rows and all(row[0] == s for s, row in enumerate(rows)):
+        return rows, [req for _, _, req in rows]  # every row reads its history already
+    neutral = (0, _neutral())
     by_row = {s: (b, req) for s, b, req in rows}
-    padded = [(s, *by_row.get(s, (0, _neutral()))) for s in range(num_rows)]
+    padded = [(s, *by_row.get(s, neutral)) for s in range(num_rows)]
     return padded, [req for _, _, req in padded]
 
 
@@ -308,6 +312,9 @@ def prefix_bucket(requests) -> int:
     """Width of the history prefix of a padded step: a power of two (0 when no row has one)."""
     longest = max((len(r.history_prefix) for r in requests if r.params.reads_history), default=0)
     return 0 if longest == 0 else 1 << (longest - 1).bit_length()
+
+
+_NO_KEYS = (None, None)
 
 
 def _keys(request) -> tuple[SequenceBlock | None, SequenceBlock | None]:
