@@ -23,6 +23,24 @@ CPU_PROGRAMS = 4  # the interpreter's stand-in for the SM count: rows still spli
 
 
 @triton.jit
+def online_exp_sum(m, total, x):
+    """One step of a lane-wise running max and sum of exp(x - max): (max, sum) after adding x."""
+    new_m = tl.maximum(m, x)
+    # A lane still at -inf rescales by a finite stand-in: exp(-inf - 0) = 0, never -inf - -inf.
+    shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+    return new_m, total * tl.exp(m - shift) + tl.exp(x - shift)
+
+
+@triton.jit
+def merged_exp_sum(m, total):
+    """Lanes' (or parts') running (max, sum of exp(x - max)) -> the overall max, the sum relative
+    to it, and the finite stand-in for a max of -inf (what log-probabilities subtract)."""
+    best = tl.max(m, 0)
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    return best, tl.sum(total * tl.exp(m - shift), 0), shift
+
+
+@triton.jit
 def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_row, chunk,
                          NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -37,15 +55,10 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_ro
     for off in range(start, stop, BLOCK):
         cols = off + lanes
         x = tl.load(base + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, x)
-        # A lane still at -inf rescales by a finite stand-in: exp(-inf - 0) = 0, never -inf - -inf.
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
-        s = s * tl.exp(m - shift) + tl.exp(x - shift)
         idx = tl.where(x > m, cols, idx)  # strictly greater: each lane keeps its first maximum
-        m = new_m
-    best = tl.max(m, 0)
+        m, s = online_exp_sum(m, s, x)
+    best, total, _ = merged_exp_sum(m, s)
     first = tl.min(tl.where(m == best, idx, vocab), 0)
-    total = tl.sum(s * tl.exp(m - tl.where(best == float("-inf"), 0.0, best)), 0)
     out = row * NUM_PARTS + part
     tl.store(max_ptr + out, best)
     tl.store(idx_ptr + out, first)
@@ -57,12 +70,19 @@ def _greedy_merge_kernel(max_ptr, idx_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vo
     row = tl.program_id(0)
     parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
     m = tl.load(max_ptr + parts)
-    best = tl.max(m, 0)
+    best, total, _ = merged_exp_sum(m, tl.load(sum_ptr + parts))
     first = tl.min(tl.where(m == best, tl.load(idx_ptr + parts), vocab), 0)
-    total = tl.sum(tl.load(sum_ptr + parts) * tl.exp(m - tl.where(best == float("-inf"), 0.0, best)), 0)
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
     tl.store(tokens_ptr + row, first.to(tl.int64))
     tl.store(logprobs_ptr + row, (-tl.log(total)).to(tl.float64))
+
+
+def split_rows(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(parts per row, elements per part) for kernels that cut each row of the logits into parts:
+    enough programs to fill the GPU twice over, each part a whole number of BLOCKs."""
+    parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(device) or CPU_PROGRAMS) // rows))))
+    chunk = -(-vocab // (parts * BLOCK)) * BLOCK
+    return min(parts, triton.next_power_of_2(-(-vocab // chunk))), chunk
 
 
 def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
@@ -73,10 +93,7 @@ def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(2, rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    # Enough programs to fill the GPU twice over, each part a whole number of blocks.
-    parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(logits.device) or CPU_PROGRAMS) // rows))))
-    chunk = -(-vocab // (parts * BLOCK)) * BLOCK
-    parts = min(parts, triton.next_power_of_2(-(-vocab // chunk)))
+    parts, chunk = split_rows(rows, vocab, logits.device)
     partial = torch.empty(2, rows * parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     _greedy_parts_kernel[(rows, parts)](logits, partial[0], idx, partial[1], vocab, logits.stride(0), chunk,

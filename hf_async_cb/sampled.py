@@ -27,11 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .devices import num_sms
-from .greedy import CPU_PROGRAMS
+from .greedy import BLOCK, merged_exp_sum, online_exp_sum, split_rows  # the draw cuts rows into parts, as greedy
 from .sampling import SamplingTensors
 
-BLOCK = 2048  # elements per step of the draw, which cuts each row into parts (as greedy.py)
 # The threshold search runs one program per row: wide steps and many warps keep enough loads in
 # flight (benchmarks/gpu_sampling.py --sweep).
 CUT_BLOCK, CUT_WARPS = 4096, 16
@@ -72,6 +70,31 @@ def _midpoint(lo, hi):
     guess = _score_key(tl.where(finite, s_lo, 0.0) * 0.5 + tl.where(finite, s_hi, 0.0) * 0.5).to(tl.int64)
     guess = tl.minimum(tl.maximum(guess, lo + 1), hi - 1)
     return tl.where(finite, guess, lo + (hi - lo) // 2)
+
+
+@triton.jit
+def _tally(base, vocab, temperature, floor32, mid32, top, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over the row, among keys >= floor: count(key >= mid), count(key > mid) and, when
+    WEIGHTED, the mass sum(exp(score - top)) of each of those two sets."""
+    lanes = tl.arange(0, BLOCK)
+    at_least = tl.zeros([BLOCK], tl.int32)
+    above = tl.zeros([BLOCK], tl.int32)
+    from_mass = tl.zeros([BLOCK], tl.float32)
+    above_mass = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, vocab, BLOCK):
+        cols = off + lanes
+        valid = cols < vocab
+        s = _scaled(base, cols, valid, temperature)
+        key = _score_key(s)
+        kept = valid & (key >= floor32)
+        at_least += (kept & (key >= mid32)).to(tl.int32)
+        above += (kept & (key > mid32)).to(tl.int32)
+        if WEIGHTED:
+            weight = tl.where(kept & (key >= mid32), tl.exp(s - top), 0.0)
+            from_mass += weight
+            above_mass += tl.where(key > mid32, weight, 0.0)
+    return (tl.sum(at_least, 0).to(tl.int64), tl.sum(above, 0).to(tl.int64), tl.sum(from_mass, 0),
+            tl.sum(above_mass, 0))
 
 
 @triton.jit
@@ -130,29 +153,20 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
         if use_k:
             # Bracket the k-th largest key: count(key >= lo) >= k > count(key >= hi), until at most
             # CAP keys lie strictly between; then it is the (k - count(key >= hi))-th of those.
+            everything = tl.full([], -2147483648, tl.int32)  # no floor: top-k looks at the whole row
             lo = kth
             hi = top_key + 1
             above_lo = tl.full([], 0, tl.int64) + vocab  # count(key > lo), at most
             from_hi = tl.full([], 0, tl.int64)  # count(key >= hi)
             while (hi - lo > 1) & (above_lo - from_hi > CAP):
                 mid = _midpoint(lo, hi)
-                mid32 = mid.to(tl.int32)
-                at_least = tl.zeros([BLOCK], tl.int32)
-                above = tl.zeros([BLOCK], tl.int32)
-                for off in range(0, vocab, BLOCK):
-                    cols = off + lanes
-                    valid = cols < vocab
-                    key = _score_key(_scaled(base, cols, valid, temperature))
-                    at_least += (valid & (key >= mid32)).to(tl.int32)
-                    above += (valid & (key > mid32)).to(tl.int32)
-                count = tl.sum(at_least, 0).to(tl.int64)
+                count, above, _, _ = _tally(base, vocab, temperature, everything, mid.to(tl.int32), top, False, BLOCK)
                 if count >= top_k:
                     lo = mid
-                    above_lo = tl.sum(above, 0).to(tl.int64)
+                    above_lo = above
                 else:
                     hi = mid
                     from_hi = count
-            everything = tl.full([], -2147483648, tl.int64)  # no floor: top-k looks at the whole row
             ranked, n = _bracket_sorted(base, vocab, temperature, everything, lo, hi, cand_ptr, CAP, BLOCK)
             rank = top_k - from_hi  # >= 1
             inside = tl.max(tl.where(slots == rank - 1, ranked, float("-inf")), 0)
@@ -162,50 +176,23 @@ def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p
             # Bracket the smallest key whose mass strictly above (in top-k's set) is < top_p of the
             # set's: mass(key > lo) >= target > mass(key > hi), until at most CAP keys lie between.
             floor32 = kth.to(tl.int32)
-            top32 = top_key.to(tl.int32)
-            total_vec = tl.zeros([BLOCK], tl.float32)
-            tied_vec = tl.zeros([BLOCK], tl.int32)
-            kept_vec = tl.zeros([BLOCK], tl.int32)
-            for off in range(0, vocab, BLOCK):
-                cols = off + lanes
-                valid = cols < vocab
-                s = _scaled(base, cols, valid, temperature)
-                key = _score_key(s)
-                keep = valid & (key >= floor32)
-                total_vec += tl.where(keep, tl.exp(s - top), 0.0)
-                tied_vec += (valid & (key >= top32)).to(tl.int32)
-                kept_vec += keep.to(tl.int32)
-            target = top_p * tl.sum(total_vec, 0)
-            lo = kth - 1
-            hi = top_key
-            above_lo = tl.sum(kept_vec, 0).to(tl.int64)  # count(key > lo) in the set
-            from_hi = tl.sum(tied_vec, 0).to(tl.int64)  # count(key >= hi)
-            mass_hi = from_hi.to(tl.float32)  # mass(key >= hi): each top score weighs exp(0) = 1
+            above_lo, _, total, _ = _tally(base, vocab, temperature, floor32, floor32, top, True, BLOCK)
+            target = top_p * total
+            lo = kth - 1  # count(key > lo) in the set: above_lo
+            hi = top_key + 1
+            from_hi = tl.full([], 0, tl.int64)  # count(key >= hi)
+            mass_hi = tl.zeros([], tl.float32)  # mass(key >= hi)
             while (hi - lo > 1) & (above_lo - from_hi > CAP):
                 mid = _midpoint(lo, hi)
-                mid32 = mid.to(tl.int32)
-                above_mass = tl.zeros([BLOCK], tl.float32)
-                from_mass = tl.zeros([BLOCK], tl.float32)
-                at_least = tl.zeros([BLOCK], tl.int32)
-                above = tl.zeros([BLOCK], tl.int32)
-                for off in range(0, vocab, BLOCK):
-                    cols = off + lanes
-                    valid = cols < vocab
-                    s = _scaled(base, cols, valid, temperature)
-                    key = _score_key(s)
-                    keep = valid & (key >= floor32)
-                    weight = tl.where(keep & (key >= mid32), tl.exp(s - top), 0.0)
-                    from_mass += weight
-                    above_mass += tl.where(key > mid32, weight, 0.0)
-                    at_least += (keep & (key >= mid32)).to(tl.int32)
-                    above += (keep & (key > mid32)).to(tl.int32)
-                if tl.sum(above_mass, 0) < target:
+                at_least, above, from_mass, above_mass = _tally(base, vocab, temperature, floor32, mid.to(tl.int32),
+                                                                top, True, BLOCK)
+                if above_mass < target:
                     hi = mid
-                    from_hi = tl.sum(at_least, 0).to(tl.int64)
-                    mass_hi = tl.sum(from_mass, 0)
+                    from_hi = at_least
+                    mass_hi = from_mass
                 else:
                     lo = mid
-                    above_lo = tl.sum(above, 0).to(tl.int64)
+                    above_lo = above
             ranked, n = _bracket_sorted(base, vocab, temperature, kth, lo, hi, cand_ptr, CAP, BLOCK)
             weight = tl.exp(ranked - top)  # the -inf padding weighs 0
             mass_above = mass_hi + tl.cumsum(weight, 0) - weight  # exact for the first of a run of ties
@@ -268,19 +255,16 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
         token = tl.where(better, cols, token)
         score = tl.where(better, s, score)
         best = tl.where(better, value, best)
-        new_m = tl.maximum(m, s)
-        shift = tl.where(new_m == float("-inf"), 0.0, new_m)  # never -inf - -inf
-        total = total * tl.exp(m - shift) + tl.exp(s - shift)
-        m = new_m
+        m, total = online_exp_sum(m, total, s)
     top = tl.max(best, 0)
     first = tl.min(tl.where(best == top, token, vocab), 0)
-    part_max = tl.max(m, 0)
+    part_max, part_sum, _ = merged_exp_sum(m, total)
     out = row * NUM_PARTS + part
     tl.store(value_ptr + out, top)
     tl.store(token_ptr + out, first)
     tl.store(score_ptr + out, tl.max(tl.where(token == first, score, float("-inf")), 0))
     tl.store(max_ptr + out, part_max)
-    tl.store(sum_ptr + out, tl.sum(total * tl.exp(m - tl.where(part_max == float("-inf"), 0.0, part_max)), 0))
+    tl.store(sum_ptr + out, part_sum)
 
 
 @triton.jit
@@ -293,10 +277,7 @@ def _draw_merge_kernel(value_ptr, token_ptr, score_ptr, max_ptr, sum_ptr, tokens
     top = tl.max(value, 0)
     first = tl.min(tl.where(value == top, token, vocab), 0)
     score = tl.max(tl.where(token == first, tl.load(score_ptr + parts), float("-inf")), 0)
-    m = tl.load(max_ptr + parts)
-    best = tl.max(m, 0)
-    shift = tl.where(best == float("-inf"), 0.0, best)
-    total = tl.sum(tl.load(sum_ptr + parts) * tl.exp(m - shift), 0)
+    _, total, shift = merged_exp_sum(tl.load(max_ptr + parts), tl.load(sum_ptr + parts))
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
     tl.store(tokens_ptr + row, first.to(tl.int64))
     tl.store(logprobs_ptr + row, (score - shift - tl.log(total)).to(tl.float64))
@@ -320,9 +301,7 @@ def sampled_packed(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
                          params.min_p, params.do_sample, cut, candidates, BLOCK=CUT_BLOCK, CAP=cap,
                          num_warps=CUT_WARPS)
-    parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(logits.device) or CPU_PROGRAMS) // rows))))
-    chunk = -(-vocab // (parts * BLOCK)) * BLOCK
-    parts = min(parts, triton.next_power_of_2(-(-vocab // chunk)))
+    parts, chunk = split_rows(rows, vocab, logits.device)
     partial = torch.empty(4, rows * parts, dtype=torch.float32, device=logits.device)
     token = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     _draw_parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, chunk, params.temperature, params.do_sample,
