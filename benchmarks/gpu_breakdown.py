@@ -16,10 +16,10 @@ import collections
 import torch
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.attention.metadata import StepMetadata, block_table
-from hf_async_cb.attention.reference import paged_attention_reference
-from hf_async_cb.attention.triton_paged import choose_splits, paged_attention_triton
-from hf_async_cb.bench import SHAPES, _prompts, build_model
+from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
+from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
+from hf_async_cb.model.step_metadata import StepMetadata, block_table
+from hf_async_cb.tools.bench import SHAPES, _prompts, build_model
 
 
 def time_ms(fn, iters=20) -> float:

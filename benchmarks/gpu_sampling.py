@@ -6,7 +6,7 @@
 
 Each case is timed inside a CUDA graph (as the decode loop runs it), median of 50 replays, with
 the greedy one-pass kernel as the yardstick: the torch sampler (`sampling.sample`, its sort and its
-hash noise alone) against the kernels of `sampled.py`.
+hash noise alone) against the kernels of `kernels/draw_sampled.py`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
-from hf_async_cb.greedy import greedy_packed
-from hf_async_cb.sampled import sampled_packed
-from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampling import SamplingTensors, gumbel_noise, pack, sample
+from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.kernels.draw_greedy import greedy_packed
+from hf_async_cb.kernels.draw_sampled import sampled_packed
+from hf_async_cb.sampling.sampler import SamplingTensors, gumbel_noise, pack, sample
 
 CASES = {
     "pure (T=1)": dict(temperature=1.0),
@@ -80,7 +80,7 @@ def main() -> None:
 
 def sweep(logits: torch.Tensor, device: torch.device) -> None:
     """The kernels' time per launch configuration of the threshold search (the top-p cases)."""
-    import hf_async_cb.sampled as sampled
+    import hf_async_cb.kernels.draw_sampled as sampled
 
     default = sampled.CUT_BLOCK, sampled.CUT_WARPS
     rows = logits.shape[0]

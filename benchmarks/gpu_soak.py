@@ -51,8 +51,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable as a script from anywhere
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams  # noqa: E402
-from hf_async_cb.bench import build_model  # noqa: E402
-from hf_async_cb.requests import RequestOutput  # noqa: E402
+from hf_async_cb.engine.requests import RequestOutput  # noqa: E402
+from hf_async_cb.tools.bench import build_model  # noqa: E402
 
 LOOP_THREAD = "hf_async_cb-loop"
 
@@ -100,7 +100,7 @@ def make_work(index: int, *, seed: int, vocab: int, max_prompt: int, max_new: in
 class Submitted:
     index: int
     work: Work
-    handle: object  # hf_async_cb.online.RequestHandle
+    handle: object  # hf_async_cb.engine.online.RequestHandle
     abort_sent: bool = False
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.bench import _prompts, build_model
+from hf_async_cb.tools.bench import _prompts, build_model
 
 
 def kernel_busy(prof) -> float:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.batch import BatchBuilder
-from hf_async_cb.cuda_graphs import DecodeGraphs
 from hf_async_cb.devices import Streams
-from hf_async_cb.kv_cache import PageAllocator
-from hf_async_cb.requests import Request, SamplingParams
-from hf_async_cb.scheduler import Scheduler
-from hf_async_cb.slots import IOSlot
+from hf_async_cb.engine.batch import BatchBuilder
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.io_slots import IOSlot
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.requests import Request, SamplingParams
+from hf_async_cb.engine.scheduler import Scheduler
 
 
 def decoding_scheduler(running: int, context: int = 512, page_size: int = 16) -> Scheduler:

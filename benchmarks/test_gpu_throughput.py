@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.bench import _prompts, build_model
+from hf_async_cb.tools.bench import _prompts, build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

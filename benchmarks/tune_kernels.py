@@ -11,11 +11,11 @@ import itertools
 
 import torch
 
-from hf_async_cb.attention.metadata import StepMetadata, block_table
-from hf_async_cb.attention.store_kv import store_kv
-from hf_async_cb.attention.triton_paged import choose_splits, paged_attention_triton
-from hf_async_cb.greedy import greedy_packed
-from hf_async_cb.sampling import pack
+from hf_async_cb.kernels.draw_greedy import greedy_packed
+from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
+from hf_async_cb.kernels.store_kv import store_kv
+from hf_async_cb.model.step_metadata import StepMetadata, block_table
+from hf_async_cb.sampling.sampler import pack
 
 
 def graph_ms(fn, iters: int = 50) -> float:

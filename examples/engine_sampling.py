@@ -5,7 +5,7 @@
 """
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from hf_async_cb.demo_model import load_smollm2
+from hf_async_cb.tools.demo_model import load_smollm2
 
 model, tokenizer = load_smollm2()
 engine = Engine(model, BatchingConfig(mode="async", seed=0))

@@ -5,7 +5,7 @@
 """
 
 import hf_async_cb
-from hf_async_cb.demo_model import load_smollm2
+from hf_async_cb.tools.demo_model import load_smollm2
 
 model, tokenizer = load_smollm2()
 questions = [f"Give one fact about the number {n}." for n in range(1, 17)]

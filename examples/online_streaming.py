@@ -8,7 +8,7 @@ import threading
 import time
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.demo_model import load_smollm2
+from hf_async_cb.tools.demo_model import load_smollm2
 
 model, tokenizer = load_smollm2()
 engine = Engine(model, BatchingConfig(mode="async"), tokenizer=tokenizer)

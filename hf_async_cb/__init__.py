@@ -10,14 +10,16 @@ from packaging.version import Version as _Version
 if _Version(_transformers.__version__) < _Version("5.17"):
     raise ImportError(f"hf_async_cb needs transformers >= 5.17, found {_transformers.__version__}.")
 
-from .config import BatchingConfig  # noqa: E402
-from .engine import Engine  # noqa: E402
-from .integration import install, is_installed, uninstall  # noqa: E402
-from .requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
+from hf_async_cb._moved import install_finder  # noqa: E402
+from hf_async_cb.config import BatchingConfig  # noqa: E402
+from hf_async_cb.engine.engine import Engine  # noqa: E402
+from hf_async_cb.engine.requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
+from hf_async_cb.generate.hook import install, is_installed, uninstall  # noqa: E402
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["BatchingConfig", "Engine", "FinishReason", "RequestOutput", "SamplingParams", "install",
            "is_installed", "uninstall", "__version__"]
 
 install()
+install_finder()  # the 0.2 module paths keep importing (hf_async_cb/_moved.py)

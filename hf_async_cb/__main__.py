@@ -1,3 +1,3 @@
-from .cli import main
+from hf_async_cb.cli import main
 
 raise SystemExit(main())

@@ -26,8 +26,8 @@ def _sync(device: torch.device) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    from .config import BatchingConfig
-    from .demo_model import load_smollm2
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.tools.demo_model import load_smollm2
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -67,8 +67,8 @@ def demo(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     import json
 
-    from . import bench as b
-    from .config import BatchingConfig
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.tools import bench as b
 
     paths = tuple(args.compare.split(","))
     try:
@@ -88,10 +88,10 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def profile(args: argparse.Namespace) -> int:
-    from .bench import _prompts, build_model
-    from .config import BatchingConfig
-    from .engine import Engine
-    from .profiling import plot_timelines
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.engine.engine import Engine
+    from hf_async_cb.engine.profiling import plot_timelines
+    from hf_async_cb.tools.bench import _prompts, build_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = build_model(args.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -112,7 +112,7 @@ def profile(args: argparse.Namespace) -> int:
 
 def _workload_args(p: argparse.ArgumentParser, shape: str, requests: int, prompt: int, new: int) -> None:
     """The random-weights workload shared by bench and profile."""
-    from .bench import SHAPES
+    from hf_async_cb.tools.bench import SHAPES
 
     p.add_argument("--shape", default=shape, choices=sorted(SHAPES))
     p.add_argument("--requests", type=int, default=requests)

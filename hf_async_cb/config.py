@@ -30,12 +30,12 @@ class BatchingConfig:
         forces the kernels (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1).
     trust_untested_model: run model families outside the tested list (see docs/api.md).
     profile: record each step's CPU spans (and GPU spans on CUDA) into Engine.last_profile
-        (see profiling.py).
+        (see engine/profiling.py).
     fuse_projections: run each layer's q/k/v (and gate/up) projections as one GEMM over their
-        concatenated weights (fusion.py; the model's own weights become views, nothing is copied
+        concatenated weights (model/fusion.py; the model's own weights become views, nothing is copied
         twice). None: on CUDA only. Engine.close() restores the model.
     fuse_elementwise: run RMSNorm, rotary embeddings and the MLP's SiLU-mul as one Triton kernel
-        each, rounding as torch does (elementwise.py). None: on CUDA only. Engine.close() restores.
+        each, rounding as torch does (kernels/elementwise.py). None: on CUDA only. Engine.close() restores.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay decode steps (greedy or seeded sampling, the engine's own logits processors
         included; user processors run eagerly) from CUDA graphs, one per (batch, context) bucket,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import BatchingConfig
-
+from hf_async_cb.config import BatchingConfig
 
 # What libraries that allocate on their own (cuBLAS, cuDNN, the driver) say when memory runs out:
 # torch raises these as plain RuntimeErrors, not as OutOfMemoryError.

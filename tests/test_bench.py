@@ -3,7 +3,7 @@ sampled, and ablation suffixes parse into BatchingConfig changes."""
 
 import pytest
 
-from hf_async_cb import bench
+from hf_async_cb.tools import bench
 
 
 @pytest.mark.parametrize("sample", [False, True])

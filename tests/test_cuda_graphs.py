@@ -3,14 +3,13 @@ trash slot, static buffers and carry-over through them must leave every token as
 
 import pytest
 import torch
-
+from models import generated_rows, random_prompts, stock_generate, tiny_model
 from transformers import LogitsProcessorList
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.cuda_graphs import DecodeGraphs, GraphKey
-from hf_async_cb.requests import Request, SamplingParams
-from hf_async_cb.scheduler import ScheduledChunk, StepPlan
-from models import generated_rows, random_prompts, stock_generate, tiny_model
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs, GraphKey
+from hf_async_cb.engine.requests import Request, SamplingParams
+from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
 
 
 def expected_rows(model, prompts, new):
@@ -112,8 +111,9 @@ def test_seeded_sampling_replays_graphs_with_the_eager_tokens(mode):
 def test_repetition_penalty_steps_replay_graphs_with_stock_tokens(monkeypatch):
     """Penalised rows (left-padded generate: the history prefix has a bucket of its own) replay
     graphs, next to unpenalised padding rows, and give stock's tokens."""
-    from hf_async_cb import cuda_graphs
     from models import left_pad
+
+    from hf_async_cb.engine import cuda_graphs
 
     keys = []
     step = cuda_graphs.DecodeGraphs.step
@@ -213,7 +213,7 @@ def test_key_list_steps_replay_graphs_with_stock_tokens(mode):
 
 def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     """A model op that cannot be captured must cost speed, never the generation."""
-    from hf_async_cb import cuda_graphs
+    from hf_async_cb.engine import cuda_graphs
 
     def failing_capture(self, *args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -222,7 +222,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 40, seed=4)
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
-    with caplog.at_level("WARNING", logger="hf_async_cb.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="hf_async_cb.engine.cuda_graphs"):
         outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
     assert engine.graphs.failed and engine.graphs.num_replays == 0 and len(engine.graphs) == 0

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from models import left_pad, random_prompts, stock_generate, tiny_model
+from sm90 import assert_compiles_for_sm90
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
-from hf_async_cb import elementwise as ew
-from hf_async_cb.elementwise import fuse_elementwise
-from hf_async_cb.fusion import fuse_projections
-from models import left_pad, random_prompts, stock_generate, tiny_model
-from sm90 import assert_compiles_for_sm90
+from hf_async_cb.model import elementwise_fusion as ew
+from hf_async_cb.model.elementwise_fusion import fuse_elementwise
+from hf_async_cb.model.fusion import fuse_projections
 
 ORIGINAL_ROTARY = {m: m.apply_rotary_pos_emb for m in (modeling_llama, modeling_qwen3)}
 apply_rotary = ORIGINAL_ROTARY[modeling_llama]
@@ -246,7 +246,7 @@ def test_kernels_compile_for_sm90():
     rotary = {n: "*bf16" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")}
     rotary.update({n: "i32" for n in ("seq_len", "n_q", "n_heads", "half")})
     rotary.update({n: "i64" for n in "sqb sqh sqt skb skh skt scb sct sob soh sot skob skoh skot".split()})
-    module = "hf_async_cb.elementwise"
+    module = "hf_async_cb.kernels.elementwise"
     assert_compiles_for_sm90([
         (module, "_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32",
                                       "n_cols": "i32", "inner": "i32", "stride_outer": "i64", "stride_inner": "i64",
@@ -262,8 +262,9 @@ def test_kernels_compile_for_sm90():
 def test_engine_with_every_fusion_matches_stock_and_restores(mode):
     """BatchingConfig(fuse_projections=True, fuse_elementwise=True): stock's tokens, and close()
     gives every module and the rotary function back."""
-    from hf_async_cb import BatchingConfig, Engine
     from models import generated_rows, random_prompts, stock_generate
+
+    from hf_async_cb import BatchingConfig, Engine
 
     model = copy.deepcopy(tiny_model("qwen3"))
     modeling = sys.modules[type(model).__module__]

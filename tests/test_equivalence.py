@@ -6,10 +6,10 @@ Swept over model families, both modes, batch sizes, prompt lengths, page sizes, 
 
 import pytest
 import torch
+from models import FAMILIES, generated_rows, left_pad, random_prompts, stock_generate, tiny_model
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig, Engine
-from models import FAMILIES, generated_rows, left_pad, random_prompts, stock_generate, tiny_model
 
 MODES = ("sync", "async")
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import transformers
+from models import left_pad, tiny_model
 from transformers import TextStreamer
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from models import left_pad, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from models import CONFIGS, tiny_model
 from torch import nn
 
-from hf_async_cb.fusion import FusedPart, FusedProjections, fuse_projections
-from models import CONFIGS, tiny_model
+from hf_async_cb.model.fusion import FusedPart, FusedProjections, fuse_projections
 
 UNFUSED = ("llama", "qwen2", "qwen3", "mistral")
 PREFUSED = ("phi3", "gpt2")
@@ -249,8 +249,9 @@ def test_out_features_may_differ():
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_with_fused_projections_matches_stock_and_gives_the_model_back(family, mode):
-    from hf_async_cb import BatchingConfig, Engine
     from models import generated_rows, random_prompts, stock_generate
+
+    from hf_async_cb import BatchingConfig, Engine
 
     model = fresh(family)
     originals = {name: m for name, m in model.named_modules() if name.split(".")[-1] in MEMBERS}

@@ -4,12 +4,12 @@ import copy
 
 import pytest
 import torch
+from models import left_pad, random_prompts, stock_generate, tiny_model
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig
-from models import left_pad, random_prompts, stock_generate, tiny_model
 
 
 @pytest.fixture
@@ -216,11 +216,11 @@ def test_keyboard_interrupt_leaves_the_model_usable(model, batch):
 def test_min_p_runs_on_the_device_sampler(model, batch, monkeypatch):
     """min_p is one of the built-in sampling options: no per-request slow path, and seeded runs agree
     between the loops; min_p=1.0 keeps only the most likely token, i.e. greedy."""
-    from hf_async_cb import integration
+    from hf_async_cb.generate import stock_options
 
     _, ids, mask = batch
     slow = []
-    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    monkeypatch.setattr(stock_options, "_warn_once", lambda message: slow.append(message))
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.9, min_p=0.1)
     a = model.generate(ids, batching="sync", batching_config=BatchingConfig(seed=1), **kwargs)
     b = model.generate(ids, batching="async", batching_config=BatchingConfig(seed=1), **kwargs)

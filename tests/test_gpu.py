@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from models import left_pad, random_prompts, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb import slots as slots_module
-from models import left_pad, random_prompts, tiny_model
+from hf_async_cb.engine import io_slots as slots_module
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -140,7 +140,7 @@ def _ulps(a, b):
 def test_elementwise_kernels_round_like_torch_in_bf16():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from hf_async_cb import elementwise as ew
+    from hf_async_cb.model import elementwise_fusion as ew
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, device="cuda", generator=g).to(torch.bfloat16)
@@ -161,8 +161,8 @@ def test_elementwise_kernels_round_like_torch_in_bf16():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "phi3"])
 def test_fused_model_logits_match_the_original_in_bf16(family):
-    from hf_async_cb.elementwise import fuse_elementwise
-    from hf_async_cb.fusion import fuse_projections
+    from hf_async_cb.model.elementwise_fusion import fuse_elementwise
+    from hf_async_cb.model.fusion import fuse_projections
 
     model = cuda_model(family)
     ids = torch.randint(3, 256, (4, 33), device="cuda")

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from models import left_pad, random_prompts, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
-from models import left_pad, random_prompts, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_soak  # noqa: E402

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from hf_async_cb.greedy import BLOCK, greedy_packed
-from hf_async_cb.sampling import pack
 from sm90 import assert_compiles_for_sm90
+
+from hf_async_cb.kernels.draw_greedy import BLOCK, greedy_packed
+from hf_async_cb.sampling.sampler import pack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,8 +43,8 @@ def test_kernels_compile_for_sm90():
     store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_pool_t "
                                                               "stride_pool_h".split()})
     assert_compiles_for_sm90([
-        ("hf_async_cb.greedy", "_greedy_parts_kernel", parts, dict(NUM_PARTS=8, BLOCK=BLOCK)),
-        ("hf_async_cb.greedy", "_greedy_merge_kernel", merge, dict(NUM_PARTS=8)),
-        ("hf_async_cb.attention.store_kv", "_store_kv_kernel", store, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8,
+        ("hf_async_cb.kernels.draw_greedy", "_greedy_parts_kernel", parts, dict(NUM_PARTS=8, BLOCK=BLOCK)),
+        ("hf_async_cb.kernels.draw_greedy", "_greedy_merge_kernel", merge, dict(NUM_PARTS=8)),
+        ("hf_async_cb.kernels.store_kv", "_store_kv_kernel", store, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                                             BLOCK_D=128)),
     ])

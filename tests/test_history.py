@@ -13,17 +13,21 @@ import random
 
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, NoBadWordsLogitsProcessor,
-                                                    NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                                                    SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
-from hf_async_cb.batch import BatchBuilder
 from hf_async_cb.devices import Streams
-from hf_async_cb.history import TokenHistory
-from hf_async_cb.page_table import PageTable
-from hf_async_cb.requests import Request, SamplingParams
-from hf_async_cb.scheduler import ScheduledChunk, StepPlan
-from hf_async_cb.slots import IOSlot
+from hf_async_cb.engine.batch import BatchBuilder
+from hf_async_cb.engine.io_slots import IOSlot
+from hf_async_cb.engine.page_table import PageTable
+from hf_async_cb.engine.requests import Request, SamplingParams
+from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
+from hf_async_cb.sampling.token_history import TokenHistory
 
 PAGE = 4
 CPU = torch.device("cpu")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_async_cb.attention.metadata import StepMetadata
-from hf_async_cb.kv_cache import KVLayout, PageAllocator, PagedKVCache
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
+from hf_async_cb.model.step_metadata import StepMetadata
 
 # -- PageAllocator -------------------------------------------------------------------------
 

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
+from models import generated_rows, random_prompts, stock_generate, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
-from models import generated_rows, random_prompts, stock_generate, tiny_model
 
 
 def stock_rows(prompts, new):

@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_async_cb.attention.metadata import block_table
-from hf_async_cb.page_table import PageTable
+from hf_async_cb.engine.page_table import PageTable
+from hf_async_cb.model.step_metadata import block_table
 
 # Operations on 6 requests: extend by k pages, reset (preemption / finish), or gather all holders.
 ops = st.lists(st.tuples(st.sampled_from(["extend", "reset", "gather"]), st.integers(0, 5), st.integers(1, 40)),

@@ -4,11 +4,11 @@ preempted between steps keep stock's tokens."""
 
 import pytest
 import torch
+from models import generated_rows, random_prompts, stock_generate, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.kv_cache import PageAllocator
-from hf_async_cb.runner import ModelRunner
-from models import generated_rows, random_prompts, stock_generate, tiny_model
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.runner import ModelRunner
 
 
 def expected_rows(model, prompts, new, eos=(2,), **kwargs):

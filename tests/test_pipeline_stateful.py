@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from models import stock_generate, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
-from hf_async_cb.requests import RequestStatus
-from models import stock_generate, tiny_model
+from hf_async_cb.engine.requests import RequestStatus
 
 MAX_NEW = 10
 

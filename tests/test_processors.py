@@ -6,10 +6,10 @@ under chunked prefill and preemption; the others on the slow path (stock's own o
 
 import pytest
 import torch
+from models import left_pad, random_prompts, stock_generate, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from models import left_pad, random_prompts, stock_generate, tiny_model
 
 MODES = ("sync", "async")
 # Roomy, and tight: prompts prefilled in chunks of 8 tokens by requests that preempt each other.
@@ -28,10 +28,10 @@ def on_the_device(monkeypatch, prompts, model=None, **kwargs):
     """generate() in every mode and CONFIGS against stock, none of them on the slow path (the
     options run on the device); returns stock's output. Graph buckets are on (their CPU
     stand-in); the tight configuration must really preempt."""
-    from hf_async_cb import integration
+    from hf_async_cb.generate import stock_options
 
     slow, preempted = [], []
-    monkeypatch.setattr(integration, "_warn_once", lambda message: slow.append(message))
+    monkeypatch.setattr(stock_options, "_warn_once", lambda message: slow.append(message))
     run = Engine.run
 
     def counting_run(self, requests, mode=None):

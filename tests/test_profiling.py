@@ -1,10 +1,10 @@
 """The profiler: spans per lane ordered and disjoint, adding up to the wall time; the timeline PNG."""
 
 import pytest
+from models import random_prompts, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.profiling import CPU_LANES, plot_timelines
-from models import random_prompts, tiny_model
+from hf_async_cb.engine.profiling import CPU_LANES, plot_timelines
 
 
 def profiled(mode):

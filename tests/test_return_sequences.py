@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from models import generated_rows, left_pad, random_prompts, stock_generate, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from models import generated_rows, left_pad, random_prompts, stock_generate, tiny_model
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

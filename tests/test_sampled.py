@@ -1,13 +1,13 @@
-"""The sampling kernels (sampled.py) against the torch sampler they implement (sampling.sample):
+"""The sampling kernels (kernels/draw_sampled.py) against the torch sampler they implement (sampling.sample):
 the same kept set, the same tokens, the same log-probabilities (on CUDA where there is one, else
 in Triton's interpreter on the CPU)."""
 
 import pytest
 import torch
 
-from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampled import BLOCK, CAP, CUT_BLOCK, sampled_packed
-from hf_async_cb.sampling import SamplingTensors, keep_threshold, pack, sample
+from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.kernels.draw_sampled import BLOCK, CAP, CUT_BLOCK, sampled_packed
+from hf_async_cb.sampling.sampler import SamplingTensors, keep_threshold, pack, sample
 from tests.sm90 import assert_compiles_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter without CUDA
@@ -36,7 +36,7 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int) -> torch.Tensor:
     """What the kernels keep, read back through their threshold keys."""
-    from hf_async_cb.sampled import _cut_kernel
+    from hf_async_cb.kernels.draw_sampled import _cut_kernel
 
     rows, vocab = logits.shape
     cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
@@ -99,16 +99,16 @@ def test_rows_without_a_seed_are_refused():
 def test_kernels_compile_for_sm90():
     ptr = {"logits_ptr": "*bf16"}
     assert_compiles_for_sm90([
-        ("hf_async_cb.sampled", "_cut_kernel",
+        ("hf_async_cb.kernels.draw_sampled", "_cut_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
           "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32", "cand_ptr": "*fp32"},
          {"BLOCK": CUT_BLOCK, "CAP": CAP}),
-        ("hf_async_cb.sampled", "_draw_parts_kernel",
+        ("hf_async_cb.kernels.draw_sampled", "_draw_parts_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
           "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
           "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
          {"NUM_PARTS": 4, "BLOCK": BLOCK}),
-        ("hf_async_cb.sampled", "_draw_merge_kernel",
+        ("hf_async_cb.kernels.draw_sampled", "_draw_merge_kernel",
          {"value_ptr": "*fp32", "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
           "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"}, {"NUM_PARTS": 4}),
     ], options={"num_warps": 16})
@@ -133,7 +133,7 @@ def test_kernels_match_the_torch_sampler_on_cuda():
 def test_engine_with_triton_draws_the_tokens_of_the_torch_sampler(mode, monkeypatch):
     """The engine's Triton path draws with the kernels (graphs, processors and blocked tokens too)
     and gives the tokens of the reference path, which draws with the torch sampler."""
-    import hf_async_cb.sampled as sampled
+    import hf_async_cb.kernels.draw_sampled as sampled
     from hf_async_cb import BatchingConfig, Engine
     from tests.models import random_prompts, tiny_model
 

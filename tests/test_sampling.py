@@ -1,4 +1,4 @@
-"""Tests for hf_async_cb.sampling: greedy rows are exact argmax, sampled rows follow stock transformers.
+"""Tests for hf_async_cb.sampling.sampler: greedy rows are exact argmax, sampled rows follow stock transformers.
 
 The reference for a sampled row is stock transformers' warper chain, applied in the order that
 ``generate`` applies it (TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper), followed by a
@@ -22,8 +22,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hf_async_cb.requests import SamplingParams
-from hf_async_cb.sampling import SamplingTensors, sample as sample_with_logprobs
+from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.sampling.sampler import SamplingTensors
+from hf_async_cb.sampling.sampler import sample as sample_with_logprobs
 
 
 def sample(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Property tests of the Scheduler, driven by a simulated model (no torch, no device).
 
-The simulation mirrors Pipeline.step (hf_async_cb/pipeline.py) in both of its modes, with the model
+The simulation mirrors Pipeline.step (hf_async_cb/engine/pipeline.py) in both of its modes, with the model
 replaced by a script of tokens:
 
 - launch: schedule a plan; mark each chunk's tokens as computed; every request whose chunk samples
@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_async_cb.kv_cache import PageAllocator
-from hf_async_cb.requests import FinishReason, Request, RequestStatus, SamplingParams
-from hf_async_cb.scheduler import Scheduler
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.requests import FinishReason, Request, RequestStatus, SamplingParams
+from hf_async_cb.engine.scheduler import Scheduler
 
 EOS = 0
 VOCAB_MAX = 5  # sampled tokens are drawn from 0..VOCAB_MAX; 0 is EOS when the request has one

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from models import left_pad, random_prompts, stock_generate, tiny_model
 
 

@@ -6,14 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from models import left_pad, random_prompts, tiny_model
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
-from hf_async_cb.sampling import SamplingTensors, hash_bits, sample as sample_with_logprobs
-
-
-from hf_async_cb.sampling import derive_seed
-from models import left_pad, random_prompts, tiny_model
+from hf_async_cb.sampling.sampler import SamplingTensors, derive_seed, hash_bits
+from hf_async_cb.sampling.sampler import sample as sample_with_logprobs
 
 
 def sample(*args, **kwargs):

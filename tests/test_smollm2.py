@@ -5,7 +5,7 @@ import torch
 
 from hf_async_cb import BatchingConfig
 from hf_async_cb.cli import DEMO_PROMPTS
-from hf_async_cb.demo_model import load_smollm2
+from hf_async_cb.tools.demo_model import load_smollm2
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import random
 import threading
 import time
 
-from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
 from models import tiny_model
+
+from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
 
 N_REQUESTS = 1500
 

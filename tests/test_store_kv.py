@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_async_cb.attention.store_kv import store_kv
+from hf_async_cb.kernels.store_kv import store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
-
 from models import left_pad, random_prompts, stock_generate, tiny_model
+from transformers.generation.streamers import BaseStreamer
 
 
 class Recorder(BaseStreamer):
@@ -45,7 +44,7 @@ def test_streamer_sees_what_stock_shows_it(batch, mode):
 def test_text_streamer_prints_like_stock(capsys):
     from transformers import TextStreamer
 
-    from hf_async_cb.demo_model import load_smollm2
+    from hf_async_cb.tools.demo_model import load_smollm2
 
     model, tokenizer = load_smollm2()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False,

@@ -12,14 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-triton_paged = pytest.importorskip("hf_async_cb.attention.triton_paged",
+triton_paged = pytest.importorskip("hf_async_cb.kernels.paged_attention",
                                    reason="Triton is not installed (pip install -e '.[test]')")
 
-from hf_async_cb import BatchingConfig, Engine  # noqa: E402
-from hf_async_cb.attention import resolve_backend  # noqa: E402
-from hf_async_cb.attention.metadata import StepMetadata, block_table  # noqa: E402
-from hf_async_cb.attention.reference import paged_attention_reference  # noqa: E402
 from models import generated_rows, random_prompts, stock_generate, tiny_model  # noqa: E402
+
+from hf_async_cb import BatchingConfig, Engine  # noqa: E402
+from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
+from hf_async_cb.model.attention import resolve_backend  # noqa: E402
+from hf_async_cb.model.step_metadata import StepMetadata, block_table  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (real-size bf16 kernel checks)")

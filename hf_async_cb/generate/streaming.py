@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .requests import Request
+from hf_async_cb.engine.requests import Request
 
 
 class LockstepStreamer:

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import BatchBuilder
-from .cuda_graphs import DecodeGraphs
-from .devices import Streams
-from .profiling import StepProfile
-from .requests import Request
-from .runner import ModelRunner
-from .scheduler import Scheduler
-from .slots import Download, IOSlot
+from hf_async_cb.devices import Streams
+from hf_async_cb.engine.batch import BatchBuilder
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.io_slots import Download, IOSlot
+from hf_async_cb.engine.profiling import StepProfile
+from hf_async_cb.engine.requests import Request
+from hf_async_cb.engine.runner import ModelRunner
+from hf_async_cb.engine.scheduler import Scheduler
 
 
 @dataclass

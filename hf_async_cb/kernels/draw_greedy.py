@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .devices import num_sms
+from hf_async_cb.devices import num_sms
 
 BLOCK = 2048
 CPU_PROGRAMS = 4  # the interpreter's stand-in for the SM count: rows still split into parts, as on a GPU

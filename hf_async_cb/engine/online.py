@@ -22,8 +22,8 @@ import logging
 import queue
 import threading
 
-from .errors import explain_out_of_memory
-from .requests import FinishReason, Request, RequestOutput, RequestStatus
+from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
+from hf_async_cb.errors import explain_out_of_memory
 
 logger = logging.getLogger(__name__)
 

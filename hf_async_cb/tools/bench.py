@@ -153,10 +153,9 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
         tokens = sum(len(o.generated_tokens) for o in outs.values())
     else:
-        from .engine import Engine
-        from .requests import SamplingParams
-
-        from .config import BatchingConfig
+        from hf_async_cb.config import BatchingConfig
+        from hf_async_cb.engine.engine import Engine
+        from hf_async_cb.engine.requests import SamplingParams
 
         mode, changes = our_path(path)
         config = config or BatchingConfig()

@@ -7,7 +7,7 @@ so the pool always holds what the K/V pool holds. A request's history is then re
 block table the step uploads anyway: no token list travels from the host per step, and shared
 prompt pages (num_return_sequences), preemption and recomputation need nothing of their own.
 
-History-based logits processors (penalties.py) read a few rows' histories as one dense, right-
+History-based logits processors (device_processors.py) read a few rows' histories as one dense, right-
 aligned `[R, width]` tensor: the row's extra prefix (stock generate's left padding, which some
 processors read as part of the row) followed by its context tokens, and -1 before its start.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.metadata import StepMetadata
+from hf_async_cb.model.step_metadata import StepMetadata
 
 BEFORE_START = -1  # a history cell left of the row's first token: equal to no token id
 

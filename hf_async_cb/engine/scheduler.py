@@ -13,9 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
 
-from .kv_cache import PageAllocator
-from .page_table import PageTable
-from .requests import Request, RequestStatus
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.page_table import PageTable
+from hf_async_cb.engine.requests import Request, RequestStatus
 
 
 @dataclass(slots=True)

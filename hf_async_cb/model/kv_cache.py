@@ -1,4 +1,5 @@
-"""The paged KV cache: a page allocator and a transformers Cache the attention layers write into.
+"""The paged KV cache: a transformers Cache the attention layers write into (pages are handed out by
+engine.page_allocator).
 
 Layout, per layer: keys and values are flat [num_pages * page_size, num_kv_heads, head_dim]
 tensors; token t of a request lives at slot pages[t // page_size] * page_size + t % page_size.
@@ -13,54 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
-
-
-class PageAllocator:
-    """Free list with reference counts (a page shared by several sequences is freed last)."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}.")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
-        self._refs = [0] * num_pages
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
-        return pages
-
-    def _check(self, page: int) -> None:
-        if not 0 <= page < self.num_pages:
-            raise ValueError(f"page {page} is not in the pool [0, {self.num_pages})")
-
-    def share(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check(p)
-            if self._refs[p] <= 0:
-                raise RuntimeError(f"page {p} is not allocated and cannot be shared")
-            self._refs[p] += 1
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            self._check(p)
-            if self._refs[p] <= 0:
-                raise RuntimeError(f"page {p} freed twice")
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                self._free.append(p)
-
-    def ref_count(self, page: int) -> int:
-        return self._refs[page]
 
 
 @dataclass(frozen=True)
@@ -129,7 +82,7 @@ class PagedKVCache(Cache):
         slots = self.step.slot_mapping
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
         if self.step.backend == "triton" and key_states.stride(-1) == 1 and value_states.stride(-1) == 1:
-            from .attention.store_kv import store_kv
+            from hf_async_cb.kernels.store_kv import store_kv
 
             store_kv(k_pool, v_pool, key_states, value_states, slots)
         else:

@@ -9,11 +9,11 @@ from typing import Iterator
 
 import torch
 
-from . import attention
-from .batch import StepInputs
-from .history import TokenHistory
-from .kv_cache import PagedKVCache
-from .sampling import SamplingTensors, pack, processed_scores, sample
+from hf_async_cb.engine.batch import StepInputs
+from hf_async_cb.model import attention
+from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
+from hf_async_cb.sampling.token_history import TokenHistory
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -113,9 +113,9 @@ class ModelRunner:
 def _draw_packed(logits: torch.Tensor, sampling: SamplingTensors | None) -> torch.Tensor:
     """sampling.pack(*sampling.sample(logits, sampling)) in Triton kernels (seeded rows only)."""
     if sampling is None:
-        from .greedy import greedy_packed
+        from hf_async_cb.kernels.draw_greedy import greedy_packed
 
         return greedy_packed(logits)  # all greedy: one pass over the logits
-    from .sampled import sampled_packed
+    from hf_async_cb.kernels.draw_sampled import sampled_packed
 
     return sampled_packed(logits, sampling)

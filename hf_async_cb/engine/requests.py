@@ -155,7 +155,7 @@ class Request:
     # request's own history (history_prefix + prompt + output, the carried-over token included).
     logits_processor: Any = None
     stopping_criteria: Any = None
-    # Read before the prompt by the slow path and the device's history processors (penalties.py):
+    # Read before the prompt by the slow path and the device's history processors (sampling/device_processors.py):
     # stock generate's left padding of the row, which its processors see as part of the row.
     history_prefix: list[int] = field(default_factory=list)
     # The repetition penalty reads the history (prefix included) from this index on (newer

@@ -10,7 +10,7 @@ The torch sampler sorts every row and builds the hash noise with a dozen int64 t
    most CAP scores lie strictly between the bounds, one more pass gathers them into a scratch row
    and a sort in registers settles the edge: exact (an element's key), whatever the tie pattern,
    in ~7-11 passes where bisection on the keys took ~30-50.
-2. `_draw_parts_kernel`, rows cut into parts (as greedy.py): per part, the best kept
+2. `_draw_parts_kernel`, rows cut into parts (as draw_greedy.py): per part, the best kept
    score + Gumbel noise, its token and score, and the kept mass (online max / sum of exp).
 3. `_draw_merge_kernel`: merges the parts (ties to the lowest token id, as torch.argmax) and
    writes `sampling.pack`'s [2, S] layout: token ids, then float64 log-probabilities' bits.
@@ -27,8 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .greedy import BLOCK, merged_exp_sum, online_exp_sum, split_rows  # the draw cuts rows into parts, as greedy
-from .sampling import SamplingTensors
+from hf_async_cb.kernels.draw_greedy import (  # the draw cuts rows into parts, as greedy
+    BLOCK,
+    merged_exp_sum,
+    online_exp_sum,
+    split_rows,
+)
+from hf_async_cb.sampling.sampler import SamplingTensors
 
 # The threshold search runs one program per row: wide steps and many warps keep enough loads in
 # flight (benchmarks/gpu_sampling.py --sweep).

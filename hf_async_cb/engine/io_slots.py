@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .devices import Streams
+from hf_async_cb.devices import Streams
 
 
 class _Staging:

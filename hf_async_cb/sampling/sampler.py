@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .requests import SamplingParams
+from hf_async_cb.engine.requests import SamplingParams
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import StepMetadata
-from .reference import paged_attention_reference
+from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
+from hf_async_cb.model.step_metadata import StepMetadata
 
 ATTENTION_NAME = "hf_async_cb_paged"
 METADATA_KWARG = "hf_async_cb_step"
@@ -32,7 +32,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise ValueError("attention logit softcapping is not supported by hf_async_cb yet.")
     meta.attention_calls += 1
     if meta.backend == "triton":
-        from .triton_paged import paged_attention_triton
+        from hf_async_cb.kernels.paged_attention import paged_attention_triton
 
         out = paged_attention_triton(query, key, value, meta, scaling, kwargs.get("sliding_window"))
     else:
@@ -46,7 +46,7 @@ def resolve_backend(choice: str, device: torch.device) -> str:
     if choice == "reference":
         return "reference"
     try:
-        from .triton_paged import runs_on
+        from hf_async_cb.kernels.paged_attention import runs_on
     except ImportError as e:
         if choice == "triton":
             raise ValueError(f"BatchingConfig(attention='triton') needs Triton: {e}") from e

@@ -5,7 +5,7 @@ at the last token of each chunk that samples. A token the CPU does not know yet 
 step still in flight) is written as a placeholder, with `carry_src` naming its row in that step's
 sampled tokens; the runner gathers it on the device before the forward. Processors that read a
 request's history get only per-row values from here (penalties.HostProcessors): the histories
-themselves are on the device already (history.py).
+themselves are on the device already (sampling/token_history.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from itertools import compress
 import numpy as np
 import torch
 
-from .attention.metadata import StepMetadata
-from .page_table import PageTable
-from .penalties import HistoryProcessors, HostProcessors, TokenBlock
-from .requests import Request, SamplingParams
-from .sampling import SamplingTensors
-from .scheduler import StepPlan
-from .slots import IOSlot
+from hf_async_cb.engine.io_slots import IOSlot
+from hf_async_cb.engine.page_table import PageTable
+from hf_async_cb.engine.requests import Request, SamplingParams
+from hf_async_cb.engine.scheduler import StepPlan
+from hf_async_cb.model.step_metadata import StepMetadata
+from hf_async_cb.sampling.device_processors import HistoryProcessors, HostProcessors, TokenBlock
+from hf_async_cb.sampling.sampler import SamplingTensors
 
 PLACEHOLDER = 0
 _GREEDY = SamplingParams()

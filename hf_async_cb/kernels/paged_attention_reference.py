@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .metadata import StepMetadata
+from hf_async_cb.model.step_metadata import StepMetadata
 
 
 def paged_attention_reference(

@@ -6,8 +6,8 @@ the Triton attention, whose launch depends only on token and request counts, pre
 steps get graphs too (bucketed by their token count as well): on a slow host an eager prefill
 step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
 ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
-device tensors (sampling.py), so it replays like the forward; padding rows sample greedily. So
-do the engine's logits processors (penalties.py): each logits row gets an entry, neutral where no
+device tensors (sampling/sampler.py), so it replays like the forward; padding rows sample greedily. So
+do the engine's logits processors (sampling/device_processors.py): each logits row gets an entry, neutral where no
 option applies; the history prefix a power-of-two width; key lists (bad words, sequence biases)
 are padded to powers of two with keys no history reaches, blocked (row, token) pairs with pairs
 that change nothing; all those shapes are part of the bucket. User processors (the slow path)
@@ -33,12 +33,18 @@ from operator import add
 
 import torch
 
-from .attention.metadata import StepMetadata
-from .batch import StepInputs
-from .runner import ModelRunner
-from .penalties import SequenceBias, TokenBlock, block_bucket, prefix_bucket, sequence_shapes
-from .sampling import SamplingTensors
-from .scheduler import StepPlan
+from hf_async_cb.engine.batch import StepInputs
+from hf_async_cb.engine.runner import ModelRunner
+from hf_async_cb.engine.scheduler import StepPlan
+from hf_async_cb.model.step_metadata import StepMetadata
+from hf_async_cb.sampling.device_processors import (
+    SequenceBias,
+    TokenBlock,
+    block_bucket,
+    prefix_bucket,
+    sequence_shapes,
+)
+from hf_async_cb.sampling.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 

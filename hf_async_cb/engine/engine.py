@@ -11,23 +11,30 @@ from typing import Sequence
 
 import torch
 
-from . import attention
-from .batch import BatchBuilder
-from .config import BatchingConfig, resolve_mode
-from .cuda_graphs import DecodeGraphs
-from .devices import Streams
-from .errors import explain_out_of_memory
-from .fusion import fuse_projections
-from .kv_cache import KVLayout, PageAllocator, PagedKVCache
-from .models import check_model_supported, has_learned_positions, max_positions
-from .online import BackgroundLoop, RequestHandle
-from .pipeline import Pipeline
-from .profiling import StepProfile
-from .requests import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
-                       as_token_lists)
-from .runner import ModelRunner
-from .sampling import derive_seed
-from .scheduler import Scheduler
+from hf_async_cb.config import BatchingConfig, resolve_mode
+from hf_async_cb.devices import Streams
+from hf_async_cb.engine.batch import BatchBuilder
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
+from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.pipeline import Pipeline
+from hf_async_cb.engine.profiling import StepProfile
+from hf_async_cb.engine.requests import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    as_token_lists,
+)
+from hf_async_cb.engine.runner import ModelRunner
+from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.errors import explain_out_of_memory
+from hf_async_cb.model import attention
+from hf_async_cb.model.checks import check_model_supported, has_learned_positions, max_positions
+from hf_async_cb.model.fusion import fuse_projections
+from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
+from hf_async_cb.sampling.sampler import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +124,7 @@ class Engine:
         fuse = self.config.fuse_elementwise
         self._elementwise = None
         if on_cuda if fuse is None else fuse:
-            from .elementwise import fuse_elementwise  # imports Triton: only where it is wanted
+            from hf_async_cb.model.elementwise_fusion import fuse_elementwise  # imports Triton: only where it is wanted
 
             self._elementwise = fuse_elementwise(model)
         for prepared in (self._fusion, self._elementwise):

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..devices import num_sms
-from .metadata import StepMetadata
+from hf_async_cb.devices import num_sms
+from hf_async_cb.model.step_metadata import StepMetadata
 
 NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
 

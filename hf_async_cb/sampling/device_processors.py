@@ -1,6 +1,6 @@
 """Logits processors the engine runs on the device, for every request of a step at once.
 
-History-based ones read each row's history from the device token pool (history.py), as stock
+History-based ones read each row's history from the device token pool (token_history.py), as stock
 generate holds the row: its left padding (`Request.history_prefix`), prompt and output, the token
 carried over from the step in flight included (carry-over resolves it before the pool is written).
 The host sends only per-row values and the short prefixes, never the histories. In stock's order:
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .history import RowHistories, TokenHistory
+from hf_async_cb.sampling.token_history import RowHistories, TokenHistory
 
 _INF = float("inf")
 
@@ -287,7 +287,7 @@ class HostProcessors:
 @functools.lru_cache(maxsize=1)
 def _neutral():
     """A request without history options: the filler of a padded (CUDA-graph) step's rows."""
-    from .requests import Request, SamplingParams
+    from hf_async_cb.engine.requests import Request, SamplingParams
 
     return Request([0], SamplingParams(), request_id="padding")
 

@@ -1,0 +1,181 @@
+"""A generate() call's arguments, checked and read as stock generate reads them.
+
+parse_call() refuses what the engine does not run (a ValueError naming the option, before any
+work), builds the call's GenerationConfig with stock's own code, and turns the left-padded batch
+into prompts: everything the engine needs, in one GenerateCall.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# generate() arguments the engine does not implement; each must be left at its default.
+_UNSUPPORTED_ARGUMENTS = (
+    "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "custom_generate",
+)
+_ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
+_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
+
+# Other decoding strategies and outputs the engine does not produce, named in the error. (Anything
+# missing here is still caught: by the generation-mode check, and by probing stock's processors.)
+_UNSUPPORTED_GENERATION_OPTIONS = (
+    ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
+    ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
+    ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
+    ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
+    ("watermarking_config", (None,)), ("output_attentions", (None, False)),
+    ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
+    ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
+)
+
+
+def _active(gc, options) -> list[str]:
+    return [name for name, neutral in options if getattr(gc, name, None) not in neutral]
+
+
+@dataclass
+class GenerateCall:
+    """One generate() call, read: the GenerationConfig, the padded batch and its prompts."""
+
+    gc: object  # transformers.GenerationConfig for this call, as stock prepares it
+    model_kwargs: dict
+    kwargs: dict  # the call's generation keyword arguments (for stock's length rules)
+    tokenizer: object | None
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompts: list[list[int]]
+    prefixes: list[list[int]]  # each row's left padding
+    eos: list[int]
+    pad: int | None
+    arguments: dict
+
+    @property
+    def copies(self) -> int:
+        return self.gc.num_return_sequences or 1
+
+
+def parse_call(model, mode: str, generation_config, arguments: dict) -> GenerateCall:
+    """Check the call and read it; raise ValueError for anything the engine does not run."""
+    for name in _UNSUPPORTED_ARGUMENTS:
+        if arguments.get(name) is not None:
+            raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
+    if arguments.get("synced_gpus"):
+        raise ValueError(f"generate(batching={mode!r}) does not support `synced_gpus`.")
+    kwargs = dict(arguments.get("kwargs", {}))
+    inputs = arguments.get("inputs")
+    if "inputs_embeds" in kwargs:
+        raise ValueError(f"generate(batching={mode!r}) needs input_ids; `inputs_embeds` is not supported.")
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    else:
+        kwargs.pop("input_ids", None)
+    if inputs is None:
+        raise ValueError(f"generate(batching={mode!r}) needs input_ids (a LongTensor [batch, length]).")
+    tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
+    gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    for key, neutral in _IGNORED_MODEL_KWARGS.items():
+        if model_kwargs.get(key, neutral) == neutral:
+            model_kwargs.pop(key, None)
+    unknown = sorted(set(model_kwargs) - _ALLOWED_MODEL_KWARGS)
+    if unknown:
+        raise ValueError(f"generate(batching={mode!r}) does not support the arguments {unknown}.")
+    bad = _active(gc, _UNSUPPORTED_GENERATION_OPTIONS)
+    if bad:
+        values = ", ".join(f"{n}={getattr(gc, n)!r}" for n in bad)
+        raise ValueError(f"generate(batching={mode!r}) does not support {values} yet; use batching='off' for it.")
+    strategy = gc.get_generation_mode()
+    if strategy.value not in ("greedy_search", "sample"):
+        raise ValueError(f"generate(batching={mode!r}) runs greedy search and sampling; this GenerationConfig "
+                         f"asks for {strategy.value!r}. Use batching='off' for it.")
+
+    input_ids = check_input_ids(inputs, model)
+    attention_mask = padding_mask(input_ids, model_kwargs.get("attention_mask"), gc)
+    prompts, prefixes = unpad(input_ids, attention_mask)
+    eos = token_list(gc.eos_token_id)
+    pad = gc.pad_token_id
+    if isinstance(pad, torch.Tensor):
+        pad = int(pad.flatten()[0])
+    if pad is None and eos:
+        logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
+        pad = eos[0]
+    return GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids, attention_mask, prompts, prefixes, eos, pad,
+                        arguments)
+
+
+def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor) -> int:
+    """Stock generate's own length rules (max_new_tokens over max_length, 20 new tokens by default,
+    min_new_tokens -> min_length), applied to `gc` in place as stock applies them."""
+    if gc.max_new_tokens is not None and gc.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be >= 1, got {gc.max_new_tokens}.")
+    defaults = [model.generation_config] + ([generation_config] if generation_config is not None else [])
+    has_default_max = kwargs.get("max_length") is None and all(c.max_length is None for c in defaults)
+    has_default_min = kwargs.get("min_length") is None and all(c.min_length is None for c in defaults)
+    input_len = input_ids.shape[1]
+    model._prepare_generated_length(gc, has_default_max, has_default_min, "input_ids", input_len, input_ids)
+    model._validate_generated_length(gc, input_len, has_default_max)  # ValueError when max_length <= input
+    return gc.max_length - input_len
+
+
+def check_input_ids(inputs, model) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor):
+        raise ValueError(f"input_ids must be a torch.LongTensor, got {type(inputs).__name__}.")
+    if inputs.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}.")
+    if inputs.dim() == 1:
+        inputs = inputs[None]
+    if inputs.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(inputs.shape)}.")
+    if inputs.shape[0] == 0:
+        raise ValueError("The batch is empty: input_ids has no rows.")
+    if inputs.shape[1] == 0:
+        raise ValueError("input_ids has zero length: every prompt needs at least one token.")
+    return inputs
+
+
+def padding_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
+    """The mask stock generate would use: the given one, or input_ids != pad when pad is present."""
+    if mask is None:
+        pad = gc.pad_token_id
+        eos = token_list(gc.eos_token_id)
+        if pad is not None and (input_ids == pad).any() and pad not in eos:
+            return input_ids.ne(pad).long()
+        return torch.ones_like(input_ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask {shape} does not match input_ids {tuple(input_ids.shape)}.")
+    return mask
+
+
+def unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Left-padded rows -> (prompts, their padding). Right padding or holes would change the result:
+    refuse them."""
+    ids, keep = input_ids.tolist(), mask.bool().tolist()
+    prompts, prefixes = [], []
+    for row, (tokens, flags) in enumerate(zip(ids, keep)):
+        if not any(flags):
+            raise ValueError(f"row {row} of attention_mask is all zeros: every prompt needs at least one token.")
+        first = flags.index(True)
+        if not all(flags[first:]):
+            raise ValueError(
+                f"row {row} of attention_mask has padding after its first token: batching needs left padding "
+                "(tokenizer.padding_side = 'left') and no holes."
+            )
+        prompts.append(tokens[first:])
+        prefixes.append(tokens[:first])
+    return prompts, prefixes
+
+
+def token_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

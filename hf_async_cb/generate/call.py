@@ -1,0 +1,79 @@
+"""One generate(batching=...) call on the engine: read the call, build its requests, run, answer.
+
+    parse_call()      generate/arguments.py       checks, GenerationConfig, prompts
+    call_options()    generate/stock_options.py   SamplingParams + stock's slow-path objects
+    build_requests()  here                        one engine request per row (and per copy)
+    engine.run()      engine/engine.py            the loop
+    stock_output()    generate/outputs.py         padded sequences / GenerateDecoderOnlyOutput
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine.engine import Engine
+from hf_async_cb.engine.requests import Request
+from hf_async_cb.generate.arguments import GenerateCall, parse_call
+from hf_async_cb.generate.outputs import stock_output
+from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
+from hf_async_cb.generate.streaming import LockstepStreamer
+
+
+@torch.no_grad()
+def engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
+    call = parse_call(model, mode, generation_config, arguments)
+    options = call_options(model, call, generation_config)
+    config = batching_config or getattr(call.gc, "batching_config", None) or BatchingConfig()
+    if not isinstance(config, BatchingConfig):
+        raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
+    max_new = options.params.max_new_tokens
+    page = config.page_size
+    pages_needed = sum(-(-(len(p) + max_new) // page) for p in call.prompts) * call.copies
+    engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
+    try:  # the engine fused the model's projections: always give it back unfused
+        input_ids, requests, streamer = build_requests(engine, call, options)
+        engine.run(requests)
+        if streamer is not None:
+            streamer.end()
+    finally:
+        engine.close()
+    return stock_output(call, input_ids, requests)
+
+
+def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
+    """The call's requests (copies of a row next to each other, sharing its prompt pages), the
+    input ids they answer (rows repeated per copy) and the streamer fed from them, if any."""
+    gc, params, processor = call.gc, options.params, options.processor
+    input_ids, prompts, prefixes, attention_mask = call.input_ids, call.prompts, call.prefixes, call.attention_mask
+    copies = call.copies
+    if copies > 1:
+        if not gc.do_sample:
+            raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
+                             "as in stock generate.")
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        prompts = [p for p in prompts for _ in range(copies)]
+        prefixes = [p for p in prefixes for _ in range(copies)]
+    # The slow path and the history processors read each row's history as stock holds it (padding too).
+    slow = processor is not None or options.criteria is not None or params.reads_history
+    streamer = None
+    if call.arguments.get("streamer") is not None:
+        streamer = LockstepStreamer(call.arguments["streamer"], input_ids, call.pad)
+    row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
+    requests: list[Request] = [
+        engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
+                            stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
+                            on_token=streamer.on_token if streamer else None)
+        for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
+    if params.repetition_penalty != 1.0:
+        for req, row_mask in zip(requests, row_masks):  # where stock's penalty reads this row from
+            req.penalty_start = next(start for start in map(penalty_start, options.stock_processors(row_mask))
+                                     if start is not None)
+    keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
+    for i, req in enumerate(requests):
+        req.keep_scores = keep
+        if i % copies:
+            req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
+    if streamer is not None:
+        streamer.watch(requests)
+    return input_ids, requests, streamer

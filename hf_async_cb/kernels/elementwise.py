@@ -1,0 +1,186 @@
+"""Element-wise Triton kernels: RMSNorm, rotary embeddings and SiLU-mul, each rounding as torch does.
+
+Each computes in fp32 and rounds every intermediate that torch rounds to the model dtype, so results
+match the torch code they replace bit for bit, or rarely by an ulp or two where a reduction order
+(RMSNorm's mean) or a transcendental's implementation (exp) differs. Their torch references are the
+model's own modules (LlamaRMSNorm, apply_rotary_pos_emb, the MLP's act_fn(gate) * up); the model
+patching that swaps them in is model/elementwise_fusion.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_LAUNCH = dict(enable_fp_fusion=False)  # no FMA contraction: torch rounds each product
+
+
+# Every value torch rounds to a 16-bit dtype is rounded the same way here, inline (helper calls are
+# slow in Triton's interpreter): fp16 by a cast, bf16 by hand, since the interpreter's fp32->bf16 cast
+# truncates. The bf16 rounding is round-to-nearest-even on the bits (what cvt.rn.bf16.f32 does),
+# keeping NaNs; after it, the cast to bf16 is exact.
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner, inv_n, eps,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=1) * inv_n + eps
+    if LIBDEVICE:
+        h = x * libdevice.rsqrt(var)[:, None]
+    else:
+        h = x * tl.math.rsqrt(var)[:, None]
+    if X_BF16:  # h.to(input dtype)
+        bits = h.to(tl.uint32, bitcast=True)
+        h = tl.where(h != h, h, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :] * h
+    if Y_BF16:  # weight * h
+        bits = y.to(tl.uint32, bitcast=True)
+        y = tl.where(y != y, y, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_heads, half,
+                   sqb, sqh, sqt, skb, skh, skt, scb, sct, sob, soh, sot, skob, skoh, skot,
+                   HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):
+    """One program per (token, block of HEADS heads), q's heads first, then k's, one head per row."""
+    pid = tl.program_id(0)
+    b = (pid // seq_len).to(tl.int64)
+    t = (pid % seq_len).to(tl.int64)
+    dt = qo_ptr.dtype.element_ty
+    d = tl.arange(0, DIM)
+    d_mask = d < 2 * half
+    first = d < half
+    d_rot = tl.where(first, d + half, d - half)  # rotate_half(x) = cat(-x2, x1): x[d_rot] * sign
+    sign = tl.where(first, -1.0, 1.0)[None, :]
+    cs = b * scb + t * sct
+    c = tl.load(cos_ptr + cs + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + cs + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    is_q = (h < n_q)[:, None]
+    mask = (h < n_heads)[:, None] & d_mask[None, :]
+    row_q = q_ptr + b * sqb + t * sqt + h[:, None] * sqh
+    row_k = k_ptr + b * skb + t * skt + (h[:, None] - n_q) * skh
+    row = tl.where(is_q, row_q, row_k)
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = x * c  # q * cos
+    r = xr * s  # rotate_half(q) * sin, up to the sign (exact)
+    if BF16:
+        bits = p.to(tl.uint32, bitcast=True)
+        p = tl.where(p != p, p, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+        bits = r.to(tl.uint32, bitcast=True)
+        r = tl.where(r != r, r, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    o = p.to(dt).to(tl.float32) + sign * r.to(dt).to(tl.float32)
+    if BF16:
+        bits = o.to(tl.uint32, bitcast=True)
+        o = tl.where(o != o, o, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    dst_q = qo_ptr + b * sob + t * sot + h[:, None] * soh
+    dst_k = ko_ptr + b * skob + t * skot + (h[:, None] - n_q) * skoh
+    tl.store(tl.where(is_q, dst_q, dst_k) + d[None, :], o.to(dt), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(y_ptr, o_ptr, n_rows, n_cols, stride_y,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    src = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
+    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + n_cols, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:  # torch's CUDA silu: x / (1 + expf(-x)) with IEEE division
+        a = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:
+        a = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
+    dt = o_ptr.dtype.element_ty
+    if BF16:
+        bits = a.to(tl.uint32, bitcast=True)
+        a = tl.where(a != a, a, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    o = a.to(dt).to(tl.float32) * up
+    if BF16:
+        bits = o.to(tl.uint32, bitcast=True)
+        o = tl.where(o != o, o, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], o.to(dt), mask=mask)
+
+
+def _row_layout(x: torch.Tensor):
+    """(rows, inner, stride_outer, stride_inner): row r of x starts at (r // inner) * stride_outer +
+    (r % inner) * stride_inner; None if x's leading dims need more than two strides."""
+    dims = []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == size * stride:  # collapses into the previous dim
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if len(dims) > 2:
+        return None
+    if len(dims) == 2:
+        (n0, s0), (n1, s1) = dims
+        return n0 * n1, n1, s0, s1
+    n, stride = dims[0] if dims else (1, 0)
+    return n, 1, stride, 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)` in one kernel."""
+    if x.stride(-1) != 1 or _row_layout(x) is None:
+        x = x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    rows, inner, stride_outer, stride_inner = _row_layout(x)
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    per = max(1, min(triton.next_power_of_2(rows), 4096 // block))
+    _rms_norm_kernel[(triton.cdiv(rows, per),)](
+        x, weight, out, rows, n, inner, stride_outer, stride_inner, 1.0 / n, eps,
+        ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
+        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=min(16, max(1, per * block // 512)), **_LAUNCH)
+    return out
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' apply_rotary_pos_emb(q, k, cos, sin) for q [B, H, T, D], k [B, KVH, T, D], cos/sin
+    [B or 1, T, D]; returns [B, T, heads, D] buffers transposed to [B, heads, T, D], like the usual inputs."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    (batch, n_q, seq, dim), n_k = q.shape, k.shape[1]
+    cos, sin = cos.expand(batch, seq, dim), sin.expand(batch, seq, dim)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty(batch, seq, n_q, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    ko = torch.empty(batch, seq, n_k, dim, dtype=k.dtype, device=k.device).transpose(1, 2)
+    block_d = triton.next_power_of_2(dim)
+    heads = min(triton.next_power_of_2(n_q + n_k), max(1, 2048 // block_d))
+    _rotary_kernel[(batch * seq, triton.cdiv(n_q + n_k, heads))](
+        q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
+        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+        HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, num_warps=4, **_LAUNCH)
+    return qo, ko
+
+
+def silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for y = [..., gate | up] (last dim 2I), rounded like torch; returns [..., I]."""
+    n = y.shape[-1] // 2
+    y2 = y.reshape(-1, 2 * n)
+    y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
+    rows = y2.shape[0]
+    out = torch.empty(*y.shape[:-1], n, dtype=y.dtype, device=y.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    per = max(1, min(triton.next_power_of_2(rows), 1024 // block))
+    _silu_mul_kernel[(triton.cdiv(rows, per), triton.cdiv(n, block))](
+        y2, out, rows, n, y2.stride(0), ROWS=per, BLOCK=block, BF16=y.dtype == torch.bfloat16,
+        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=4, **_LAUNCH)
+    return out
