@@ -274,7 +274,7 @@ def test_engine_with_every_fusion_matches_stock_and_restores(mode):
                               max(map(len, prompts)), 0, (2,))
     config = BatchingConfig(mode=mode, fuse_projections=True, fuse_elementwise=True, max_batch_tokens=32)
     with Engine(model, config) as engine:
-        assert engine._elementwise.rms_norms > 0 and engine._elementwise.silu_muls > 0
+        assert engine.prepared_model.elementwise.rms_norms > 0 and engine.prepared_model.elementwise.silu_muls > 0
         outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected
     assert modeling.apply_rotary_pos_emb is rotary

@@ -259,7 +259,7 @@ def test_engine_with_fused_projections_matches_stock_and_gives_the_model_back(fa
     expected = generated_rows(stock_generate(model, prompts, max_new_tokens=10, eos_token_id=[2], pad_token_id=0),
                               max(map(len, prompts)), 0, (2,))
     with Engine(model, BatchingConfig(mode=mode, fuse_projections=True, max_batch_tokens=32)) as engine:
-        assert engine._fusion is not None and engine._fusion.num_groups == 2 * model.config.num_hidden_layers
+        assert engine.prepared_model.fusion is not None and engine.prepared_model.fusion.num_groups == 2 * model.config.num_hidden_layers
         outs = engine.generate(prompts, max_new_tokens=10, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected
     assert {name: m for name, m in model.named_modules() if name.split(".")[-1] in MEMBERS} == originals

@@ -64,13 +64,14 @@ def test_generation_config_batching(model, batch, monkeypatch):
 def test_batching_config_is_used(model, batch, monkeypatch):
     prompts, ids, mask = batch
     seen = []
-    original = hf_async_cb.Engine.__init__
+    original = hf_async_cb.Engine.run
 
-    def spy(self, m, config=None, **kwargs):
-        seen.append(config)
-        original(self, m, config, **kwargs)
+    def spy(self, *args, **kwargs):
+        seen.append(self.config)
+        assert self.allocator.num_pages == 40 and self.scheduler.max_batch_tokens == 9
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
+    monkeypatch.setattr(hf_async_cb.Engine, "run", spy)
     config = BatchingConfig(page_size=4, num_pages=40, max_batch_tokens=9)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync", batching_config=config)
     assert torch.equal(out, stock_generate(model, prompts, max_new_tokens=5))
@@ -170,7 +171,8 @@ def test_sampling_runs_and_is_seeded(model, batch):
 
 
 def test_pool_sized_to_the_call(model, batch, monkeypatch):
-    """A pool sized from memory is capped at what the call can use."""
+    """A pool sized from memory is capped at what the call can use (rounded up to a power of two,
+    so that a loop of growing calls regrows it only a few times)."""
     prompts, ids, mask = batch
     sizes = []
     original = hf_async_cb.Engine.__init__
@@ -182,7 +184,8 @@ def test_pool_sized_to_the_call(model, batch, monkeypatch):
     monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
     model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync",
                    batching_config=BatchingConfig(page_size=4))
-    assert sizes[0] == sum(-(-(len(p) + 5) // 4) for p in prompts)
+    needed = sum(-(-(len(p) + 5) // 4) for p in prompts)
+    assert sizes[0] == 1 << (needed - 1).bit_length()
 
 
 def test_progress_bar(model, batch, capsys):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from operator import add
 
@@ -215,6 +216,11 @@ class DecodeGraphs:
         self._graphs: dict[GraphKey, _Graph] = {}
         self.failed: set[GraphKey] = set()  # buckets whose capture failed: their steps run eagerly
         self.num_replays = 0
+        self.capture_seconds: list[float] = []  # wall time of each capture, warm-up included
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
         """The bucket of a step without user logits processors, kept scores or unseeded sampling (a
@@ -278,7 +284,7 @@ class DecodeGraphs:
         steps of that bucket."""
         graph = self._graphs.get(key)
         if graph is None:
-            logger.info("capturing a decode graph for batch %d, context %d", key.batch, key.context)
+            started = time.perf_counter()
             try:
                 # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
                 graph = _Graph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
@@ -291,6 +297,9 @@ class DecodeGraphs:
                 return self.runner.step(inputs, previous_tokens)
             self._graphs[key] = graph
             self.num_prefill_graphs += key.tokens > 0
+            self.capture_seconds.append(time.perf_counter() - started)
+            logger.info("captured a graph for batch %d, context %d, tokens %d in %.0f ms", key.batch, key.context,
+                        key.tokens, 1e3 * self.capture_seconds[-1])
         else:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1

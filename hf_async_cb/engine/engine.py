@@ -31,9 +31,9 @@ from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import check_model_supported, has_learned_positions, max_positions
-from hf_async_cb.model.fusion import fuse_projections
+from hf_async_cb.model.checks import has_learned_positions, max_positions
 from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
+from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -107,31 +107,34 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None,
-                 max_pages_needed: int | None = None, tokenizer=None) -> None:
-        """`max_pages_needed`: when the whole workload is known (generate), a pool sized from memory
-        is capped at what it can use, so that a small call does not claim half the GPU."""
+                 max_pages_needed: int | None = None, tokenizer=None, *,
+                 prepared: PreparedModel | None = None) -> None:
+        """`max_pages_needed`: when the workload is known (generate), a pool sized from memory is
+        capped at what it can use, so that a small call does not claim half the GPU.
+        `prepared`: a model already prepared by a runtime that outlives this engine; the engine
+        then holds the model weakly and leaves the preparation to its owner."""
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
         self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
-        check_model_supported(model, self.config.trust_untested_model)
-        self.model = model
-        self.device = next(model.parameters()).device
-        on_cuda = self.device.type == "cuda"
-        fuse = self.config.fuse_projections
-        self._fusion = fuse_projections(model) if (on_cuda if fuse is None else fuse) else None
-        fuse = self.config.fuse_elementwise
-        self._elementwise = None
-        if on_cuda if fuse is None else fuse:
-            from hf_async_cb.model.elementwise_fusion import fuse_elementwise  # imports Triton: only where it is wanted
+        self._owns_preparation = prepared is None
+        if prepared is None:
+            prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
+                                     self.config.fuse_elementwise)
+        self.prepared_model = prepared
+        try:
+            self._build(model, max_pages_needed)
+        except BaseException:  # give the model back as it was found
+            if self._owns_preparation:
+                prepared.restore()
+            raise
 
-            self._elementwise = fuse_elementwise(model)
-        for prepared in (self._fusion, self._elementwise):
-            if prepared is not None:
-                logger.info("hf_async_cb: %s", prepared.summary())
+    def _build(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
+        self.device = self.prepared_model.device
         self.dtype = _model_dtype(model)
         self.layout = KVLayout.from_config(model.config)
+        self._model_config = model.config
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = max_positions(model.config)
         self._learned_positions = has_learned_positions(model)
@@ -139,6 +142,7 @@ class Engine:
         num_pages = self._num_pages()
         if self.config.num_pages is None and max_pages_needed is not None:
             num_pages = max(1, min(num_pages, max_pages_needed))
+        self.num_pages = num_pages
         # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
         self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -149,7 +153,7 @@ class Engine:
                                     attention_backend=self.attention_backend)
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, self.prepared_model, hold_model=self._owns_preparation)
         self._online_seed: int | None = None  # the engine seed of the background loop's requests
         self._submissions = itertools.count()  # requests added online: the index their seed derives from
         use_graphs = self.config.cuda_graphs
@@ -162,12 +166,16 @@ class Engine:
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
     def _activation_bytes(self) -> int:
         """A bound on a step's transient memory beyond the KV pool: the widest step's hidden states,
         projections and MLP activations (a few live at once), and logits at every sampled row (in
         the model dtype, in fp32, and the sampler's fp32 working copies), doubled for the CUDA-graph
         pool and the allocator's fragmentation."""
-        c = self.model.config
+        c = self._model_config
         hidden = c.hidden_size
         inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
         item = torch.finfo(self.dtype).bits // 8
@@ -286,7 +294,7 @@ class Engine:
             loop.profile = self.last_profile = StepProfile(self.streams)
         seed_requests(requests, self.config.seed)
         remaining = {id(r) for r in requests}
-        with self.runner.prepared():
+        with self.runner.prepared("Engine.run"):
             try:
                 for r in requests:
                     self.scheduler.add(r)
@@ -354,17 +362,14 @@ class Engine:
 
     def close(self) -> None:
         """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give
-        the model back as it was (unfused). Idempotent; the engine is unusable afterwards."""
+        the model back as it was (each weight in its own storage again, unless a runtime owns the
+        preparation). Idempotent; the engine is unusable afterwards."""
         if self._background is not None:
             self.shutdown(cancel=True)
         self.graphs = None
         self._pipelines.clear()
-        if self._elementwise is not None:  # before the projections: its MLP forward uses their fused GEMM
-            self._elementwise.restore()
-            self._elementwise = None
-        if self._fusion is not None:
-            self._fusion.restore()
-            self._fusion = None
+        if self._owns_preparation:
+            self.prepared_model.restore()
 
     def __enter__(self) -> "Engine":
         return self

@@ -123,7 +123,7 @@ class BackgroundLoop:
     # -- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
         scheduler = self.engine.scheduler
-        with self.engine.runner.prepared():
+        with self.engine.runner.prepared("the background loop", serving=True):
             while True:
                 self._admit()
                 self._apply_aborts(cancel_all=self._cancel)

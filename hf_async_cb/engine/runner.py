@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Iterator
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention
 from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
 
@@ -23,25 +25,33 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, prepared: PreparedModel,
+                 hold_model: bool = True) -> None:
+        """hold_model=False: keep only a weak reference (a runtime cached on the model must not keep
+        it alive)."""
+        self._model = (lambda: model) if hold_model else weakref.ref(model)
+        self.prepared_model = prepared
         self.cache = cache
         self.num_layers = cache.layout.num_layers
         self._cache_kw = cache_keyword(model)
         # Every token fed to the model, at its K/V slot: what history-based processors read.
         self.history = TokenHistory(cache.num_pages * cache.page_size, cache.keys[0].device)
 
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the engine's model has been garbage collected.")
+        return model
+
     @contextlib.contextmanager
-    def prepared(self) -> Iterator[None]:
-        """Route the model's attention to the paged implementation; restore it afterwards."""
-        attention.register()
-        config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = attention.ATTENTION_NAME
+    def prepared(self, what: str = "generate", serving: bool = False) -> Iterator[None]:
+        """The model's fused modules and the paged attention for one call (under the model's
+        guard: one engine call at a time); the model is stock again afterwards."""
         try:
-            yield
+            with self.prepared_model.using(self.model, what=what, serving=serving):
+                yield
         finally:
-            config._attn_implementation = previous
             self.cache.step = None
 
     @torch.no_grad()

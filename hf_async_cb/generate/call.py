@@ -3,6 +3,7 @@
     parse_call()      generate/arguments.py       checks, GenerationConfig, prompts
     call_options()    generate/stock_options.py   SamplingParams + stock's slow-path objects
     build_requests()  here                        one engine request per row (and per copy)
+    runtime_engine()  generate/runtime.py         the model's engine, kept between calls
     engine.run()      engine/engine.py            the loop
     stock_output()    generate/outputs.py         padded sequences / GenerateDecoderOnlyOutput
 """
@@ -16,6 +17,7 @@ from hf_async_cb.engine.engine import Engine
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.generate.arguments import GenerateCall, parse_call
 from hf_async_cb.generate.outputs import stock_output
+from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer
 
@@ -30,14 +32,11 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
     max_new = options.params.max_new_tokens
     page = config.page_size
     pages_needed = sum(-(-(len(p) + max_new) // page) for p in call.prompts) * call.copies
-    engine = Engine(model, config.with_mode(mode), max_pages_needed=pages_needed)
-    try:  # the engine fused the model's projections: always give it back unfused
+    with runtime_engine(model, config.with_mode(mode), pages_needed) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
         engine.run(requests)
         if streamer is not None:
             streamer.end()
-    finally:
-        engine.close()
     return stock_output(call, input_ids, requests)
 
 

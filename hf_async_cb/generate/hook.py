@@ -12,6 +12,7 @@ import functools
 import inspect
 
 from hf_async_cb.config import BatchingConfig, resolve_mode
+from hf_async_cb.model.prepared import model_guard
 
 _original_generate = None
 
@@ -55,8 +56,9 @@ def _make_generate(original):
         bound = signature.bind(self, *args, **kwargs)
         generation_config = bound.arguments.get("generation_config")
         mode = _resolve_call_mode(self, has_batching, batching, generation_config, batching_config)
-        if mode is None:
-            return original(self, *args, **kwargs)
+        if mode is None:  # stock generate, after any engine call running on this model
+            with model_guard(self).held("generate", kind="stock"):
+                return original(self, *args, **kwargs)
         from hf_async_cb.generate.call import engine_generate
 
         return engine_generate(self, mode, batching_config, generation_config, bound.arguments)

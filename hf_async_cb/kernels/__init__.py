@@ -6,4 +6,27 @@
     elementwise.py                RMSNorm, rotary, SiLU-mul (reference: the model's own modules)
     draw_greedy.py                greedy picks + log-probs in one pass (reference: sampling/sampler.py)
     draw_sampled.py               filtered, seeded sampling without a sort (reference: sampling/sampler.py)
+
+Kernels never take a per-call count (rows, tokens, requests) as a specialised value: such
+arguments are `do_not_specialize`, and constexprs derived from them are powers of two from a short
+list, so a process compiles each kernel a bounded number of times and never again after warm-up
+(tests/test_gpu.py counts them with compiled_variants()).
 """
+
+
+def compiled_variants() -> int:
+    """How many compiled variants of the package's Triton kernels this process holds (0 without
+    Triton): a count that must stop growing once every bucket has been seen."""
+    import importlib
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    total = 0
+    for name in ("paged_attention", "store_kv", "elementwise", "draw_greedy", "draw_sampled"):
+        module = importlib.import_module(f"hf_async_cb.kernels.{name}")
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                total += sum(len(cache[0]) for cache in fn.device_caches.values())
+    return total

@@ -23,7 +23,7 @@ _LAUNCH = dict(enable_fp_fusion=False)  # no FMA contraction: torch rounds each 
 # keeping NaNs; after it, the cast to bf16 is exact.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner, inv_n, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr,
                      LIBDEVICE: tl.constexpr):
@@ -48,7 +48,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, s
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_len"])
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_heads, half,
                    sqb, sqh, sqt, skb, skh, skt, scb, sct, sob, soh, sot, skob, skoh, skot,
                    HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):
@@ -89,7 +89,7 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q,
     tl.store(tl.where(is_q, dst_q, dst_k) + d[None, :], o.to(dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_mul_kernel(y_ptr, o_ptr, n_rows, n_cols, stride_y,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

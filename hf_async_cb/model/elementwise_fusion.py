@@ -93,24 +93,32 @@ def _agrees(fused, original, *inputs) -> bool:
 
 
 _ROTARY: dict[str, list] = {}  # modeling module -> [original function, fused function, handles using it]
+_ROTARY_CHECKED: dict[tuple, bool] = {}  # (modeling module, dtype, device) -> the fused function agrees
 
 
-def _patch_rotary(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the fused rotary reproduces the module's own on random inputs (checked once per kind)."""
+    key = (name, dtype, device)
+    if key not in _ROTARY_CHECKED:
+        original = getattr(sys.modules[name], "apply_rotary_pos_emb", None)
+        if not callable(original) or not runs_on(device):
+            return False
+        fused, g = _fused_rotary(original), torch.Generator().manual_seed(0)
+        q, k = (torch.randn(2, 3, h, 8, generator=g).to(device, dtype).transpose(1, 2) for h in (4, 2))
+        cos, sin = (torch.randn(2, 3, 8, generator=g).to(device, dtype) for _ in range(2))
+        _ROTARY_CHECKED[key] = _agrees(fused, original, q, k, cos, sin)
+    return _ROTARY_CHECKED[key]
+
+
+def _patch_rotary(name: str) -> None:
     if name in _ROTARY:
         _ROTARY[name][2] += 1
-        return True
+        return
     module = sys.modules[name]
-    original = getattr(module, "apply_rotary_pos_emb", None)
-    if not callable(original) or not runs_on(device):
-        return False
-    fused, g = _fused_rotary(original), torch.Generator().manual_seed(0)
-    q, k = (torch.randn(2, 3, h, 8, generator=g).to(device, dtype).transpose(1, 2) for h in (4, 2))
-    cos, sin = (torch.randn(2, 3, 8, generator=g).to(device, dtype) for _ in range(2))
-    if not _agrees(fused, original, q, k, cos, sin):
-        return False
+    original = module.apply_rotary_pos_emb
+    fused = _fused_rotary(original)
     module.apply_rotary_pos_emb = fused
     _ROTARY[name] = [original, fused, 1]
-    return True
 
 
 def _unpatch_rotary(name: str) -> None:
@@ -149,11 +157,14 @@ def _patchable(m: nn.Module):
 
 
 class FusedElementwise:
-    """The element-wise fusions applied to one model; restore() (or leaving a `with` block) undoes them."""
+    """The element-wise fusions chosen for one model. attach() swaps them in, detach() puts the
+    original forwards back (the model is stock again; the choice is kept for the next attach()),
+    restore() detaches for good. A `with` block restores."""
 
     def __init__(self):
-        self._modules: list[nn.Module] = []
+        self._modules: list[tuple[nn.Module, types.MethodType]] = []
         self._rotary: list[str] = []
+        self._attached = False
         self.rms_norms = self.rotary_modules = self.silu_muls = 0
 
     def summary(self) -> str:
@@ -161,14 +172,29 @@ class FusedElementwise:
         s = "" if self.rotary_modules == 1 else "s"
         return f"fused {self.rms_norms} RMSNorm, rotary in {self.rotary_modules} module{s}, {self.silu_muls} SiLU-mul"
 
-    def restore(self) -> None:
+    def attach(self) -> None:
+        if self._attached:
+            return
+        self._attached = True
+        for m, forward in self._modules:
+            m.forward = forward
+        for name in self._rotary:
+            _patch_rotary(name)
+
+    def detach(self) -> None:
         """Put the original forwards and rotary functions back (idempotent)."""
-        ours = (_rms_forward, _mlp_forward, _gate_up_forward)
-        for m in self._modules:
-            if getattr(m.__dict__.get("forward"), "__func__", None) in ours:
+        if not self._attached:
+            return
+        self._attached = False
+        for m, forward in self._modules:
+            if m.__dict__.get("forward") is forward:
                 del m.forward
         for name in self._rotary:
             _unpatch_rotary(name)
+
+    def restore(self) -> None:
+        """Detach and forget the fusions (idempotent)."""
+        self.detach()
         self._modules.clear()
         self._rotary.clear()
 
@@ -199,16 +225,16 @@ def fuse_elementwise(model: nn.Module) -> FusedElementwise:
                 x = torch.randn(3, w.shape[-1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
                 checked[key] = _agrees(types.MethodType(forward, m), m.forward, x)
             if checked[key]:
-                m.forward = types.MethodType(forward, m)
-                fused._modules.append(m)
+                fused._modules.append((m, types.MethodType(forward, m)))
                 setattr(fused, counter, getattr(fused, counter) + 1)
         params = [p for p in model.parameters() if p.is_floating_point()]
         names = {type(m).__module__ for m in model.modules()}
         for family in ROTARY_FAMILIES:
             name = f"transformers.models.{family}.modeling_{family}"
-            if params and name in names and _patch_rotary(name, params[0].dtype, params[0].device):
+            if params and name in names and _rotary_agrees(name, params[0].dtype, params[0].device):
                 fused._rotary.append(name)
                 fused.rotary_modules += 1
+        fused.attach()
     except BaseException:
         fused.restore()
         raise

@@ -8,8 +8,12 @@ second copy of the weights exists. Each member attribute is replaced by a FusedP
 part called computes the whole group's output, and its siblings, called with the same input
 tensor, take their slices from a short-lived cache. Model forward code is left untouched.
 
-Fusion is for inference: the fused GEMM does not propagate gradients to the original parameters,
-and the model should not be moved (`.to()`) while fused. restore() puts everything back.
+Fusion is for inference: the fused GEMM does not propagate gradients to the original parameters.
+detach() puts the original Linears back while their weights stay views of the fused tensors, so
+between engine calls the model is stock to every observer (forward, training, state_dict, .to())
+at no cost, and attach() swaps the fused parts in again for the next call; intact() says whether
+the views are still the model's weights (a `.to()` or a reassigned `.data` breaks them).
+restore() gives every weight its own storage back.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class FusedProjections:
 
     def __init__(self):
         self._members: list[tuple[nn.Module, str, nn.Linear]] = []
+        self._parts: list[FusedPart] = []  # one per member, in the same order
         self.counts = {kind: 0 for kind in GROUPS}
 
     @property
@@ -90,6 +95,26 @@ class FusedProjections:
         """One line for logging, e.g. "fused 2 qkv and 2 gate_up groups"."""
         return "fused " + " and ".join(f"{n} {kind}" for kind, n in self.counts.items()) + " groups"
 
+    def attach(self) -> None:
+        """Swap the fused parts in (the engine's forward)."""
+        for (parent, name, _), part in zip(self._members, self._parts):
+            setattr(parent, name, part)
+
+    def detach(self) -> None:
+        """Put the original Linears back; their weights stay views of the fused tensors (no copy)."""
+        for parent, name, linear in self._members:
+            setattr(parent, name, linear)
+
+    def intact(self) -> bool:
+        """Whether every member's weight (and bias) is still the view of its fused tensor."""
+        for (_, _, linear), part in zip(self._members, self._parts):
+            group, start = part.group, sum(part.group.sizes[:part.index])
+            if linear.weight.data_ptr() != group.weight[start].data_ptr() or linear.weight.dtype != group.weight.dtype:
+                return False
+            if linear.bias is not None and (group.bias is None or linear.bias.data_ptr() != group.bias[start:].data_ptr()):
+                return False
+        return True
+
     def restore(self) -> None:
         """Put the original Linears back, each with its own storage again (idempotent)."""
         with torch.no_grad():
@@ -99,6 +124,7 @@ class FusedProjections:
                 if linear.bias is not None:
                     linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
         self._members.clear()
+        self._parts.clear()
 
     def __enter__(self) -> "FusedProjections":
         return self
@@ -130,7 +156,9 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
                 continue
             group = _Group(members)
             for index, (name, linear) in enumerate(zip(names, members)):
+                part = FusedPart(group, index, linear)
                 fused._members.append((parent, name, linear))
-                setattr(parent, name, FusedPart(group, index, linear))
+                fused._parts.append(part)
+                setattr(parent, name, part)
             fused.counts[kind] += 1
     return fused

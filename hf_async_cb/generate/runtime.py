@@ -1,0 +1,159 @@
+"""The runtime a model's generate(batching=...) calls share, kept between calls.
+
+A call used to build an Engine: fuse the model, size a pool, capture CUDA graphs (and compile
+kernels for shapes not seen before), then give everything back. The runtime keeps all of it for
+the next call on the same model:
+
+- the preparation (model/prepared.py): checked and fused once; between calls the model is stock,
+  its weights views of the fused tensors;
+- the engine: its KV pool, scheduler, graphs (captured lazily, per bucket) and kernels.
+
+It is held in a WeakKeyDictionary keyed by the model and holds the model only weakly, so it dies
+with the model. It is rebuilt when what it depends on changes: the parameters (identity, storage,
+dtype, device), the config, or the structural fields of the BatchingConfig (all but mode, seed,
+progress and profile, which are per call). `release(model)` frees it at once.
+
+Memory: the pool grows on demand, to the next power of two of the pages a call needs (so at most
+twice what the largest call needed, and a loop of growing calls regrows it a few times, not every
+call), capped by the memory budget (BatchingConfig.kv_memory_fraction of what is free on CUDA,
+cpu_kv_cache_bytes on the CPU). A held Engine sizes its pool from that budget at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import threading
+import weakref
+from typing import Iterator
+
+import torch
+
+from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine.engine import Engine
+from hf_async_cb.model.prepared import PreparedModel, model_guard
+
+logger = logging.getLogger(__name__)
+
+_PER_CALL_FIELDS = dict(mode="async", seed=None, progress=False, profile=False)
+_RUNTIMES: "weakref.WeakKeyDictionary[torch.nn.Module, ModelRuntime]" = weakref.WeakKeyDictionary()
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def _structure(config: BatchingConfig) -> BatchingConfig:
+    """The config without its per-call fields: what the runtime is built from."""
+    return dataclasses.replace(config, **_PER_CALL_FIELDS)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class ModelRuntime:
+    """One model's preparation and engine, reused by its generate calls (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, config: BatchingConfig) -> None:
+        self.structure = _structure(config)
+        self.prepared = PreparedModel(model, config.trust_untested_model, config.fuse_projections,
+                                      config.fuse_elementwise)
+        self.engine: Engine | None = None
+        self._page_cap = 0  # the pages the engine was asked for (it may have got fewer: memory)
+        self.calls = 0
+        self.builds = 0
+
+    def fits(self, model: torch.nn.Module, config: BatchingConfig) -> bool:
+        return _structure(config) == self.structure and self.prepared.matches(model)
+
+    def engine_for(self, model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Engine:
+        """The engine, its pool grown first if this call needs more pages than it has."""
+        engine = self.engine
+        grow = engine is not None and engine.num_pages < pages_needed and engine.num_pages == self._page_cap
+        if engine is None or grow:
+            cap = max(_pow2(pages_needed), 2 * self._page_cap)
+            if engine is not None:
+                engine.close()  # the pool and graphs go; the preparation stays
+                self.engine = None
+                _free_device_memory(self.prepared.device)
+            self.engine = Engine(model, self.structure, max_pages_needed=cap, prepared=self.prepared)
+            self._page_cap = cap
+            self.builds += 1
+            logger.info("hf_async_cb runtime for %s: %s", type(model).__name__, self.describe())
+        self.engine.config = config
+        self.calls += 1
+        return self.engine
+
+    def describe(self) -> str:
+        """What the runtime holds, in one line."""
+        engine = self.engine
+        if engine is None:
+            return "no engine"
+        graphs = engine.graphs.num_captured if engine.graphs is not None else 0
+        return (f"{engine.num_pages} KV pages of {engine.config.page_size} tokens "
+                f"({engine.cache.bytes / 2**20:.1f} MiB) on {engine.device}, {graphs} CUDA graphs, "
+                f"{self.calls} calls, {self.builds} builds")
+
+    def close(self) -> None:
+        """Drop the engine (pool, graphs) and the preparation; the model stays stock, untouched."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.prepared.forget()
+
+
+@contextlib.contextmanager
+def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Iterator[Engine]:
+    """The model's engine for one generate call, under the model's guard for the whole call."""
+    with model_guard(model).held("generate", kind="outer"):
+        runtime = _RUNTIMES.get(model)
+        if runtime is not None and not runtime.fits(model, config):
+            logger.info("hf_async_cb: the model or BatchingConfig changed since the last call; rebuilding its runtime")
+            runtime.close()
+            runtime = None
+            with _RUNTIMES_LOCK:
+                _RUNTIMES.pop(model, None)
+        if runtime is None:
+            runtime = ModelRuntime(model, config)  # raises with the model as it was found
+            with _RUNTIMES_LOCK:
+                _RUNTIMES[model] = runtime
+        try:
+            engine = runtime.engine_for(model, config, pages_needed)
+        except BaseException:
+            runtime.close()
+            with _RUNTIMES_LOCK:
+                _RUNTIMES.pop(model, None)
+            raise
+        yield engine
+
+
+def release(model: torch.nn.Module) -> bool:
+    """Free the model's generate runtime (KV pool, CUDA graphs, fused weights) now. Returns whether
+    there was one. The next generate(batching=...) call builds it again."""
+    guard = model_guard(model, create=False)
+    if guard is None:
+        return False
+    with guard.held("release"):
+        with _RUNTIMES_LOCK:
+            runtime = _RUNTIMES.pop(model, None)
+        if runtime is None:
+            return False
+        device = runtime.prepared.device
+        runtime.close()
+    _free_device_memory(device)
+    return True
+
+
+def runtime_info(model: torch.nn.Module) -> str | None:
+    """What the model's generate runtime holds (pool, graphs, calls), or None if it has none."""
+    runtime = _RUNTIMES.get(model)
+    return None if runtime is None else runtime.describe()
+
+
+def _free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+__all__ = ["ModelRuntime", "PreparedModel", "release", "runtime_engine", "runtime_info"]

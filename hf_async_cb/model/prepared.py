@@ -1,0 +1,175 @@
+"""The model as the engine runs it: checked once, fused once, switched in and out per call.
+
+Preparing a model (the support check, concatenating q/k/v and gate/up weights, choosing the
+element-wise kernels) is done once. Between calls the model is stock: the original modules are in
+place, their weights views of the fused tensors (nothing copied, gradients and in-place optimiser
+steps reach both). `using()` attaches the fused modules and the paged attention for one call, under
+the model's guard, and detaches them on the way out, errors included.
+
+`signature()` is what the preparation depends on: every parameter's identity, storage, dtype and
+device, and the config. A `.to()`, a reassigned `.data`, a new parameter or a config change gives a
+new signature; the runtime then prepares the model again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Iterator
+
+import torch
+
+from hf_async_cb.model import attention
+from hf_async_cb.model.checks import check_model_supported
+from hf_async_cb.model.fusion import FusedProjections, fuse_projections
+
+logger = logging.getLogger(__name__)
+
+
+class ModelGuard:
+    """One engine call at a time on a model: others wait their turn; a model busy serving a
+    background loop refuses at once (that loop runs until shutdown()); a call made from inside an
+    engine call on the same thread (a processor or streamer calling generate) is refused, never a
+    deadlock.
+
+    Holds nest on the owning thread in two ways only: a generate call holds the guard across its
+    whole run ("outer") and its engine's own hold ("engine") nests inside; stock generate calls
+    ("stock") nest in each other as they do in stock transformers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._holds: list[str] = []  # the owner's nested holds, outermost first
+        self._serving = False
+
+    @contextlib.contextmanager
+    def held(self, what: str, kind: str = "engine", serving: bool = False) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            nests = self._holds == ["outer"] if kind == "engine" else \
+                kind == "stock" and all(h == "stock" for h in self._holds)
+            if not nests:
+                raise RuntimeError(f"{what} was called from inside an engine call on the same model (a logits "
+                                   "processor, stopping criterion or streamer?): the model is busy on this thread.")
+            self._holds.append(kind)
+            try:
+                yield
+            finally:
+                self._holds.pop()
+            return
+        if self._serving:
+            raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
+        self._lock.acquire()
+        try:
+            if self._serving:  # the loop started while this call waited
+                raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
+            self._owner, self._serving, self._holds = me, serving, [kind]
+            yield
+        finally:
+            if self._owner == me:
+                self._owner, self._serving, self._holds = None, False, []
+            self._lock.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+
+_GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.WeakKeyDictionary()
+_GUARDS_LOCK = threading.Lock()
+
+
+def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | None:
+    """The model's guard (made on first use; None when `create` is False and there is none yet)."""
+    guard = _GUARDS.get(model)
+    if guard is None and create:
+        with _GUARDS_LOCK:
+            guard = _GUARDS.setdefault(model, ModelGuard())
+    return guard
+
+
+def signature(model: torch.nn.Module) -> tuple:
+    """What a preparation of `model` depends on (cheap: one pass over the parameters)."""
+    params = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in model.parameters())
+    return params, _config_snapshot(model.config)
+
+
+def _config_snapshot(config) -> dict:
+    state = dict(vars(config))
+    for volatile in ("_attn_implementation_internal", "_attn_implementation", "_commit_hash"):
+        state.pop(volatile, None)
+    return state
+
+
+class PreparedModel:
+    """A model checked and fused for the engine; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, trust_untested_model: bool = False,
+                 fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None) -> None:
+        check_model_supported(model, trust_untested_model)
+        self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        self.fusion: FusedProjections | None = None
+        self.elementwise = None
+        try:
+            if on_cuda if fuse_projections_ is None else fuse_projections_:
+                self.fusion = fuse_projections(model)
+            if on_cuda if fuse_elementwise is None else fuse_elementwise:
+                from hf_async_cb.model.elementwise_fusion import fuse_elementwise as fuse  # imports Triton
+
+                self.elementwise = fuse(model)
+            for prepared in (self.fusion, self.elementwise):
+                if prepared is not None:
+                    logger.info("hf_async_cb: %s", prepared.summary())
+            self._detach()
+        except BaseException:
+            self.restore()
+            raise
+        self.signature = signature(model)
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether `model` is still what was prepared (same parameters, storages, dtype, config)."""
+        return signature(model) == self.signature and (self.fusion is None or self.fusion.intact())
+
+    @contextlib.contextmanager
+    def using(self, model: torch.nn.Module, guard: ModelGuard | None = None, what: str = "generate",
+              serving: bool = False) -> Iterator[None]:
+        """The fused modules and the paged attention, for one call, under the model's guard."""
+        guard = guard or model_guard(model)
+        with guard.held(what, serving=serving):
+            config = model.config
+            previous = config._attn_implementation
+            try:
+                if self.fusion is not None:
+                    self.fusion.attach()
+                if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
+                    self.elementwise.attach()
+                attention.register()
+                config._attn_implementation = attention.ATTENTION_NAME
+                yield
+            finally:
+                config._attn_implementation = previous
+                self._detach()
+
+    def _detach(self) -> None:
+        if self.elementwise is not None:
+            self.elementwise.detach()
+        if self.fusion is not None:
+            self.fusion.detach()
+
+    def forget(self) -> None:
+        """Drop the preparation and leave the model as it is between calls (stock modules, weights
+        views of the fused tensors, which live on only through those views): nothing is copied."""
+        self._detach()
+        self.fusion = self.elementwise = None
+
+    def restore(self) -> None:
+        """Give the model back with every weight in its own storage (idempotent)."""
+        if self.elementwise is not None:
+            self.elementwise.restore()
+            self.elementwise = None
+        if self.fusion is not None:
+            self.fusion.restore()
+            self.fusion = None

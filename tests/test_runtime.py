@@ -1,0 +1,271 @@
+"""The runtime kept on a model across generate(batching=...) calls: reused, rebuilt exactly when
+what it depends on changes, invisible between calls, freed by release(), and dying with the model."""
+
+import copy
+import gc
+import tempfile
+import threading
+import weakref
+
+import pytest
+import torch
+from models import left_pad, random_prompts, stock_generate, tiny_model
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig
+from hf_async_cb.generate import runtime as runtime_module
+
+FUSED = BatchingConfig(fuse_projections=True, max_batch_tokens=32)
+
+
+def fresh(family="llama"):
+    return copy.deepcopy(tiny_model(family))
+
+
+def engine_generate(model, prompts, config=FUSED, mode="async", **kwargs):
+    ids, mask = left_pad(prompts)
+    kwargs.setdefault("max_new_tokens", 6)
+    return model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, **kwargs)
+
+
+def builds(model) -> int:
+    return runtime_module._RUNTIMES[model].builds
+
+
+def snapshot(model):
+    return ({n: type(m) for n, m in model.named_modules()}, list(model.state_dict()),
+            model.config._attn_implementation, {n: m.__dict__.get("forward") for n, m in model.named_modules()})
+
+
+PROMPTS = random_prompts(4, 3, 20, seed=3)
+
+
+def test_calls_reuse_one_runtime_and_match_stock():
+    model = fresh()
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    for mode in ("async", "sync", "async"):
+        assert torch.equal(engine_generate(model, PROMPTS, mode=mode), expected)
+    assert builds(model) == 1 and runtime_module._RUNTIMES[model].calls == 3
+    assert "3 calls, 1 builds" in hf_async_cb.runtime_info(model)
+
+
+def test_per_call_fields_do_not_rebuild_but_structural_ones_do():
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    for config in (FUSED.with_mode("sync"), BatchingConfig(**{**vars(FUSED), "seed": 5, "progress": False})):
+        engine_generate(model, PROMPTS, config=config)
+    assert builds(model) == 1
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    out = engine_generate(model, PROMPTS, config=BatchingConfig(fuse_projections=True, max_batch_tokens=8))
+    assert torch.equal(out, expected) and builds(model) == 1  # a new runtime: its first build
+
+
+def test_between_calls_the_model_is_stock():
+    model = fresh()
+    reference = fresh()
+    before = snapshot(model)
+    engine_generate(model, PROMPTS)
+    assert snapshot(model) == before
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    with tempfile.TemporaryDirectory() as folder:  # views of the fused weights save as stock's
+        model.save_pretrained(folder)
+        loaded = type(model).from_pretrained(folder)
+    assert {k: v.tolist() for k, v in loaded.state_dict().items()} == \
+        {k: v.tolist() for k, v in reference.state_dict().items()}
+
+
+def test_training_between_calls_is_seen_by_the_next_call():
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.tensor([PROMPTS[0]])
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.grad is not None and q.grad.abs().sum() > 0  # gradients reach the model's own parameters
+    optimizer.step()
+    model.eval()
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    assert not torch.equal(expected, stock_generate(tiny_model("llama"), PROMPTS, max_new_tokens=6))
+    assert torch.equal(engine_generate(model, PROMPTS), expected)
+    assert builds(model) == 1  # trained in place: the fused layout still holds the weights
+
+
+def test_dtype_change_rebuilds():
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    first = runtime_module._RUNTIMES[model]
+    model.to(torch.float64)
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+    assert runtime_module._RUNTIMES[model] is not first
+
+
+def test_reassigned_weight_and_config_change_rebuild():
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    first = runtime_module._RUNTIMES[model]
+    layer = model.model.layers[1].mlp.up_proj
+    with torch.no_grad():
+        layer.weight.data = layer.weight.data.clone() * 0.5
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+    second = runtime_module._RUNTIMES[model]
+    assert second is not first
+    model.config.rms_norm_eps = 1e-2
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+    assert runtime_module._RUNTIMES[model] is not second
+
+
+def test_release_frees_and_the_next_call_rebuilds():
+    model = fresh()
+    assert hf_async_cb.release(model) is False
+    engine_generate(model, PROMPTS)
+    assert hf_async_cb.release(model) is True and hf_async_cb.runtime_info(model) is None
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+
+
+def test_the_runtime_dies_with_the_model():
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    runtime = weakref.ref(runtime_module._RUNTIMES[model])
+    engine = weakref.ref(runtime().engine)
+    del model
+    gc.collect()
+    assert runtime() is None and engine() is None
+
+
+def test_the_pool_grows_on_demand_a_few_times():
+    model = fresh()
+    sizes = []
+    for n in (1, 2, 3, 5, 8, 13, 21, 34):
+        prompts = random_prompts(n, 3, 20, seed=n)
+        assert torch.equal(engine_generate(model, prompts, mode="sync", max_new_tokens=3),
+                           stock_generate(model, prompts, max_new_tokens=3))
+        sizes.append(runtime_module._RUNTIMES[model].engine.num_pages)
+    assert sizes == sorted(sizes) and builds(model) <= 6  # doubling: fewer builds than calls
+    needed = sum(-(-(len(p) + 3) // FUSED.page_size) for p in random_prompts(34, 3, 20, seed=34))
+    assert needed <= sizes[-1] < 2 * needed
+
+
+def test_every_order_of_modes_and_configs_matches_stock():
+    model = fresh("qwen2")
+    configs = [FUSED, BatchingConfig(page_size=4, max_batch_tokens=16), FUSED, BatchingConfig(cuda_graphs=True)]
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    for config in configs:
+        for mode in ("sync", "async"):
+            assert torch.equal(engine_generate(model, PROMPTS, config=config, mode=mode), expected)
+
+
+def test_engine_failing_after_fusing_gives_the_model_back():
+    model = fresh()
+    before = snapshot(model)
+    for bad in (BatchingConfig(fuse_projections=True, cpu_kv_cache_bytes=1),
+                BatchingConfig(fuse_projections=True, num_pages=2**40)):
+        with pytest.raises((ValueError, RuntimeError, MemoryError)):
+            hf_async_cb.Engine(model, bad)
+        with pytest.raises((ValueError, RuntimeError, MemoryError)):
+            engine_generate(model, PROMPTS, config=bad)
+        assert snapshot(model) == before
+    model.to(torch.float64)
+    assert stock_generate(model, PROMPTS, max_new_tokens=4).dtype == torch.long
+
+
+def test_generate_inside_a_processor_of_the_same_model_is_refused():
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = fresh()
+
+    class Reentrant(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            model.generate(input_ids[:, -2:], max_new_tokens=1, batching="off")
+            return scores
+
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="inside an engine call"):
+        engine_generate(model, PROMPTS, logits_processor=LogitsProcessorList([Reentrant()]))
+    assert snapshot(model) == before
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+
+
+def _race(model, jobs):
+    results, errors = [None] * len(jobs), []
+
+    def run(i, job):
+        try:
+            results[i] = job()
+        except BaseException as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a concurrent call hung"
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_concurrent_generate_calls_on_one_model(trial):
+    """Random mixes of async / sync / stock calls with random batches from several threads: every
+    result is stock's, and the model is left as it was found."""
+    model = tiny_model("llama")  # shared with other tests: its runtime carries over, as in a notebook
+    g = torch.Generator().manual_seed(trial)
+    before = snapshot(model)
+    jobs, expected = [], []
+    for j in range(int(torch.randint(2, 5, (1,), generator=g))):
+        prompts = random_prompts(int(torch.randint(1, 6, (1,), generator=g)), 2, 16, seed=100 * trial + j)
+        mode = ["async", "sync", "off"][int(torch.randint(0, 3, (1,), generator=g))]
+        config = [FUSED, BatchingConfig(max_batch_tokens=16)][int(torch.randint(0, 2, (1,), generator=g))]
+        expected.append(stock_generate(model, prompts, max_new_tokens=5))
+        jobs.append(lambda p=prompts, m=mode, c=config: engine_generate(model, p, config=c, mode=m, max_new_tokens=5))
+    for got, want in zip(_race(model, jobs), expected):
+        assert torch.equal(got, want)
+    assert snapshot(model) == before
+
+
+def test_one_engine_from_two_threads():
+    model = fresh()
+    prompts = [random_prompts(5, 3, 20, seed=s) for s in (1, 2, 3, 4)]
+    expected = [stock_generate(model, p, max_new_tokens=6) for p in prompts]
+    with hf_async_cb.Engine(model, FUSED) as engine:
+        results = _race(model, [lambda p=p: engine.generate(p, max_new_tokens=6) for p in prompts])
+    for outs, want, p in zip(results, expected, prompts):
+        width = max(map(len, p))
+        assert [o.output_token_ids for o in outs] == want[:, width:].tolist()
+
+
+def test_a_model_serving_a_background_loop_refuses_generate_at_once():
+    model = fresh()
+    engine = hf_async_cb.Engine(model, BatchingConfig())
+    engine.start()
+    try:
+        handle = engine.add_request(PROMPTS[0], max_new_tokens=4)
+        with pytest.raises(RuntimeError, match="background loop"):
+            engine_generate(model, PROMPTS)
+        with pytest.raises(RuntimeError, match="background loop"):
+            stock_generate(model, PROMPTS, max_new_tokens=2)
+        handle.result(timeout=60)
+    finally:
+        engine.shutdown()
+        engine.close()
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+
+
+def test_stock_generate_nests_in_stock_generate_as_in_transformers():
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = fresh()
+    engine_generate(model, PROMPTS)  # the model has a guard now
+    inner = []
+
+    class Nested(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            inner.append(model.generate(input_ids[:1, -2:], max_new_tokens=1, batching="off", do_sample=False))
+            return scores
+
+    out = stock_generate(model, PROMPTS, max_new_tokens=3, logits_processor=LogitsProcessorList([Nested()]))
+    assert torch.equal(out, stock_generate(model, PROMPTS, max_new_tokens=3)) and len(inner) == 3
