@@ -148,3 +148,102 @@ def test_integer_scalars_and_arrays_are_token_ids(engine):
         (out,) = engine.generate(prompts, max_new_tokens=3)
         assert out.prompt_token_ids == [5, 6, 7] and out.output_token_ids == expected
         assert all(type(t) is int for t in out.prompt_token_ids)
+
+
+# -- generate() ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_int32_input_ids_give_int64_as_stock(model, mode):
+    prompts = random_prompts(3, 2, 8, seed=42)
+    ids, mask = left_pad(prompts)
+    expected = model.generate(ids.int(), attention_mask=mask, max_new_tokens=4, batching="off")
+    got = model.generate(ids.int(), attention_mask=mask, max_new_tokens=4, batching=mode)
+    assert expected.dtype == torch.int64 and got.dtype == torch.int64
+    assert torch.equal(got, expected)
+    out = model.generate(ids.int(), attention_mask=mask, max_new_tokens=4, batching=mode, return_dict_in_generate=True)
+    assert out.sequences.dtype == torch.int64 and torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=3.0), dict(max_length=10.0), dict(max_new_tokens=np.int64(3)),
+                                    dict(eos_token_id=2.0), dict(pad_token_id=0.0)])
+def test_integral_floats_run_as_in_stock(model, kwargs):
+    prompts = random_prompts(3, 2, 7, seed=43)
+    kwargs = {"max_new_tokens": 4, **kwargs} if "max_length" not in kwargs else kwargs
+    expected = stock_generate(model, prompts, **kwargs)
+    ids, mask = left_pad(prompts)
+    assert torch.equal(model.generate(ids, attention_mask=mask, batching="sync", **kwargs), expected)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=2.5), "max_new_tokens"), (dict(max_length=6.5), "max_length"),
+    (dict(eos_token_id=2.5), "eos_token_id"),
+    (dict(pad_token_id=0.5), "pad_token_id"),
+])
+def test_fractional_lengths_and_ids_are_refused(model, no_engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.tensor([[5, 6, 7]]), batching="sync", **{"max_new_tokens": 3, **kwargs})
+
+
+@pytest.mark.parametrize("value", [-1, 0, 2.0, True])
+def test_num_return_sequences_must_be_positive(model, no_engine, value):
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=True, num_return_sequences=value,
+                       batching="sync")
+
+
+def test_greedy_copies_refused_before_any_work(model, no_engine):
+    with pytest.raises(ValueError, match="do_sample"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, num_return_sequences=2, batching="sync")
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.fixture(scope="module")
+def no_eos_model():
+    """The tiny Llama with neither EOS nor pad token, in its config and its generation config."""
+    m = copy.deepcopy(tiny_model("llama"))
+    for config in (m.config, m.generation_config):
+        config.eos_token_id = config.pad_token_id = None
+    return m
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(stopping_criteria="stop-after-first"), "stopping_criteria"),
+    (dict(max_time=100.0), "max_time"), (dict(max_time=0.0), "max_time"),
+    (dict(stopping_criteria="stop-after-first", pad_token_id=0), "stopping_criteria"),
+])
+def test_rows_stopping_apart_without_eos_refused_up_front(no_eos_model, no_engine, kwargs, named):
+    """Without EOS, stock keeps generating on a row that a criterion stopped (it pads only behind
+    EOS): the engine cannot, so such a batch is refused before any work, pad token or not."""
+    prompts = random_prompts(2, 3, 6, seed=44)
+    ids, mask = left_pad(prompts)
+    if kwargs.get("stopping_criteria"):
+        first = no_eos_model.generate(ids, attention_mask=mask, max_new_tokens=1, batching="off")[0, -1].item()
+        kwargs = {**kwargs, "stopping_criteria": StoppingCriteriaList([StopAfterToken(first)])}
+    with pytest.raises(ValueError, match=f"{named}.*no eos_token_id"):
+        no_eos_model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync", **kwargs)
+
+
+def test_one_row_without_eos_still_runs_with_criteria(no_eos_model):
+    ids = torch.tensor([random_prompts(1, 4, 4, seed=45)[0]])
+    first = no_eos_model.generate(ids, max_new_tokens=1, batching="off")[0, -1].item()
+    kwargs = dict(max_new_tokens=5, stopping_criteria=StoppingCriteriaList([StopAfterToken(first)]))
+    expected = no_eos_model.generate(ids, batching="off", **kwargs)
+    assert expected.shape[1] == ids.shape[1] + 1
+    assert torch.equal(no_eos_model.generate(ids, batching="sync", **kwargs), expected)
+
+
+def test_rows_stopping_apart_with_eos_match_stock(model):
+    """With EOS (pad falling back to it), stopped rows are padded by stock too: the batch runs."""
+    prompts = random_prompts(3, 3, 8, seed=46)
+    ids, mask = left_pad(prompts)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=1, batching="off")[0, -1].item()
+    kwargs = dict(max_new_tokens=5, stopping_criteria=StoppingCriteriaList([StopAfterToken(first)]))
+    expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
+    assert torch.equal(model.generate(ids, attention_mask=mask, batching="sync", **kwargs), expected)
