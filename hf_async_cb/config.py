@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 MODES = ("sync", "async")
 OFF_MODES = (None, "off")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
@@ -66,30 +68,55 @@ class BatchingConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.mode not in MODES:
+        """Check every field's type and range (a ValueError naming the field), so that a bad value
+        fails here and not deep in the engine; integral numpy scalars become ints, fractions floats."""
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"BatchingConfig.mode must be one of {MODES}, got {self.mode!r}.")
-        _positive_int("page_size", self.page_size)
+        for name in ("page_size", "max_batch_tokens", "max_running_requests", "cpu_kv_cache_bytes"):
+            setattr(self, name, _positive_int(name, getattr(self, name)))
         if self.num_pages is not None:
-            _positive_int("num_pages", self.num_pages)
-        _positive_int("max_batch_tokens", self.max_batch_tokens)
-        _positive_int("max_running_requests", self.max_running_requests)
-        _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(
-                f"BatchingConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}."
-            )
-        if self.attention not in ATTENTION_BACKENDS:
+            self.num_pages = _positive_int("num_pages", self.num_pages)
+        fraction = self.kv_memory_fraction
+        if not _is_real(fraction) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"BatchingConfig.kv_memory_fraction must be a number in (0, 1], got {fraction!r}.")
+        self.kv_memory_fraction = float(fraction)
+        if self.seed is not None:
+            if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+                raise ValueError(f"BatchingConfig.seed must be None or an integer in [0, 2**63), got {self.seed!r}.")
+            self.seed = int(self.seed)
+        if not isinstance(self.attention, str) or self.attention not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"BatchingConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}."
             )
+        for name in ("trust_untested_model", "prefill_graphs", "progress", "profile"):
+            _bool(name, getattr(self, name), optional=False)
+        for name in ("cuda_graphs", "fuse_projections", "fuse_elementwise"):
+            _bool(name, getattr(self, name), optional=True)
 
     def with_mode(self, mode: str) -> "BatchingConfig":
         return replace(self, mode=mode)
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"BatchingConfig.{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _bool(name: str, value: Any, optional: bool) -> None:
+    """A flag is True or False (None too where it means "decide from the device"): a string such as
+    'no' would otherwise read as true."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        allowed = "True, False or None" if optional else "True or False"
+        raise ValueError(f"BatchingConfig.{name} must be {allowed}, got {value!r}.")
 
 
 def resolve_mode(value: Any) -> str | None:

@@ -81,6 +81,51 @@ def test_batching_config_is_used(model, batch, monkeypatch):
     assert seen[1].mode == "async"
 
 
+def test_batching_config_as_a_dict(model, batch, monkeypatch):
+    """A dict is read as BatchingConfig(**dict), from the call or a GenerationConfig: never dropped."""
+    prompts, ids, mask = batch
+    seen = []
+    original = hf_async_cb.Engine.__init__
+
+    def spy(self, m, config=None, **kwargs):
+        seen.append(config)
+        original(self, m, config, **kwargs)
+
+    monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
+    expected = stock_generate(model, prompts, max_new_tokens=4)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching_config={"mode": "sync", "page_size": 4})
+    assert torch.equal(out, expected)
+    assert seen[-1].mode == "sync" and seen[-1].page_size == 4
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="async", batching_config={"page_size": 8})
+    assert torch.equal(out, expected) and seen[-1].mode == "async" and seen[-1].page_size == 8
+    gc = GenerationConfig(max_new_tokens=4, batching_config={"mode": "sync", "page_size": 2})
+    assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=gc), expected)
+    assert seen[-1].mode == "sync" and seen[-1].page_size == 2
+    # Set on the model's own generation config, it selects its mode too (as `batching` there does).
+    model.generation_config.batching_config = BatchingConfig(mode="sync", page_size=16)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+    assert seen[-1].page_size == 16 and len(seen) == 4
+    # batching="off" still runs stock.
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="off", batching_config={"page_size": 8})
+    assert len(seen) == 4
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"page_sise": 4}, "unknown keys.*page_sise"), ({"seed": -1}, "BatchingConfig.seed"),
+    ("sync", "must be a hf_async_cb.BatchingConfig"), (4, "must be a hf_async_cb.BatchingConfig"),
+])
+def test_bad_batching_config_is_refused(model, batch, value, match):
+    _, ids, mask = batch
+    for batching in ("sync", "off"):  # even when the call runs stock: the config was meant for something
+        with pytest.raises(ValueError, match=match):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, batching=batching, batching_config=value)
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, batching_config=value)
+    with pytest.raises(ValueError, match=f"generation_config.batching_config.*|{match}"):
+        model.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=3,
+                                                                                   batching_config=value))
+
+
 def test_return_dict_in_generate(model, batch):
     prompts, ids, mask = batch
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="sync", return_dict_in_generate=True)
@@ -135,6 +180,39 @@ def test_model_restored_after_an_error(model, batch):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync")
     handle.remove()
     assert model.config._attn_implementation == impl
+
+
+def test_uninstall_warns_once_when_batching_is_still_asked_for(model, batch, caplog, monkeypatch):
+    """After uninstall(), stock generate runs, but a `batching` left on a GenerationConfig (which
+    stock ignores) is said to be ignored, once."""
+    prompts, ids, mask = batch
+    expected = stock_generate(model, prompts, max_new_tokens=4)
+    model.generation_config.batching = "async"
+    hf_async_cb.uninstall()
+    try:
+        with caplog.at_level("WARNING", logger="hf_async_cb.generate.hook"):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                              generation_config=GenerationConfig(batching="sync")), expected)
+        warnings = [r.getMessage() for r in caplog.records if "uninstalled" in r.getMessage()]
+        assert len(warnings) == 1 and "model.generation_config.batching" in warnings[0]
+        model.generation_config.batching = None
+        caplog.clear()
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+        assert not caplog.records
+    finally:
+        hf_async_cb.install()
+    # Installed again: the hook wraps stock generate itself (not the guard), and the engine runs.
+    from transformers import GenerationMixin
+
+    assert GenerationMixin.generate.__hf_async_cb__
+    assert not hasattr(GenerationMixin.generate.__wrapped__, "__hf_async_cb_stock__")
+    calls = []
+    original = hf_async_cb.Engine.run
+    monkeypatch.setattr(hf_async_cb.Engine, "run", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    model.generation_config.batching = "sync"
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
+    assert calls == [1]
 
 
 def test_uninstall_and_install():

@@ -52,63 +52,131 @@ class SamplingParams:
     sampler_floats: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
-        if self.max_new_tokens <= 0:
+        """Check every field's type and range (a ValueError naming the field, not a struct.error or
+        a TypeError later) and normalise them: ints, floats, tuples of token ids. Values already in
+        that form take the fast checks (dataclasses.replace re-runs this for every seeded request)."""
+        set_ = object.__setattr__
+        max_new = self.max_new_tokens
+        if type(max_new) is not int:
+            if isinstance(max_new, (float, np.floating)) and float(max_new).is_integer():
+                max_new = int(max_new)  # stock generate runs max_new_tokens=3.0
+            elif (max_new := _as_int(max_new)) is None:
+                raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
+            set_(self, "max_new_tokens", max_new)
+        if max_new <= 0:
             raise ValueError(
-                f"max_new_tokens must be >= 1, got {self.max_new_tokens}: ask for at least one new token "
+                f"max_new_tokens must be >= 1, got {max_new}: ask for at least one new token "
                 "(with max_length, make it larger than the prompt length)."
             )
+        if type(self.do_sample) is not bool:
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}.")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if type(value) is not float:
+                set_(self, name, _as_float(name, value))
+        for name in ("top_k", "no_repeat_ngram_size", "min_new_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                value = _as_int(value)
+                if value is None or value < 0:
+                    raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
+                set_(self, name, value)
         if self.do_sample:
             if not self.temperature > 0.0:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature}.")
-            if self.top_k < 0:
-                raise ValueError(f"top_k must be >= 0, got {self.top_k}.")
             if not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
             if not 0.0 <= self.min_p <= 1.0:
                 raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}.")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}.")
-        for name in ("eos_token_ids", "suppress_tokens", "begin_suppress_tokens"):
-            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
-        n = self.no_repeat_ngram_size
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"no_repeat_ngram_size must be a non-negative integer, got {n!r}.")
-        words = tuple(dict.fromkeys(_token_sequence("bad_words_ids", w) for w in self.bad_words_ids))
-        object.__setattr__(self, "bad_words_ids", words)
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
+            seed = _as_int(self.seed)
+            if seed is None or not 0 <= seed < 2**63:
+                raise ValueError(f"seed must be None or a non-negative integer below 2**63, got {self.seed!r}.")
+            set_(self, "seed", seed)
+        eos = self.eos_token_ids
+        set_(self, "eos_token_ids", (_token_id("eos_token_ids", eos),) if _as_int(eos) is not None
+             else _token_ids("eos_token_ids", eos))  # one id, as stock's eos_token_id, or several
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            set_(self, name, _token_ids(name, getattr(self, name)))
+        words = self.bad_words_ids
+        if type(words) is not tuple or words:
+            if not _is_iterable(words):
+                raise ValueError(f"bad_words_ids must be a sequence of token-id sequences, got {words!r}.")
+            set_(self, "bad_words_ids", tuple(dict.fromkeys(_token_sequence("bad_words_ids", w) for w in words)))
         bias = self.sequence_bias
-        items = bias.items() if isinstance(bias, dict) else bias
-        merged: dict[tuple[int, ...], float] = {}
-        for item in items:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2) or isinstance(item[1], bool) \
-                    or not isinstance(item[1], (int, float)):
-                raise ValueError(f"sequence_bias entries must be (token ids, bias), got {item!r}.")
-            merged[_token_sequence("sequence_bias", item[0])] = float(item[1])
-        object.__setattr__(self, "sequence_bias", tuple(merged.items()))
+        if type(bias) is not tuple or bias:
+            if not (isinstance(bias, dict) or _is_iterable(bias)):
+                raise ValueError(f"sequence_bias must be a dict or a sequence of (token ids, bias), got {bias!r}.")
+            merged: dict[tuple[int, ...], float] = {}
+            for item in (bias.items() if isinstance(bias, dict) else bias):
+                if not (isinstance(item, (tuple, list)) and len(item) == 2) or not _is_real(item[1]):
+                    raise ValueError(f"sequence_bias entries must be (token ids, bias), got {item!r}.")
+                merged[_token_sequence("sequence_bias", item[0])] = float(item[1])
+            set_(self, "sequence_bias", tuple(merged.items()))
         reads = (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0 or bool(self.bad_words_ids)
                  or bool(self.sequence_bias))
         blocks = bool(self.min_new_tokens or self.suppress_tokens or self.begin_suppress_tokens)
-        object.__setattr__(self, "reads_history", reads)
-        object.__setattr__(self, "blocks_tokens", blocks)
-        object.__setattr__(self, "plain", not (reads or blocks or self.do_sample))
-        object.__setattr__(self, "sampler_ints", struct.pack("<2q", min(self.top_k, 2**62),  # above any vocabulary: off
-                                                             -1 if self.seed is None else self.seed))
+        set_(self, "reads_history", reads)
+        set_(self, "blocks_tokens", blocks)
+        set_(self, "plain", not (reads or blocks or self.do_sample))
+        set_(self, "sampler_ints", struct.pack("<2q", min(self.top_k, 2**62),  # above any vocabulary: off
+                                               -1 if self.seed is None else self.seed))
         # Greedy rows never use their temperature; 1.0 keeps them finite next to sampled rows.
-        object.__setattr__(self, "sampler_floats", struct.pack("<4f", float(self.do_sample),
-                                                               self.temperature if self.do_sample else 1.0,
-                                                               self.top_p, self.min_p))
+        set_(self, "sampler_floats", struct.pack("<4f", float(self.do_sample),
+                                                 self.temperature if self.do_sample else 1.0, self.top_p, self.min_p))
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` as an int when it is an integer (numpy / 0-d torch integers too); None for anything
+    else, bools and floats included: a float token id or count would be silently truncated."""
+    if type(value) is int:
+        return value
+    if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype != torch.bool:
+        return int(value)
+    return None
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _as_float(name: str, value: Any) -> float:
+    if not _is_real(value):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    return float(value)
+
+
+def _is_iterable(value: Any) -> bool:
+    return hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
+
+
+def _token_id(name: str, value: Any) -> int:
+    token = _as_int(value)
+    if token is None or token < 0:
+        raise ValueError(f"{name} holds non-negative integer token ids, got {value!r}.")
+    return token
+
+
+def _token_ids(name: str, values: Any) -> tuple[int, ...]:
+    if type(values) is tuple and all(type(t) is int and t >= 0 for t in values):
+        return values
+    if not _is_iterable(values):
+        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}.")
+    return tuple(_token_id(name, t) for t in values)
 
 
 def _token_sequence(name: str, tokens) -> tuple[int, ...]:
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+    if not _is_iterable(tokens):
         raise ValueError(f"{name} holds sequences of token ids, got {tokens!r}.")
     ids = tuple(tokens)
-    if not ids or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
+    if not ids or any(_as_int(t) is None or t < 0 for t in ids):
         raise ValueError(f"{name} holds non-empty sequences of non-negative token ids, got {tokens!r}.")
     return tuple(int(t) for t in ids)
 
@@ -267,17 +335,33 @@ class RequestOutput:
 
 
 def as_token_lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Validate a batch of prompts given as token-id sequences."""
+    """Validate a batch of prompts given as token-id sequences (lists, numpy arrays or tensors).
+    Token ids are integers: float or bool ones are refused rather than silently truncated."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise ValueError("prompts must be a list of token-id lists.")
     if len(prompts) == 0:
         raise ValueError("The batch is empty: pass at least one prompt.")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)):
-            raise ValueError(f"prompt {i} is a string; tokenize it first (a list of token ids is expected).")
-        ids = [int(t) for t in p]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token.")
-        out.append(ids)
-    return out
+    return [_prompt_ids(i, p) for i, p in enumerate(prompts)]
+
+
+def _prompt_ids(i: int, prompt: Any) -> list[int]:
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"prompt {i} is a string; tokenize it first (a list of token ids is expected).")
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        dtype = prompt.dtype
+        integral = (not (dtype.is_floating_point or dtype.is_complex) and dtype != torch.bool
+                    if isinstance(prompt, torch.Tensor) else dtype.kind in "iu")
+        if not integral or prompt.ndim != 1:
+            raise ValueError(f"prompt {i} must be a 1-D sequence of integer token ids, got a {prompt.ndim}-D "
+                             f"{type(prompt).__name__} of {dtype}.")
+        ids = prompt.tolist()
+    elif not hasattr(prompt, "__iter__"):
+        raise ValueError(f"prompt {i} must be a sequence of integer token ids, got {prompt!r}.")
+    else:
+        ids = [t if type(t) is int else _as_int(t) for t in prompt]
+        if None in ids:
+            bad = next(t for t, v in zip(prompt, ids) if v is None)
+            raise ValueError(f"prompt {i} holds {bad!r} ({type(bad).__name__}): token ids must be integers.")
+    if not ids:
+        raise ValueError(f"prompt {i} is empty: every prompt needs at least one token.")
+    return ids

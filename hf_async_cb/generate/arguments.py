@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -94,23 +95,54 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
         raise ValueError(f"generate(batching={mode!r}) runs greedy search and sampling; this GenerationConfig "
                          f"asks for {strategy.value!r}. Use batching='off' for it.")
 
+    copies = gc.num_return_sequences  # stock runs 0 or -1 as one copy, and fails on 2.0 with a TypeError
+    if copies is not None:
+        if isinstance(copies, bool) or not isinstance(copies, (int, np.integer)) or copies < 1:
+            raise ValueError(f"num_return_sequences must be a positive integer, got {copies!r}.")
+        gc.num_return_sequences = copies = int(copies)
+    if (copies or 1) > 1 and not gc.do_sample:
+        raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
+                         "as in stock generate.")
+
     input_ids = check_input_ids(inputs, model)
     attention_mask = padding_mask(input_ids, model_kwargs.get("attention_mask"), gc)
     prompts, prefixes = unpad(input_ids, attention_mask)
-    eos = token_list(gc.eos_token_id)
-    pad = gc.pad_token_id
-    if isinstance(pad, torch.Tensor):
-        pad = int(pad.flatten()[0])
+    eos = token_list(gc.eos_token_id, "eos_token_id")
+    pad = token_list(gc.pad_token_id, "pad_token_id")[:1]
+    pad = pad[0] if pad else None
     if pad is None and eos:
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
-    return GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids, attention_mask, prompts, prefixes, eos, pad,
+    call = GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids, attention_mask, prompts, prefixes, eos, pad,
                         arguments)
+    stops = ["stopping_criteria"] if arguments.get("stopping_criteria") else []
+    stops += [name for name in ("stop_strings", "max_time") if getattr(gc, name, None) is not None]
+    check_rows_stop_together(call, stops)
+    return call
+
+
+def check_rows_stop_together(call: GenerateCall, stops: list[str]) -> None:
+    """Refuse, before any work, a batch whose rows a stopping criterion may end apart when there is
+    no EOS: stock generate pads a stopped row only behind EOS, and otherwise keeps generating real
+    tokens on it until every row has stopped, which the engine (each request ends on its own) does
+    not reproduce; with no pad_token_id either, it could not even fill the stopped rows."""
+    rows = call.input_ids.shape[0] * call.copies
+    if stops and rows > 1 and not call.eos:
+        missing = "no eos_token_id" + (" nor pad_token_id" if call.pad is None else "")
+        raise ValueError(
+            f"rows can stop at different lengths ({', '.join(stops)}) and there is {missing}: stock generate "
+            "then keeps generating on the rows that stopped until every row has, which the engine does not do. "
+            "Pass eos_token_id=... (and pad_token_id=...), generate one row at a time, or use batching='off'."
+        )
 
 
 def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor) -> int:
     """Stock generate's own length rules (max_new_tokens over max_length, 20 new tokens by default,
     min_new_tokens -> min_length), applied to `gc` in place as stock applies them."""
+    # Integral floats run in stock (max_new_tokens=3.0): use them as ints. Other fractions would
+    # make stock round the length up by accident of its comparisons: refuse them.
+    gc.max_new_tokens = _whole("max_new_tokens", gc.max_new_tokens)
+    gc.max_length = _whole("max_length", gc.max_length)
     if gc.max_new_tokens is not None and gc.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be >= 1, got {gc.max_new_tokens}.")
     defaults = [model.generation_config] + ([generation_config] if generation_config is not None else [])
@@ -119,7 +151,16 @@ def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.
     input_len = input_ids.shape[1]
     model._prepare_generated_length(gc, has_default_max, has_default_min, "input_ids", input_len, input_ids)
     model._validate_generated_length(gc, input_len, has_default_max)  # ValueError when max_length <= input
-    return gc.max_length - input_len
+    return int(gc.max_length) - input_len
+
+
+def _whole(name: str, value):
+    """An integer length option as an int (an integral float too, as stock runs it); None stays."""
+    if value is None or isinstance(value, int):
+        return value  # bools included: stock runs max_new_tokens=True as one token
+    if isinstance(value, (float, np.floating, np.integer)) and float(value).is_integer():
+        return int(value)
+    raise ValueError(f"{name} must be an integer, got {value!r}.")
 
 
 def check_input_ids(inputs, model) -> torch.Tensor:
@@ -142,7 +183,7 @@ def padding_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
     """The mask stock generate would use: the given one, or input_ids != pad when pad is present."""
     if mask is None:
         pad = gc.pad_token_id
-        eos = token_list(gc.eos_token_id)
+        eos = token_list(gc.eos_token_id, "eos_token_id")
         if pad is not None and (input_ids == pad).any() and pad not in eos:
             return input_ids.ne(pad).long()
         return torch.ones_like(input_ids)
@@ -171,11 +212,16 @@ def unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]],
     return prompts, prefixes
 
 
-def token_list(value) -> list[int]:
+def token_list(value, name: str = "token ids") -> list[int]:
+    """One token id or several (ints, integral floats as stock takes them, a tensor) as a list of ints."""
     if value is None:
         return []
     if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.flatten().tolist()]
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+        value = value.flatten().tolist()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not float(v).is_integer():
+            raise ValueError(f"{name} must be an integer token id or a list of them, got {value!r}.")
+        out.append(int(v))
+    return out

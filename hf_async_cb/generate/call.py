@@ -26,9 +26,7 @@ from hf_async_cb.generate.streaming import LockstepStreamer
 def engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
     call = parse_call(model, mode, generation_config, arguments)
     options = call_options(model, call, generation_config)
-    config = batching_config or getattr(call.gc, "batching_config", None) or BatchingConfig()
-    if not isinstance(config, BatchingConfig):
-        raise ValueError(f"batching_config must be a hf_async_cb.BatchingConfig, got {type(config).__name__}.")
+    config = batching_config or BatchingConfig()  # the hook resolved it (generate/hook.py)
     max_new = options.params.max_new_tokens
     page = config.page_size
     pages_needed = sum(-(-(len(p) + max_new) // page) for p in call.prompts) * call.copies
@@ -46,10 +44,7 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     gc, params, processor = call.gc, options.params, options.processor
     input_ids, prompts, prefixes, attention_mask = call.input_ids, call.prompts, call.prefixes, call.attention_mask
     copies = call.copies
-    if copies > 1:
-        if not gc.do_sample:
-            raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy copies would all be the same), "
-                             "as in stock generate.")
+    if copies > 1:  # (parse_call refused greedy copies)
         input_ids = input_ids.repeat_interleave(copies, dim=0)
         prompts = [p for p in prompts for _ in range(copies)]
         prefixes = [p for p in prefixes for _ in range(copies)]

@@ -41,5 +41,6 @@ def pad_outputs(input_ids: torch.Tensor, generated: list[list[int]], pad: int | 
     if pad is None and any(len(g) < width for g in generated):
         raise RuntimeError("rows finished at different lengths but there is no pad_token_id to fill them")
     rows = [g + [pad] * (width - len(g)) for g in generated]
-    new = torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
-    return torch.cat([input_ids, new], dim=1)
+    # int64 whatever the prompt's integer dtype: stock's sampled tokens are int64 and promote it.
+    new = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
+    return torch.cat([input_ids.long(), new], dim=1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
-from hf_async_cb.generate.arguments import GenerateCall, max_new_tokens
+from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def call_options(model, call: GenerateCall, generation_config) -> CallOptions:
     max_new = max_new_tokens(model, gc, generation_config, call.kwargs, input_ids)
     stock_processors, slow_processors, criteria, device_options = _slow_path(model, gc, input_ids, call.attention_mask,
                                                                              call.arguments, call.tokenizer)
+    if criteria is not None:  # parse_call checked the known sources; this covers any other
+        check_rows_stop_together(call, [type(c).__name__ for c in criteria])
     processor = stock_processors if slow_processors else None
     neutral = slow_processors  # stock's processor list then holds the warpers too
     params = SamplingParams(
