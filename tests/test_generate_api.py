@@ -85,13 +85,13 @@ def test_batching_config_as_a_dict(model, batch, monkeypatch):
     """A dict is read as BatchingConfig(**dict), from the call or a GenerationConfig: never dropped."""
     prompts, ids, mask = batch
     seen = []
-    original = hf_async_cb.Engine.__init__
+    original = hf_async_cb.Engine.run
 
-    def spy(self, m, config=None, **kwargs):
-        seen.append(config)
-        original(self, m, config, **kwargs)
+    def spy(self, *args, **kwargs):
+        seen.append(self.config)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(hf_async_cb.Engine, "__init__", spy)
+    monkeypatch.setattr(hf_async_cb.Engine, "run", spy)
     expected = stock_generate(model, prompts, max_new_tokens=4)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching_config={"mode": "sync", "page_size": 4})
     assert torch.equal(out, expected)
