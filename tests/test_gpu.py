@@ -216,3 +216,35 @@ def test_seeded_sampling_in_graphs_gives_the_eager_tokens_on_cuda(mode):
                 assert engine.graphs.num_replays > 0 and not engine.graphs.failed
                 assert any(key.sampled for key in engine.graphs._graphs)
     assert runs[0] == runs[1]
+
+
+def test_generate_runtime_compiles_and_captures_nothing_after_warm_up():
+    """generate(batching=...) over batch sizes 1..256 and contexts up to 700 tokens, twice: the
+    second pass compiles no kernel variant, captures no graph and builds no engine, and every
+    call of both passes gives the held engine's tokens (fp32: graph padding changes GEMM shapes)."""
+    import hf_async_cb
+    from hf_async_cb.generate import runtime
+    from hf_async_cb.kernels import compiled_variants
+
+    model = cuda_model("llama", torch.float32)
+    sizes = [1, 2, 3, 5, 8, 13, 32, 64, 100, 256]
+    lengths = [4, 60, 700]
+    workloads = [(b, n, random_prompts(b, max(1, n // 2), n, seed=b * 1000 + n)) for b in sizes for n in lengths]
+    engine = None
+    for pass_ in range(2):
+        if pass_ == 1:
+            rt = runtime._RUNTIMES[model]
+            before = (compiled_variants(), rt.engine.graphs.num_captured, rt.builds)
+        for i, (b, n, prompts) in enumerate(workloads if pass_ == 0 else workloads[::-1]):
+            ids, mask = left_pad(prompts)
+            mode = ("sync", "async")[i % 2]
+            out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=5, batching=mode,
+                                 pad_token_id=0, eos_token_id=None)
+            engine = runtime._RUNTIMES[model].engine
+            if pass_ == 1 and b in (1, 13, 256):
+                held = engine.generate(prompts, max_new_tokens=5)
+                assert out[:, ids.shape[1]:].tolist() == [o.output_token_ids for o in held]
+    rt = runtime._RUNTIMES[model]
+    assert (compiled_variants(), rt.engine.graphs.num_captured, rt.builds) == before
+    assert max(rt.engine.graphs.capture_seconds) < 5.0
+    assert hf_async_cb.release(model) and runtime._RUNTIMES.get(model) is None
