@@ -26,12 +26,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+DEMO_RUNS = {"off": "stock generate", "sync": 'batching="sync"', "async": 'batching="async"'}
+
+
 def demo(args: argparse.Namespace) -> int:
     from hf_async_cb.config import BatchingConfig
-    from hf_async_cb.tools.demo_model import load_smollm2
+    from hf_async_cb.tools.demo_model import cache_dir, load_smollm2, needs_conversion
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if needs_conversion():
+        print(f"First run: converting SmolLM2's GGUF file once to {cache_dir()} (a few seconds)...", flush=True)
     print(f"Loading SmolLM2-135M-Instruct ({dtype}, {device})...")
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
     chats = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
@@ -39,7 +44,10 @@ def demo(args: argparse.Namespace) -> int:
     inputs = tokenizer(texts, return_tensors="pt", padding=True).to(device)
     width = inputs.input_ids.shape[1]
     results = {}
-    for mode in ("off", "sync", "async"):
+    for i, mode in enumerate(DEMO_RUNS):
+        # The engine's progress bars all read "hf_async_cb": this line says which run the next one is.
+        print(f"[{i + 1}/{len(DEMO_RUNS)}] {DEMO_RUNS[mode]}: {len(DEMO_PROMPTS)} prompts, up to "
+              f"{args.max_new_tokens} new tokens each", flush=True)
         _sync(device)
         start = time.perf_counter()
         kwargs = {} if mode == "off" else {"batching_config": BatchingConfig(progress=True)}
@@ -54,11 +62,10 @@ def demo(args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}\n{answer.strip()}")
     print()
     print(f"{'path':<28}{'seconds':>9}{'new tokens':>12}{'tokens/s':>10}  same tokens as stock")
-    names = {"off": "stock generate", "sync": 'batching="sync"', "async": 'batching="async"'}
     stock = results["off"][0]
     for mode, (out, seconds, n) in results.items():
         same = "-" if mode == "off" else ("yes" if torch.equal(out, stock) else "NO")
-        print(f"{names[mode]:<28}{seconds:>9.2f}{n:>12}{n / seconds:>10.1f}  {same}")
+        print(f"{DEMO_RUNS[mode]:<28}{seconds:>9.2f}{n:>12}{n / seconds:>10.1f}  {same}")
     if device.type == "cpu":
         print("\nThese are CPU timings of a 135M model: the async loop exists to keep a GPU busy, which a CPU run "
               "cannot show. See docs/benchmarks.md for GPU figures.")
