@@ -26,7 +26,7 @@ def test_default_bench_runs_on_a_cpu_only_machine():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-m", "hf_async_cb", "bench"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "skipped hf-cb-async: transformers' async batching needs a device in ('cuda', 'xpu'), not cpu" in out

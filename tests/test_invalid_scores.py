@@ -8,11 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.kernels.draw_sampled import sampled_packed
-from hf_async_cb.sampling.sampler import INVALID_TOKEN, InvalidScoresError, SamplingTensors, invalid_scores_error, sample
+from hf_async_cb.sampling.sampler import (
+    INVALID_TOKEN,
+    InvalidScoresError,
+    SamplingTensors,
+    invalid_scores_error,
+    sample,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter without CUDA
 VOCAB = 300
