@@ -1,4 +1,5 @@
-"""Command line: `python -m hf_async_cb demo` (and later bench / profile)."""
+"""Command line of hf_async_cb: `demo` (SmolLM2 on real prompts), `bench` (one workload through every
+generation path) and `profile` (a timeline of the sync and async loops)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+DEMO_RUNS = {"off": "stock generate", "sync": 'batching="sync"', "async": 'batching="async"'}
+
+
 def demo(args: argparse.Namespace) -> int:
     from hf_async_cb.config import BatchingConfig
-    from hf_async_cb.tools.demo_model import load_smollm2
+    from hf_async_cb.tools.demo_model import cache_dir, load_smollm2, needs_conversion
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if needs_conversion():
+        print(f"First run: converting SmolLM2's GGUF file once to {cache_dir()} (a few seconds)...", flush=True)
     print(f"Loading SmolLM2-135M-Instruct ({dtype}, {device})...")
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
     chats = [[{"role": "user", "content": p}] for p in DEMO_PROMPTS]
@@ -38,7 +44,10 @@ def demo(args: argparse.Namespace) -> int:
     inputs = tokenizer(texts, return_tensors="pt", padding=True).to(device)
     width = inputs.input_ids.shape[1]
     results = {}
-    for mode in ("off", "sync", "async"):
+    for i, mode in enumerate(DEMO_RUNS):
+        # The engine's progress bars all read "hf_async_cb": this line says which run the next one is.
+        print(f"[{i + 1}/{len(DEMO_RUNS)}] {DEMO_RUNS[mode]}: {len(DEMO_PROMPTS)} prompts, up to "
+              f"{args.max_new_tokens} new tokens each", flush=True)
         _sync(device)
         start = time.perf_counter()
         kwargs = {} if mode == "off" else {"batching_config": BatchingConfig(progress=True)}
@@ -53,11 +62,10 @@ def demo(args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}\n{answer.strip()}")
     print()
     print(f"{'path':<28}{'seconds':>9}{'new tokens':>12}{'tokens/s':>10}  same tokens as stock")
-    names = {"off": "stock generate", "sync": 'batching="sync"', "async": 'batching="async"'}
     stock = results["off"][0]
     for mode, (out, seconds, n) in results.items():
         same = "-" if mode == "off" else ("yes" if torch.equal(out, stock) else "NO")
-        print(f"{names[mode]:<28}{seconds:>9.2f}{n:>12}{n / seconds:>10.1f}  {same}")
+        print(f"{DEMO_RUNS[mode]:<28}{seconds:>9.2f}{n:>12}{n / seconds:>10.1f}  {same}")
     if device.type == "cpu":
         print("\nThese are CPU timings of a 135M model: the async loop exists to keep a GPU busy, which a CPU run "
               "cannot show. See docs/benchmarks.md for GPU figures.")
@@ -65,21 +73,38 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    """Defaults that are None depend on the device (tools/bench.py's WORKLOADS): a CPU run is a short
+    check that every path it can run works, without the paths it cannot run."""
     import json
 
     from hf_async_cb.config import BatchingConfig
     from hf_async_cb.tools import bench as b
 
-    paths = tuple(args.compare.split(","))
+    device = torch.device(args.device) if args.device else b.default_device()
+    workload = b.default_workload(device)
+    chosen = {k: getattr(args, k) for k in workload}
+    if device.type != "cuda" and any(v is None for v in chosen.values()):
+        print(f"On {device.type} the default workload is a short check, not a measurement: "
+              + ", ".join(f"--{k} {v}" for k, v in workload.items()))
+    shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
+    if args.compare is not None:
+        paths = tuple(args.compare.split(","))
+    else:  # the mixed workload runs our paths only
+        paths = ("sync", "async") if args.mixed else b.PATHS
     try:
         b.check_paths(paths, args.mixed)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    paths, notes = b.runnable_paths(paths, device)
+    for note in notes:
+        print(note)
+    if not paths:
+        raise SystemExit(f"no path to run on {device}")
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                            max_running_requests=max(args.requests, 1), cuda_graphs=args.cuda_graphs,
+                            max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress)
-    report = b.run(args.shape, args.requests, args.prompt, args.new, paths, args.device, config=config,
-                   mixed=args.mixed, sample=args.sample)
+    report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
+                   sample=args.sample)
     print(b.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -110,43 +135,71 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_args(p: argparse.ArgumentParser, shape: str, requests: int, prompt: int, new: int) -> None:
-    """The random-weights workload shared by bench and profile."""
-    from hf_async_cb.tools.bench import SHAPES
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None: those options' help says what they default to."""
 
-    p.add_argument("--shape", default=shape, choices=sorted(SHAPES))
-    p.add_argument("--requests", type=int, default=requests)
-    p.add_argument("--prompt", type=int, default=prompt)
-    p.add_argument("--new", type=int, default=new)
-    p.add_argument("--device", default=None)
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay greedy decode steps from CUDA graphs (our paths; default: on CUDA)")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+CUDA_GRAPHS_HELP = ("our paths: replay decode steps (greedy or seeded sampling), and prefill and mixed steps with "
+                    "the Triton attention, from CUDA graphs (BatchingConfig.cuda_graphs). Default: on when the "
+                    "device is CUDA, off elsewhere (on the CPU, --cuda-graphs runs the same padded static-buffer "
+                    "path eagerly)")
+
+
+def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """The random-weights workload shared by bench and profile. Without `defaults`, the workload
+    defaults depend on the device (bench.WORKLOADS)."""
+    from hf_async_cb.tools.bench import SHAPES, WORKLOADS
+
+    d = defaults or {}
+    per_device = {k: f"(default: {WORKLOADS['cuda'][k]} on CUDA, {WORKLOADS['cpu'][k]} on the CPU)"
+                  for k in WORKLOADS["cuda"]}
+    p.add_argument("--shape", default=d.get("shape"), choices=sorted(SHAPES),
+                   help="model shape, random weights" + ("" if d else " " + per_device["shape"]))
+    p.add_argument("--requests", type=int, default=d.get("requests"),
+                   help="requests in the workload" + ("" if d else " " + per_device["requests"]))
+    p.add_argument("--prompt", type=int, default=d.get("prompt"),
+                   help="prompt tokens per request" + ("" if d else " " + per_device["prompt"]))
+    p.add_argument("--new", type=int, default=d.get("new"),
+                   help="new tokens per request" + ("" if d else " " + per_device["new"]))
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help=CUDA_GRAPHS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hf_async_cb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="SmolLM2-135M on a few real prompts: stock generate vs sync vs async")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p = sub.add_parser("demo", help="SmolLM2-135M on a few real prompts: stock generate vs sync vs async",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=demo)
-    p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops")
-    _workload_args(p, shape="llama3.2-1b", requests=64, prompt=128, new=256)
-    p.add_argument("--compare", default="stock,hf-cb-sync,hf-cb-async,sync,async",
-                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, -noprefill")
+    p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops",
+                       formatter_class=_HelpFormatter)
+    _workload_args(p)
+    p.add_argument("--compare", default=None,
+                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, "
+                        "-noprefill (default: stock,hf-cb-sync,hf-cb-async,sync,async, less the paths the device "
+                        "cannot run, e.g. hf-cb-async on the CPU; with --mixed: sync,async)")
     p.add_argument("--sample", action="store_true",
                    help="sampled decoding (temperature 0.8, top-p 0.95; ours seeded) instead of greedy, on every path")
     p.add_argument("--mixed", action="store_true",
                    help="prompts and outputs of 64..1024 tokens per request (our paths only)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16, help="KV-cache page size of our paths")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="token budget of a step of our paths (and of HF CB's on the CPU)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)
-    p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG")
-    _workload_args(p, shape="tiny", requests=16, prompt=32, new=32)
+    p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG",
+                       formatter_class=_HelpFormatter)
+    _workload_args(p, dict(shape="tiny", requests=16, prompt=32, new=32))
     p.add_argument("--last-ms", type=float, default=None, help="draw only the last N ms of each run")
-    p.add_argument("--out", default="timeline.png")
+    p.add_argument("--out", default="timeline.png", help="the PNG to write")
     p.set_defaults(func=profile)
     return parser
 

@@ -106,11 +106,12 @@ def test_kernels_compile_for_sm90():
         ("hf_async_cb.kernels.draw_sampled", "_draw_parts_kernel",
          {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
           "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
-          "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
+          "token_ptr": "*i32", "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
          {"NUM_PARTS": 4, "BLOCK": BLOCK}),
         ("hf_async_cb.kernels.draw_sampled", "_draw_merge_kernel",
-         {"value_ptr": "*fp32", "token_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-          "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"}, {"NUM_PARTS": 4}),
+         {"value_ptr": "*fp32", "token_ptr": "*i32", "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32",
+          "sum_ptr": "*fp32", "do_sample_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"},
+         {"INVALID": -1, "NUM_PARTS": 4}),
     ], options={"num_warps": 16})
 
 

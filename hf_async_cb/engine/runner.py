@@ -84,10 +84,12 @@ class ModelRunner:
 
         Tokens the CPU did not know when it built the step are gathered first from the sampled
         tokens of the previous step (`previous_tokens`), which the device already has; then the
-        step's input ids, all real now, go to the token pool at their cache slots.
+        step's input ids, all real now, go to the token pool at their cache slots. A carried
+        INVALID_TOKEN (a row with no distribution, which the host refuses once it reads it) goes in as
+        token 0: the request fails anyway, and the embedding and history gathers never see -1.
         """
         if inputs.carry_src is not None and previous_tokens is not None:
-            carried = previous_tokens[inputs.carry_src.clamp(min=0)]
+            carried = previous_tokens[inputs.carry_src.clamp(min=0)].clamp_(min=0)
             inputs.input_ids[0] = torch.where(inputs.carry_src >= 0, carried, inputs.input_ids[0])
         self.history.record(inputs.meta.slot_mapping, inputs.input_ids[0])
         logits = self.forward_logits(inputs)
@@ -106,7 +108,7 @@ class ModelRunner:
             # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)
             if pending_row >= 0:
-                history = torch.cat([history, previous_tokens[pending_row : pending_row + 1]])
+                history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
             logits[row] = processor(history[None], logits[row : row + 1])[0]
         if inputs.keep_rows:
             # The slow path: output_scores / output_logits (rows kept on the device, read after the step).

@@ -19,6 +19,9 @@ Noise is `sampling.gumbel_noise` bit for bit (the same 24 hashed bits per token)
 rounding of exp/log and sums may differ from the torch reference, so a token can differ only at
 a near-tie. Greedy rows (do_sample 0) take the plain argmax and its log-softmax, so one step
 serves mixed batches. Rows without a seed are not handled here (the caller uses the torch path).
+As the torch sampler: a sampled row with NaN or +inf scores, or nothing kept above -inf, gets
+sampling.INVALID_TOKEN and a NaN log-probability (a flag, no sync); a greedy row with NaN takes its
+first NaN, as torch.argmax does.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hf_async_cb.kernels.draw_greedy import (  # the draw cuts rows into parts, 
     online_exp_sum,
     split_rows,
 )
-from hf_async_cb.sampling.sampler import SamplingTensors
+from hf_async_cb.sampling.sampler import INVALID_TOKEN, SamplingTensors
 
 # The threshold search runs one program per row: wide steps and many warps keep enough loads in
 # flight (benchmarks/gpu_sampling.py --sweep).
@@ -232,7 +235,7 @@ def _row_keys(seed, index):
 
 @triton.jit
 def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do_sample_ptr, seed_ptr, index_ptr,
-                       cut_ptr, value_ptr, token_ptr, score_ptr, max_ptr, sum_ptr,
+                       cut_ptr, value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr,
                        NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -249,9 +252,11 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
     score = tl.full([BLOCK], float("-inf"), tl.float32)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
+    nan_at = tl.zeros([BLOCK], tl.int32) + vocab  # each lane's first NaN column (checked before the cut)
     for off in range(start, stop, BLOCK):
         cols = off + lanes
         s = _scaled(base, cols, cols < stop, temperature)
+        nan_at = tl.minimum(nan_at, tl.where(s != s, cols, vocab))
         s = tl.where(_score_key(s) >= cut, s, float("-inf"))
         bits = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) ^ k2) >> 8
         uniform = (bits.to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
@@ -267,14 +272,15 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
     out = row * NUM_PARTS + part
     tl.store(value_ptr + out, top)
     tl.store(token_ptr + out, first)
+    tl.store(nan_ptr + out, tl.min(nan_at, 0))
     tl.store(score_ptr + out, tl.max(tl.where(token == first, score, float("-inf")), 0))
     tl.store(max_ptr + out, part_max)
     tl.store(sum_ptr + out, part_sum)
 
 
 @triton.jit
-def _draw_merge_kernel(value_ptr, token_ptr, score_ptr, max_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab,
-                       NUM_PARTS: tl.constexpr):
+def _draw_merge_kernel(value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr, do_sample_ptr, tokens_ptr,
+                       logprobs_ptr, vocab, INVALID: tl.constexpr, NUM_PARTS: tl.constexpr):
     row = tl.program_id(0)
     parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
     value = tl.load(value_ptr + parts)
@@ -284,8 +290,16 @@ def _draw_merge_kernel(value_ptr, token_ptr, score_ptr, max_ptr, sum_ptr, tokens
     score = tl.max(tl.where(token == first, tl.load(score_ptr + parts), float("-inf")), 0)
     _, total, shift = merged_exp_sum(tl.load(max_ptr + parts), tl.load(sum_ptr + parts))
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
+    logprob = score - shift - tl.log(total)
+    first_nan = tl.min(tl.load(nan_ptr + parts), 0)
+    has_nan = first_nan < vocab
+    # Sampled: no distribution to draw from (the top kept score is never a NaN: NaN > x is false).
+    invalid = (tl.load(do_sample_ptr + row) != 0) & (has_nan | (top == float("-inf")) | (score == float("inf")))
+    first = tl.where(has_nan, first_nan, first)  # greedy: the first NaN, as torch.argmax
+    first = tl.where(invalid, INVALID, first)
+    logprob = tl.where(has_nan | invalid, float("nan"), logprob)
     tl.store(tokens_ptr + row, first.to(tl.int64))
-    tl.store(logprobs_ptr + row, (score - shift - tl.log(total)).to(tl.float64))
+    tl.store(logprobs_ptr + row, logprob.to(tl.float64))
 
 
 def sampled_packed(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -308,10 +322,11 @@ def sampled_packed(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
                          num_warps=CUT_WARPS)
     parts, chunk = split_rows(rows, vocab, logits.device)
     partial = torch.empty(4, rows * parts, dtype=torch.float32, device=logits.device)
-    token = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
+    token = torch.empty(2, rows * parts, dtype=torch.int32, device=logits.device)  # drawn, first NaN
     _draw_parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, chunk, params.temperature, params.do_sample,
-                                      params.seed, params.token_index, cut, partial[0], token, partial[1],
-                                      partial[2], partial[3], NUM_PARTS=parts, BLOCK=BLOCK)
-    _draw_merge_kernel[(rows,)](partial[0], token, partial[1], partial[2], partial[3], out[0],
-                                out[1].view(torch.float64), vocab, NUM_PARTS=parts)
+                                      params.seed, params.token_index, cut, partial[0], token[0], token[1],
+                                      partial[1], partial[2], partial[3], NUM_PARTS=parts, BLOCK=BLOCK)
+    _draw_merge_kernel[(rows,)](partial[0], token[0], token[1], partial[1], partial[2], partial[3],
+                                params.do_sample, out[0], out[1].view(torch.float64), vocab,
+                                INVALID=INVALID_TOKEN, NUM_PARTS=parts)
     return out

@@ -6,6 +6,12 @@ own or one derived from BatchingConfig.seed, see `derive_seed`), a Gumbel-max dr
 hash of (seed, index of the token in the request's output, token id). That noise depends on
 nothing else, so a request samples the same tokens whatever else shares its batches, in sync and
 async, preempted or not. Rows without a seed (callers outside the engine) draw from a generator.
+
+A sampled row whose scores hold NaN or +inf, or whose kept scores are all -inf, has no
+distribution to draw from: stock generate raises there (torch.multinomial's "probability tensor
+contains either `inf`, `nan` or element < 0"). Checking on the host would cost a sync per step,
+so the draw writes INVALID_TOKEN for that row instead, and the host raises `InvalidScoresError`
+when it reads the token. Greedy rows take the argmax as stock does (a NaN wins, as in torch.argmax).
 """
 
 from __future__ import annotations
@@ -18,6 +24,23 @@ import numpy as np
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
+
+INVALID_TOKEN = -1  # what a sampled row draws from NaN / +inf scores, or from nothing but -inf
+
+
+class InvalidScoresError(RuntimeError):
+    """A sampled request's scores were no distribution (NaN, +inf, or every token at -inf).
+    A RuntimeError, as stock generate's, so code catching that one catches this one too."""
+
+
+def invalid_scores_error(request_id: str, index: int) -> InvalidScoresError:
+    """The error the host raises on reading INVALID_TOKEN for request `request_id`, at output token `index`."""
+    return InvalidScoresError(
+        f"request {request_id}: the scores to sample its output token {index} from contain NaN or +inf, or "
+        "every token is at -inf (after the logits processors and warpers), so there is no distribution to "
+        "draw from (stock generate: probability tensor contains either `inf`, `nan` or element < 0). Check "
+        "the logits processors, bad words / suppressed tokens that ban every token, or the model's logits."
+    )
 
 
 @dataclass
@@ -75,7 +98,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     A log-probability is taken under the distribution the token was drawn from: the logits for
     greedy rows, the temperature/top-k/top-p/min-p-filtered distribution for sampled rows. This is
     the reference that `sampled.sampled_packed` (the GPU kernels) computes too: the same kept set,
-    the same noise, ties to the lowest token id.
+    the same noise, ties to the lowest token id. A sampled row with no distribution (see the module
+    docstring) gets INVALID_TOKEN and a NaN log-probability.
     """
     greedy = logits.argmax(dim=-1)
     greedy_logprob = logits.log_softmax(dim=-1).gather(1, greedy[:, None]).squeeze(1)
@@ -92,6 +116,10 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     top = scores.max(dim=-1).values
     mass = torch.where(kept, (scores - top[:, None]).exp(), 0.0).sum(dim=-1)
     drawn_logprob = scores.gather(1, drawn[:, None]).squeeze(1) - top - mass.log()
+    # max propagates NaN, and every filter keeps the top score: a finite top means a distribution.
+    invalid = ~top.isfinite()
+    drawn = torch.where(invalid, INVALID_TOKEN, drawn)
+    drawn_logprob = torch.where(invalid, float("nan"), drawn_logprob)
     sampled = params.do_sample != 0
     return torch.where(sampled, drawn, greedy), torch.where(sampled, drawn_logprob, greedy_logprob)
 

@@ -5,9 +5,11 @@ batching), "sync" / "async" (ours), and ablations of ours: a suffix "-ref" runs 
 reference attention, "-unfused" leaves the model unfused (projections and element-wise work),
 "-noew" fuses the projections only, "-eager" runs without CUDA graphs
 (e.g. "async-ref-unfused"). The "mixed" workload gives each request its own prompt and output
-length (our paths only: the others take one length for a whole batch). The floor is what memory bandwidth allows: each decode step
-reads every weight once and the KV of every running request, at the copy bandwidth measured on
-the same device in the same process.
+length (our paths only: the others take one length for a whole batch). The floor is what memory
+bandwidth allows: each decode step reads every weight once and the KV of every running request, at
+the copy bandwidth measured on the same device in the same process (CUDA only: a CPU run has no
+floor). The defaults depend on the device (`default_workload`, `runnable_paths`): a CPU run is a
+short smoke test of every path that runs there, not a measurement.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
 PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
+# The default workload per device: the GPU one takes minutes per path on a CPU, where nothing is
+# measured anyway (no CUDA events, no floor): there it only shows that every path runs.
+WORKLOADS = {"cuda": dict(shape="llama3.2-1b", requests=64, prompt=128, new=256),
+             "cpu": dict(shape="tiny", requests=8, prompt=32, new=32)}
+HF_ASYNC_DEVICES = ("cuda", "xpu")  # transformers' async batching refuses other devices
 ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
              "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False},
              "noprefill": {"prefill_graphs": False}}
@@ -51,6 +58,27 @@ def check_paths(paths, mixed: bool = False) -> None:
                              "(ours with -ref/-unfused/-noew/-eager/-noprefill)")
         if mixed and path in PATHS[:3]:
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_workload(device: torch.device) -> dict:
+    """shape, requests, prompt and new tokens of the default run on `device` (non-CUDA: the CPU's)."""
+    return dict(WORKLOADS["cuda" if device.type == "cuda" else "cpu"])
+
+
+def runnable_paths(paths, device: torch.device) -> tuple[tuple[str, ...], list[str]]:
+    """The paths that can run on `device`, and a one-line note for each one left out."""
+    kept, notes = [], []
+    for path in paths:
+        if path == "hf-cb-async" and device.type not in HF_ASYNC_DEVICES:
+            notes.append(f"skipped {path}: transformers' async batching needs a device in {HF_ASYNC_DEVICES}, "
+                         f"not {device.type}")
+        else:
+            kept.append(path)
+    return tuple(kept), notes
 
 
 @dataclass
@@ -81,10 +109,10 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
-    """Bytes per second of a device-to-device copy, read + write counted."""
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
+    """Bytes per second of a device-to-device copy, read + write counted; None (not measured) off CUDA."""
     if device.type != "cuda":
-        return float("nan")
+        return None
     src = torch.randn(int(gib * 2**30 / 4), device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -124,6 +152,7 @@ def _sync(device):
 # --sample: what every path draws with instead of greedy picks (ours seeded, so reproducible). top_k
 # is explicit: generate's default (GenerationConfig.top_k = 50) would apply to stock and HF only.
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
+HF_PAGE = 256  # transformers' continuous batching: tokens per page (its default)
 
 
 def run_path(path: str, model, prompts: list[list[int]], new, config=None, sample: bool = False) -> Result:
@@ -149,7 +178,14 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         gcfg = GenerationConfig(max_new_tokens=new, eos_token_id=None, pad_token_id=0, **decoding)
-        cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"))
+        sizing = {}
+        if device.type == "cpu":
+            # Else HF sizes its cache from the host's free RAM and its step for 8192 tokens, and fills
+            # those tensors (with their attention mask) for tens of seconds: the workload's pages and our step budget.
+            lengths = new if isinstance(new, list) else [new] * len(prompts)
+            sizing["num_blocks"] = sum(-(-(len(p) + n) // HF_PAGE) for p, n in zip(prompts, lengths))
+            sizing["max_batch_tokens"] = config.max_batch_tokens if config is not None else 512
+        cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"), page_size=HF_PAGE, **sizing)
         outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
         tokens = sum(len(o.generated_tokens) for o in outs.values())
     else:
@@ -198,17 +234,20 @@ def mixed_workload(requests: int, vocab: int, lo: int = 64, hi: int = 1024) -> t
 
 def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=None, dtype=None,
         config=None, mixed: bool = False, sample: bool = False) -> dict:
+    """Every path on one workload. The floor fields are None where there is no floor: off CUDA (no
+    bandwidth measured) and for the mixed workload (no single step shape)."""
     check_paths(paths, mixed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = build_model(shape, device, dtype)
     bandwidth = copy_bandwidth(device)
+    floor = None
     if mixed:
         prompts, new = mixed_workload(requests, model.config.vocab_size)
-        floor = float("nan")  # no single step shape: compare the paths with each other
     else:
         prompts = _prompts(requests, prompt, model.config.vocab_size)
-        floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
+        if bandwidth is not None:
+            floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
         run_path(path, model, prompts[:2], 2, config, sample)
@@ -217,26 +256,48 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
         prompt, new = "64..1024", "64..1024"
     return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "sample": sample, "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12, "floor_ms_per_step": floor,
-            "floor_tokens_per_s": requests / floor * 1e3, "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s}
-                                                                      for r in results]}
+            "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12 if bandwidth is not None else None,
+            "floor_ms_per_step": floor, "floor_tokens_per_s": requests / floor * 1e3 if floor is not None else None,
+            "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}
+
+
+def _cell(value, fmt: str) -> str | None:
+    return None if value is None else format(value, fmt)
+
+
+# (title, cell of a result row, given the report's floor in tok/s or None). A column no row has a
+# value for is left out (on a CPU: the floor, the CUDA-event timings and peak memory).
+COLUMNS = (
+    ("tokens/s", lambda r, floor: f"{r['tokens_per_s']:,.0f}"),
+    ("% of floor", lambda r, floor: None if floor is None else f"{100 * r['tokens_per_s'] / floor:.1f}%"),
+    ("s", lambda r, floor: f"{r['seconds']:.1f}"),
+    ("steps", lambda r, floor: _cell(r["steps"], "d")),
+    ("decode ms/step", lambda r, floor: _cell(r["decode_ms_per_step"], ".2f")),
+    ("GPU busy (decode)", lambda r, floor: _cell(r["gpu_busy"] and 100 * r["gpu_busy"], ".1f")),
+    ("peak GiB", lambda r, floor: _cell(r["peak_memory_gib"], ".1f")),
+    ("warm-up s", lambda r, floor: _cell(r["extra"].get("warmup_s"), ".1f")),
+)
 
 
 def format_table(report: dict) -> str:
+    """A markdown table, a row per path, under a line naming the workload, the device and the floor."""
+    floor = report.get("floor_tokens_per_s")
+    if report.get("bandwidth_tb_s") is None:
+        bound = f"copy bandwidth and floor not measured on {report['device']} (they need CUDA)"
+    elif floor is None:
+        bound = f"copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; no floor for the mixed workload"
+    else:
+        bound = (f"copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; floor {report['floor_ms_per_step']:.2f} "
+                 f"ms/step = {floor:,.0f} tok/s")
+    cells = [[cell(r, floor) for _, cell in COLUMNS] for r in report["results"]]
+    shown = [i for i in range(len(COLUMNS)) if any(row[i] is not None for row in cells)]
     lines = [
         f"{report['shape']}, {report['requests']} requests x prompt {report['prompt']} x {report['new']} new"
         f"{', sampled ' + str(SAMPLING) if report.get('sample') else ''}, "
-        f"{report['dtype']} on {report['gpu']}; copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; floor "
-        f"{report['floor_ms_per_step']:.2f} ms/step = {report['floor_tokens_per_s']:,.0f} tok/s",
-        "| path | tokens/s | % of floor | s | steps | decode ms/step | GPU busy (decode) | peak GiB | warm-up s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{report['dtype']} on {report['gpu']}; {bound}",
+        "| path | " + " | ".join(COLUMNS[i][0] for i in shown) + " |",
+        "|---|" + "---|" * len(shown),
     ]
-    for r in report["results"]:
-        def f(v, fmt):
-            return "-" if v is None else format(v, fmt)
-        pct = 100 * r["tokens_per_s"] / report["floor_tokens_per_s"]  # nan for the mixed workload
-        lines.append(f"| {r['path']} | {r['tokens_per_s']:,.0f} | {'-' if pct != pct else f'{pct:.1f}%'} | {r['seconds']:.1f} | "
-                     f"{f(r['steps'], 'd')} | {f(r['decode_ms_per_step'], '.2f')} | "
-                     f"{f(r['gpu_busy'] and 100 * r['gpu_busy'], '.1f')} | {f(r['peak_memory_gib'], '.1f')} | "
-                     f"{f(r['extra'].get('warmup_s'), '.1f')} |")
+    for r, row in zip(report["results"], cells):
+        lines.append(f"| {r['path']} | " + " | ".join("-" if row[i] is None else row[i] for i in shown) + " |")
     return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""The command line on a CPU-only machine: the default bench runs (without the paths the CPU cannot
+run, with no NaN), every option's default is in --help, the demo labels its runs and says when it
+converts SmolLM2 once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_async_cb import cli
+from hf_async_cb.tools import bench, demo_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_bench_runs_on_a_cpu_only_machine():
+    """`python -m hf_async_cb bench` with no argument, as a user on a laptop would type it."""
+    # One thread: on shared cores, two OpenMP threads contending make a tiny model's steps ~100x slower.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-m", "hf_async_cb", "bench"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "skipped hf-cb-async: transformers' async batching needs a device in ('cuda', 'xpu'), not cpu" in out
+    assert "--shape tiny, --requests 8, --prompt 32, --new 32" in out
+    assert "nan" not in out.lower() and "not measured on cpu" in out and "% of floor" not in out
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "path" not in line]
+    assert rows == ["| stock", "| hf-cb-sync", "| sync", "| async"]
+
+
+def test_paths_the_device_cannot_run_are_dropped_with_a_note():
+    kept, notes = bench.runnable_paths(bench.PATHS, torch.device("cpu"))
+    assert kept == ("stock", "hf-cb-sync", "sync", "async") and len(notes) == 1 and "hf-cb-async" in notes[0]
+    assert bench.runnable_paths(bench.PATHS, torch.device("cuda")) == (bench.PATHS, [])
+    assert bench.default_workload(torch.device("cpu"))["shape"] == "tiny"
+    assert bench.default_workload(torch.device("cuda"))["shape"] == "llama3.2-1b"
+
+
+def _report(bandwidth: float | None, floor_ms: float | None) -> dict:
+    result = dict(path="sync", seconds=2.0, tokens=64, steps=8, gpu_busy=None, decode_ms_per_step=None,
+                  peak_memory_gib=None, extra={"warmup_s": 1.0}, tokens_per_s=32.0)
+    return dict(shape="tiny", requests=4, prompt=8, new=16, sample=False, device="cpu", gpu="cpu",
+                dtype="torch.float32", bandwidth_tb_s=bandwidth, floor_ms_per_step=floor_ms,
+                floor_tokens_per_s=None if floor_ms is None else 4 / floor_ms * 1e3, results=[result])
+
+
+def test_table_has_a_floor_only_where_one_was_measured():
+    cpu = bench.format_table(_report(None, None))
+    assert "nan" not in cpu.lower() and "not measured on cpu" in cpu and "floor |" not in cpu
+    assert "GPU busy" not in cpu and "| sync | 32 | 2.0 | 8 | 1.0 |" in cpu  # columns no row fills are left out
+    gpu = bench.format_table(_report(4.0, 0.5))
+    assert "copy bandwidth 4.00 TB/s; floor 0.50 ms/step = 8,000 tok/s" in gpu and "| 0.4% |" in gpu
+    mixed = bench.format_table(_report(4.0, None))
+    assert "no floor for the mixed workload" in mixed and "nan" not in mixed.lower()
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_help_shows_every_default(capsys):
+    assert "later" not in _help(capsys) and "`bench`" in _help(capsys)
+    text = _help(capsys, "bench")
+    for expected in ("--page-size PAGE_SIZE KV-cache page size of our paths (default: 16)", "(default: 2048)",
+                     "(default: llama3.2-1b on CUDA, tiny on the CPU)", "(default: 64 on CUDA, 8 on the CPU)",
+                     "less the paths the device cannot run", "progress bars (default: True)"):
+        assert expected in text
+    assert "default: None" not in text
+    text = _help(capsys, "profile")
+    assert "(default: tiny)" in text and "(default: 16)" in text and "(default: timeline.png)" in text
+    assert "(default: 64)" in _help(capsys, "demo")
+
+
+def test_cuda_graphs_help_says_what_the_config_does(capsys):
+    from hf_async_cb.config import BatchingConfig
+
+    assert BatchingConfig().cuda_graphs is None  # None: on CUDA only (Engine), which the help must say
+    text = _help(capsys, "bench")
+    assert "Default: on when the device is CUDA, off elsewhere" in text and "prefill and mixed steps" in text
+
+
+def test_demo_says_it_converts_once_then_labels_each_run(capsys, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(demo_model, "needs_conversion", lambda: True)
+    monkeypatch.setattr(demo_model, "load_smollm2", lambda **kw: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        cli.main(["demo", "--device", "cpu"])
+    assert "First run: converting SmolLM2's GGUF file once to" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not demo_model.is_available(), reason="SmolLM2 is not installed")
+def test_demo_labels_each_run(capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as above: shared cores
+    try:
+        assert cli.main(["demo", "--device", "cpu", "--max-new-tokens", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    for line in ("[1/3] stock generate: 8 prompts", '[2/3] batching="sync": 8 prompts', '[3/3] batching="async"'):
+        assert line in out
+
+
+def test_conversion_is_logged_at_info_with_an_honest_estimate(tmp_path, monkeypatch, caplog):
+    """load_smollm2's first call, with transformers' loaders faked: one INFO line, no WARNING."""
+    import transformers
+
+    class Fake:
+        config = types.SimpleNamespace(quantization_config=None)
+        hf_quantizer = None
+        padding_side = "right"
+
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            return cls()
+
+        def save_pretrained(self, path: Path) -> None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(path, "config.json").write_text("{}")
+
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+    monkeypatch.setenv("HF_ASYNC_CB_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_model, "gguf_path", lambda: tmp_path / demo_model.GGUF_NAME)
+    monkeypatch.setattr(transformers, "AutoModelForCausalLM", Fake)
+    monkeypatch.setattr(transformers, "AutoTokenizer", Fake)
+    with caplog.at_level(logging.DEBUG, logger=demo_model.__name__):
+        demo_model.load_smollm2()
+    records = [r for r in caplog.records if r.name == demo_model.__name__]
+    assert [r.levelno for r in records] == [logging.INFO] and "a few seconds" in records[0].getMessage()
+    assert not demo_model.needs_conversion()
