@@ -27,6 +27,17 @@ def test_greedy_packed_is_argmax_and_its_log_softmax(rows, vocab, dtype):
     torch.testing.assert_close(got[1].view(torch.float64), expected[1].view(torch.float64), rtol=1e-5, atol=1e-5)
 
 
+def test_greedy_packed_picks_nan_and_infinities_as_torch_argmax():
+    """A NaN row takes its first NaN (torch's argmax), an all -inf row token 0, +inf its first +inf."""
+    logits = torch.randn(4, 3000)
+    logits[0, [2500, 17]] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, [900, 2999]] = float("inf")
+    got = greedy_packed(logits.to(DEVICE))
+    assert got[0].tolist()[:3] == logits.argmax(-1).tolist()[:3] == [17, 0, 900]
+    assert torch.isnan(got[1, :3].view(torch.float64)).all()
+
+
 def test_greedy_packed_reads_strided_rows():
     logits = torch.randn(4, 3000, device=DEVICE)[:, :2999]
     got = greedy_packed(logits)
@@ -35,10 +46,10 @@ def test_greedy_packed_reads_strided_rows():
 
 def test_kernels_compile_for_sm90():
     """The greedy and K/V store kernels compile for an H200 (no GPU needed), without the interpreter."""
-    parts = {"logits_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "vocab": "i32",
-             "stride_row": "i64", "chunk": "i32"}
-    merge = {"max_ptr": "*fp32", "idx_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64",
-             "vocab": "i32"}
+    parts = {"logits_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "sum_ptr": "*fp32",
+             "vocab": "i32", "stride_row": "i64", "chunk": "i32"}
+    merge = {"max_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64",
+             "logprobs_ptr": "*fp64", "vocab": "i32"}
     store = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
     store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_pool_t "
                                                               "stride_pool_h".split()})

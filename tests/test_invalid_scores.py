@@ -174,10 +174,6 @@ def test_greedy_nan_scores_give_stock_tokens(mode):
     assert torch.equal(got, expected) and int(got[1, 6]) == 5
 
 
-# Until Pipeline._update (engine/pipeline.py) raises on INVALID_TOKEN, the host appends it: nothing is
-# raised, and a later step the host builds feeds -1 to the embedding (IndexError; on CUDA an assert).
-@pytest.mark.xfail(raises=(pytest.fail.Exception, IndexError), strict=True,
-                   reason="the host check in engine/pipeline.py (Pipeline._update) is not in yet")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sampled_nan_scores_fail_the_request_as_stock_does(mode):
     """Also: the async loop carries the marked token into the next step without an index error."""

@@ -37,6 +37,7 @@ from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.sampling.sampler import INVALID_TOKEN, invalid_scores_error
 
 
 @dataclass
@@ -178,6 +179,8 @@ class Pipeline:
             if req.is_finished:
                 self.num_discarded += 1  # it ended in the step before; this token was speculative
                 continue
+            if token == INVALID_TOKEN:  # NaN / inf / nothing kept in a sampled row: stock raises too
+                raise invalid_scores_error(req.request_id, len(req.output_token_ids))
             if req.append_token(token, logprob):
                 self.scheduler.finish(req)
                 finished.append(req)

@@ -41,7 +41,7 @@ def merged_exp_sum(m, total):
 
 
 @triton.jit
-def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_row, chunk,
+def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, stride_row, chunk,
                          NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -51,10 +51,12 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_ro
     m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK], dtype=tl.float32)
     idx = tl.zeros([BLOCK], dtype=tl.int32)
+    nan_at = tl.zeros([BLOCK], dtype=tl.int32) + vocab  # each lane's first NaN: torch.argmax picks NaN
     base = logits_ptr + row.to(tl.int64) * stride_row
     for off in range(start, stop, BLOCK):
         cols = off + lanes
         x = tl.load(base + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
+        nan_at = tl.minimum(nan_at, tl.where(x != x, cols, vocab))
         idx = tl.where(x > m, cols, idx)  # strictly greater: each lane keeps its first maximum
         m, s = online_exp_sum(m, s, x)
     best, total, _ = merged_exp_sum(m, s)
@@ -62,19 +64,25 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, vocab, stride_ro
     out = row * NUM_PARTS + part
     tl.store(max_ptr + out, best)
     tl.store(idx_ptr + out, first)
+    tl.store(nan_ptr + out, tl.min(nan_at, 0))
     tl.store(sum_ptr + out, total)
 
 
 @triton.jit
-def _greedy_merge_kernel(max_ptr, idx_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab, NUM_PARTS: tl.constexpr):
+def _greedy_merge_kernel(max_ptr, idx_ptr, nan_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab,
+                         NUM_PARTS: tl.constexpr):
     row = tl.program_id(0)
     parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
     m = tl.load(max_ptr + parts)
     best, total, _ = merged_exp_sum(m, tl.load(sum_ptr + parts))
     first = tl.min(tl.where(m == best, tl.load(idx_ptr + parts), vocab), 0)
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
+    first_nan = tl.min(tl.load(nan_ptr + parts), 0)
+    first = tl.where(first_nan < vocab, first_nan, first)  # a NaN wins, as in torch.argmax
+    logprob = tl.where((first_nan < vocab) | (best == float("inf")) | (best == float("-inf")), float("nan"),
+                       -tl.log(total))  # log_softmax's NaN
     tl.store(tokens_ptr + row, first.to(tl.int64))
-    tl.store(logprobs_ptr + row, (-tl.log(total)).to(tl.float64))
+    tl.store(logprobs_ptr + row, logprob.to(tl.float64))
 
 
 def split_rows(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
@@ -95,9 +103,9 @@ def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
         return out
     parts, chunk = split_rows(rows, vocab, logits.device)
     partial = torch.empty(2, rows * parts, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
-    _greedy_parts_kernel[(rows, parts)](logits, partial[0], idx, partial[1], vocab, logits.stride(0), chunk,
-                                        NUM_PARTS=parts, BLOCK=BLOCK)
-    _greedy_merge_kernel[(rows,)](partial[0], idx, partial[1], out[0], out[1].view(torch.float64), vocab,
+    idx = torch.empty(2, rows * parts, dtype=torch.int32, device=logits.device)  # argmax, first NaN
+    _greedy_parts_kernel[(rows, parts)](logits, partial[0], idx[0], idx[1], partial[1], vocab, logits.stride(0),
+                                        chunk, NUM_PARTS=parts, BLOCK=BLOCK)
+    _greedy_merge_kernel[(rows,)](partial[0], idx[0], idx[1], partial[1], out[0], out[1].view(torch.float64), vocab,
                                   NUM_PARTS=parts)
     return out

@@ -45,6 +45,11 @@ CAP = 2048  # the search stops once this few scores are left around the edge, an
 CPU_CAP = 32  # the interpreter's (its sort is slow; more search rounds over a small vocabulary are not)
 
 
+# Per-row parameters are views into the step's packed upload, at offsets that change from step to
+# step: specialising on their alignment would compile new variants mid-run (they are scalar loads).
+_CUT_POINTERS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "do_sample_ptr"]
+_DRAW_POINTERS = ["temperature_ptr", "do_sample_ptr", "seed_ptr", "index_ptr"]
+
 @triton.jit
 def _score_key(s):
     """Order-preserving int32 key of float32 scores; -0.0 and +0.0 share the key 0."""
@@ -129,7 +134,7 @@ def _bracket_sorted(base, vocab, temperature, floor, lo, hi, cand_ptr, CAP: tl.c
     return tl.sort(ranked, descending=True), n
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_CUT_POINTERS)
 def _cut_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, do_sample_ptr,
                 cut_ptr, cand_ptr, BLOCK: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0)
@@ -233,7 +238,7 @@ def _row_keys(seed, index):
     return (x & 0xFFFFFFFF).to(tl.uint32), (x >> 32).to(tl.uint32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_DRAW_POINTERS)
 def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do_sample_ptr, seed_ptr, index_ptr,
                        cut_ptr, value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr,
                        NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):

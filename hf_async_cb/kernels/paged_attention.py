@@ -29,7 +29,8 @@ from hf_async_cb.model.step_metadata import StepMetadata
 NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     block_table_ptr, query_start_ptr, context_lens_ptr,

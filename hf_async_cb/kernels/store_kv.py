@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
                      stride_kh, stride_kt, stride_vh, stride_vt, stride_pool_t, stride_pool_h,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
