@@ -21,22 +21,29 @@ import asyncio
 import logging
 import queue
 import threading
+from typing import AsyncIterator, Iterator
 
 from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
 from hf_async_cb.errors import explain_out_of_memory
 
 logger = logging.getLogger(__name__)
 
-_END = object()
-
 
 class RequestHandle:
-    """A request submitted to the background loop."""
+    """A request submitted to the background loop.
+
+    Its tokens are kept (not consumed by a reader): every iterator and every astream() starts from
+    the first token and keeps its own position, so any number of readers, concurrent or coming
+    after the end, each see the whole stream, and each gets the request's error at its end.
+    """
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.error: BaseException | None = None
-        self._tokens: queue.Queue = queue.Queue()
+        self._tokens: list[int] = []
+        self._ended = False
+        self._changed = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._done = threading.Event()
         self._abort = False
 
@@ -50,39 +57,105 @@ class RequestHandle:
 
     # called on the loop thread
     def _on_token(self, request: Request, token: int) -> None:
-        self._tokens.put(token)
+        with self._changed:
+            self._tokens.append(token)
+            self._changed.notify_all()
+            if self._async_waiters:
+                self._wake_async()
 
     def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
+        with self._changed:
+            if self._ended:
+                return
+            self.error = error
+            self._ended = True
+            self._changed.notify_all()
+            self._wake_async()
         self._done.set()
-        self._tokens.put(_END)
+
+    def _wake_async(self) -> None:
+        """Wake the astream() readers waiting on their event loops (called holding the condition)."""
+        for loop, waiter in self._async_waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, waiter)
+            except RuntimeError:  # that event loop is closed: nobody waits there any more
+                pass
+        self._async_waiters.clear()
+
+    def _failure(self) -> RuntimeError:
+        return RuntimeError(f"request {self.request_id} failed: {self.error!r}")
+
+    def _read_from(self, position: int) -> tuple[list[int], bool]:
+        """The tokens from `position` on and whether the stream has ended; blocks until there is either."""
+        with self._changed:
+            while position >= len(self._tokens) and not self._ended:
+                self._changed.wait()
+            return self._tokens[position:], self._ended
 
     # called by users
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
+        position = 0
         while True:
-            item = self._tokens.get()
-            if item is _END:
+            new, ended = self._read_from(position)
+            if new:
+                position += len(new)
+                yield from new
+            elif ended:
                 if self.error is not None:
-                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+                    raise self._failure() from self.error
                 return
-            yield item
 
-    async def astream(self):
-        loop = asyncio.get_running_loop()
-        while True:
-            item = await loop.run_in_executor(None, self._tokens.get)
-            if item is _END:
-                if self.error is not None:
-                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
-                return
-            yield item
+    def astream(self) -> AsyncIterator[int]:
+        """The tokens as an asyncio iterator. A cancelled wait for the next token (a timeout) takes
+        nothing: the same iterator then goes on from where it was."""
+        return _AsyncTokens(self)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
         if self.error is not None:
-            raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+            raise self._failure() from self.error
         return self.request.to_output()
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _AsyncTokens:
+    """An iterator object rather than an async generator: a cancelled __anext__ leaves an async
+    generator closed, while this one keeps its position and can be awaited again."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._position = 0
+
+    def __aiter__(self) -> "_AsyncTokens":
+        return self
+
+    async def __anext__(self) -> int:
+        handle = self._handle
+        while True:
+            with handle._changed:
+                if self._position < len(handle._tokens):
+                    self._position += 1  # taken only here, where no await can cancel the return
+                    return handle._tokens[self._position - 1]
+                if handle._ended:
+                    if handle.error is not None:
+                        raise handle._failure() from handle.error
+                    raise StopAsyncIteration
+                loop = asyncio.get_running_loop()
+                waiter = loop.create_future()
+                entry = (loop, waiter)
+                handle._async_waiters.append(entry)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():  # cancelled: forget this waiter
+                    with handle._changed:
+                        if entry in handle._async_waiters:
+                            handle._async_waiters.remove(entry)
 
 
 class BackgroundLoop:
