@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from models import generated_rows, random_prompts, stock_generate, tiny_model
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
 
@@ -245,3 +245,46 @@ def test_a_cancelled_wait_loses_no_token(engine):
     tokens, timeouts = _in_thread(lambda: asyncio.run(asyncio.wait_for(read(), 30)), 35)
     assert timeouts >= 3
     assert tokens == handle.result(timeout=30).output_token_ids == stock_rows([prompt], 10)[0]
+
+
+class Gate(LogitsProcessor):
+    """Holds the loop inside a step until released, so that requests added meanwhile join the same step."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        self.entered.set()
+        assert self.release.wait(30)
+        return scores
+
+
+class CriterionFails(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise ValueError("criterion failed")
+
+
+class ProcessorFails(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        raise ValueError("processor failed")
+
+
+@pytest.mark.parametrize("fault", ["criterion", "processor"])
+def test_a_fault_fails_only_its_request(engine, fault):
+    """B's criterion (or processor) raises in the step where A ends: only B fails."""
+    gate = Gate()
+    held_prompt, a_prompt, b_prompt = random_prompts(3, 5, 12, seed=82)
+    held = engine.add_request(held_prompt, max_new_tokens=4, eos_token_ids=(2,),
+                              logits_processor=LogitsProcessorList([gate]))
+    assert gate.entered.wait(30)
+    a = engine.add_request(a_prompt, max_new_tokens=1)
+    b = engine.add_request(b_prompt, max_new_tokens=8, **(
+        dict(stopping_criteria=StoppingCriteriaList([CriterionFails()])) if fault == "criterion"
+        else dict(logits_processor=LogitsProcessorList([ProcessorFails()]))))
+    gate.release.set()
+    with pytest.raises(RuntimeError, match=f"{fault} failed"):
+        b.result(timeout=30)
+    out = a.result(timeout=30)
+    assert out.finish_reason is FinishReason.LENGTH and out.output_token_ids == stock_rows([a_prompt], 1)[0]
+    assert held.result(timeout=30).output_token_ids == stock_rows([held_prompt], 4)[0]
+    assert list(a) == out.output_token_ids

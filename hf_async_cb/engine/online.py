@@ -10,8 +10,9 @@
 
 Requests join the running batches at the next step. Aborts and new requests are applied by the
 loop thread between steps; a request aborted while a step computing it is in flight simply has
-that token dropped. An exception inside a step fails the requests that were active (each handle
-re-raises it), and the loop goes on serving new ones. While the loop runs, the model's attention
+that token dropped. A request's own logits processor or stopping criterion raising fails that
+request alone (its handle re-raises the error); an exception of the step itself fails the requests
+that were active, and the loop goes on serving new ones. While the loop runs, the model's attention
 is routed to the engine: do not run the model elsewhere meanwhile.
 """
 
@@ -208,7 +209,7 @@ class BackgroundLoop:
                     self._wake.clear()
                     continue
                 try:
-                    finished = self.pipeline.step()
+                    finished = self.pipeline.step(isolate_faults=True)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
                     logger.exception("a step failed; failing its requests")
                     self.pipeline.abandon()
@@ -217,7 +218,7 @@ class BackgroundLoop:
                 for req in finished:
                     handle = self._active.pop(id(req), None)
                     if handle is not None:
-                        handle._finish()
+                        handle._finish(req.error)
 
     def _admit(self) -> None:
         while True:
