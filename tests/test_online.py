@@ -5,6 +5,7 @@ the shared tiny model and each engine on a copy of it."""
 
 import asyncio
 import copy
+import gc
 import threading
 import time
 
@@ -227,6 +228,8 @@ class Slow(LogitsProcessor):
 
 
 def test_a_cancelled_wait_loses_no_token(engine):
+    """wait_for() timing out on astream()'s next token, again and again: the same iterator then
+    goes on, and no token is lost."""
     prompt = random_prompts(1, 5, 20, seed=81)[0]
     handle = engine.add_request(prompt, max_new_tokens=10, eos_token_ids=(2,),
                                 logits_processor=LogitsProcessorList([Slow()]))
@@ -288,3 +291,25 @@ def test_a_fault_fails_only_its_request(engine, fault):
     assert out.finish_reason is FinishReason.LENGTH and out.output_token_ids == stock_rows([a_prompt], 1)[0]
     assert held.result(timeout=30).output_token_ids == stock_rows([held_prompt], 4)[0]
     assert list(a) == out.output_token_ids
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_dropped_engine_stops_its_loop_and_gives_the_model_back(mode):
+    """An engine dropped without shutdown(): its loop aborts what it held and ends, and the model
+    gets its own attention back."""
+    model = own_model()
+    implementation = model.config._attn_implementation
+    prompts = random_prompts(2, 5, 12, seed=83)
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    handle = engine.add_request(prompts[0], max_new_tokens=400)
+    next(iter(handle))  # running
+    thread = engine._background.thread
+    del engine
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert model.config._attn_implementation == implementation != "hf_async_cb_paged"
+    assert handle.result(timeout=1).finish_reason is FinishReason.ABORTED
+    assert torch.equal(stock_generate(model, prompts, max_new_tokens=6),
+                       stock_generate(tiny_model("llama"), prompts, max_new_tokens=6))

@@ -13,7 +13,9 @@ loop thread between steps; a request aborted while a step computing it is in fli
 that token dropped. A request's own logits processor or stopping criterion raising fails that
 request alone (its handle re-raises the error); an exception of the step itself fails the requests
 that were active, and the loop goes on serving new ones. While the loop runs, the model's attention
-is routed to the engine: do not run the model elsewhere meanwhile.
+is routed to the engine: do not run the model elsewhere meanwhile. An engine dropped without
+shutdown() is collected like any object: its loop then cancels what it holds, gives the model its
+attention back and ends.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from typing import AsyncIterator, Iterator
 
+from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
+from hf_async_cb.engine.runner import ModelRunner
+from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -159,96 +166,119 @@ class _AsyncTokens:
                             handle._async_waiters.remove(entry)
 
 
-class BackgroundLoop:
-    def __init__(self, engine, mode: str) -> None:
-        self.engine = engine
-        self.pipeline = engine.pipeline(mode)
-        self._intake: queue.Queue[RequestHandle] = queue.Queue()
-        self._active: dict[int, RequestHandle] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-        self._cancel = False
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="hf_async_cb-loop", daemon=True)
+class _Worker:
+    """What the loop thread runs. It holds the pipeline, scheduler and runner but never the engine,
+    so that an engine dropped without shutdown() can be collected; its finalizer then stops this."""
 
-    def start(self) -> None:
-        self.thread.start()
+    def __init__(self, pipeline: Pipeline, scheduler: Scheduler, runner: ModelRunner,
+                 config: BatchingConfig) -> None:
+        self.pipeline = pipeline
+        self.scheduler = scheduler
+        self.runner = runner
+        self.config = config
+        self.intake: queue.Queue[RequestHandle] = queue.Queue()
+        self.active: dict[int, RequestHandle] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.cancel = False
+        self.lock = threading.Lock()
 
-    def submit(self, handle: RequestHandle) -> None:
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
-            handle.request.on_token = handle._on_token
-            self._intake.put(handle)
-        self._wake.set()
+    def request_stop(self, cancel: bool) -> None:
+        with self.lock:
+            self.stopping = True
+            self.cancel = self.cancel or cancel
+        self.wake.set()
 
-    def abort(self, handle: RequestHandle) -> None:
-        handle._abort = True
-        self._wake.set()
-
-    def stop(self, cancel: bool, timeout: float | None) -> bool:
-        with self._lock:
-            self._stopping = True
-            self._cancel = cancel
-        self._wake.set()
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
-
-    # -- the loop thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        scheduler = self.engine.scheduler
-        with self.engine.runner.prepared():
+    def run(self) -> None:
+        pipeline, scheduler = self.pipeline, self.scheduler
+        with self.runner.prepared():
             while True:
                 self._admit()
-                self._apply_aborts(cancel_all=self._cancel)
-                busy = scheduler.has_work or bool(self.pipeline.in_flight)
+                self._apply_aborts(cancel_all=self.cancel)
+                busy = scheduler.has_work or bool(pipeline.in_flight)
                 if not busy:
-                    if self._stopping and self._intake.empty():
+                    if self.stopping and self.intake.empty():
                         break
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                    self.wake.wait(0.05)
+                    self.wake.clear()
                     continue
                 try:
-                    finished = self.pipeline.step(isolate_faults=True)
+                    finished = pipeline.step(isolate_faults=True)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
                     logger.exception("a step failed; failing its requests")
-                    self.pipeline.abandon()
-                    self._fail_active(explain_out_of_memory(error, self.engine.config))
+                    pipeline.abandon()
+                    self._fail_active(explain_out_of_memory(error, self.config))
                     continue
                 for req in finished:
-                    handle = self._active.pop(id(req), None)
+                    handle = self.active.pop(id(req), None)
                     if handle is not None:
                         handle._finish(req.error)
 
     def _admit(self) -> None:
         while True:
             try:
-                handle = self._intake.get_nowait()
+                handle = self.intake.get_nowait()
             except queue.Empty:
                 return
-            self._active[id(handle.request)] = handle
+            self.active[id(handle.request)] = handle
             try:
-                self.engine.scheduler.add(handle.request)
+                self.scheduler.add(handle.request)
             except ValueError as error:
-                self._active.pop(id(handle.request))
+                self.active.pop(id(handle.request))
                 handle._finish(error)
 
     def _apply_aborts(self, cancel_all: bool) -> None:
-        for key, handle in list(self._active.items()):
+        for key, handle in list(self.active.items()):
             if handle._abort or cancel_all:
                 req = handle.request
                 if not req.is_finished:
-                    self.engine.scheduler.finish(req, RequestStatus.ABORTED)
+                    self.scheduler.finish(req, RequestStatus.ABORTED)
                     req.finish_reason = FinishReason.ABORTED
-                del self._active[key]
+                del self.active[key]
                 handle._finish()
 
     def _fail_active(self, error: BaseException) -> None:
-        for handle in self._active.values():
+        for handle in self.active.values():
             req = handle.request
             if not req.is_finished:
-                self.engine.scheduler.finish(req, RequestStatus.ABORTED)
+                self.scheduler.finish(req, RequestStatus.ABORTED)
                 req.finish_reason = FinishReason.ABORTED
             req.num_pending = 0
             handle._finish(error)
-        self._active.clear()
+        self.active.clear()
+
+
+class BackgroundLoop:
+    """The engine's side of the loop thread: submit, abort, stop."""
+
+    def __init__(self, engine, mode: str) -> None:
+        self.engine = engine
+        self.pipeline = engine.pipeline(mode)
+        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config)
+        self.thread = threading.Thread(target=self._worker.run, name="hf_async_cb-loop", daemon=True)
+        # The engine collected while the loop runs: cancel what it holds and end the thread.
+        self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        worker = self._worker
+        with worker.lock:
+            if worker.stopping:
+                raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
+            handle.request.on_token = handle._on_token
+            worker.intake.put(handle)
+        worker.wake.set()
+
+    def abort(self, handle: RequestHandle) -> None:
+        handle._abort = True
+        self._worker.wake.set()
+
+    def stop(self, cancel: bool, timeout: float | None) -> bool:
+        self._worker.request_stop(cancel)
+        self.thread.join(timeout)
+        stopped = not self.thread.is_alive()
+        if stopped:
+            self._on_collected.detach()
+        return stopped
