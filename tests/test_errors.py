@@ -3,8 +3,8 @@
 import pytest
 import torch
 import transformers
-from models import left_pad, tiny_model
-from transformers import TextStreamer
+from models import generated_rows, left_pad, random_prompts, stock_generate, tiny_model
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
 
@@ -189,3 +189,53 @@ def test_model_bypassing_the_attention_interface_is_refused(model, monkeypatch):
     monkeypatch.setattr(attn, "forward", lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None))
     with pytest.raises(RuntimeError, match="1 of its 2 layers"):
         gen(m, torch.tensor([[5, 6]]), max_new_tokens=2)
+
+
+class CriterionFailsFor(StoppingCriteria):
+    """Raises for the rows that start with `prompt` only."""
+
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids[0, :len(self.prompt)].tolist() == self.prompt:
+            raise ValueError("user code failed")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class ProcessorFailsFor(CriterionFailsFor, LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        super().__call__(input_ids, scores)
+        return scores
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", ["criterion", "processor"])
+def test_a_request_failing_in_its_own_code_is_named_and_no_page_is_kept(model, mode, fault):
+    """B's criterion (or processor) raises in the step where A ends: the call raises B's error,
+    noted with B's id alone; A keeps its token; C, still running, is aborted; every page is free."""
+    engine = Engine(model, BatchingConfig(mode=mode))
+    a_prompt, b_prompt, c_prompt = random_prompts(3, 5, 12, seed=90)
+    hook = dict(stopping_criteria=StoppingCriteriaList([CriterionFailsFor(b_prompt)])) if fault == "criterion" \
+        else dict(logits_processor=LogitsProcessorList([ProcessorFailsFor(b_prompt)]))
+    a = engine.make_request(a_prompt, SamplingParams(max_new_tokens=1))
+    b = engine.make_request(b_prompt, SamplingParams(max_new_tokens=8), **hook)
+    c = engine.make_request(c_prompt, SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="user code failed") as caught:
+        engine.run([a, b, c])
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert b.request_id in notes and a.request_id not in notes and c.request_id not in notes
+    assert b.error is caught.value
+    expected = generated_rows(stock_generate(model, [a_prompt], max_new_tokens=1), len(a_prompt), pad=0, eos=())
+    assert a.finish_reason.value == "length" and a.output_token_ids == expected[0]
+    assert not engine.scheduler.has_work and engine.allocator.num_free == engine.allocator.num_pages
+    assert [o.output_token_ids for o in engine.generate([c_prompt], max_new_tokens=8)] == \
+        generated_rows(stock_generate(model, [c_prompt], max_new_tokens=8), len(c_prompt), pad=0, eos=())
+
+
+def test_generate_raises_a_failing_processor_s_error_as_stock_does(model):
+    ids = torch.tensor([[5, 6, 7]])
+    processors = LogitsProcessorList([ProcessorFailsFor([5, 6])])
+    for batching in ("off", "sync", "async"):
+        with pytest.raises(ValueError, match="user code failed"):
+            model.generate(ids, max_new_tokens=3, logits_processor=processors, batching=batching)

@@ -5,12 +5,14 @@ the shared tiny model and each engine on a copy of it."""
 
 import asyncio
 import copy
+import gc
 import threading
+import time
 
 import pytest
 import torch
 from models import generated_rows, random_prompts, stock_generate, tiny_model
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
 
@@ -158,3 +160,156 @@ def test_asyncio_producers_and_consumers(engine):
         return await asyncio.gather(*(client(p) for p in prompts))
 
     assert asyncio.run(main()) == expected
+
+
+def _in_thread(fn, timeout=30.0):
+    """fn() on a daemon thread: its result, or a failure instead of a hang if it blocks."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "the reader blocked"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _read_async(handle, timeout=30.0):
+    async def read():
+        return [tok async for tok in handle.astream()]
+
+    return _in_thread(lambda: asyncio.run(asyncio.wait_for(read(), timeout)), timeout + 5)
+
+
+def test_every_reader_sees_the_whole_stream(engine):
+    """Concurrent readers, and readers that come after the end, each get every token from the first."""
+    prompt = random_prompts(1, 5, 20, seed=79)[0]
+    handle = engine.add_request(prompt, max_new_tokens=16, eos_token_ids=(2,))
+    concurrent = [[] for _ in range(3)]
+    readers = [threading.Thread(target=out.extend, args=(handle,), daemon=True) for out in concurrent]
+    for r in readers:
+        r.start()
+    early_async = _read_async(handle)
+    for r in readers:
+        r.join(30)
+    assert not any(r.is_alive() for r in readers), "a concurrent reader blocked"
+    expected = handle.result(timeout=30).output_token_ids
+    assert expected == stock_rows([prompt], 16)[0]
+    again = [_in_thread(lambda: list(handle)) for _ in range(2)]
+    late_async = [_read_async(handle) for _ in range(2)]
+    assert concurrent + [early_async] + again + late_async == [expected] * 8
+
+
+def test_a_failure_reaches_every_reader(engine):
+    bad = engine.add_request(random_prompts(1, 6, 6, seed=80)[0], max_new_tokens=20,
+                             logits_processor=LogitsProcessorList([Explodes()]))
+    with pytest.raises(RuntimeError, match="processor exploded"):
+        bad.result(timeout=30)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="processor exploded"):
+            _in_thread(lambda: list(bad))
+        with pytest.raises(RuntimeError, match="processor exploded"):
+            _read_async(bad)
+
+
+class Slow(LogitsProcessor):
+    """Leaves the scores alone; makes each step take a while, so that waits time out mid-stream."""
+
+    def __call__(self, input_ids, scores):
+        time.sleep(0.02)
+        return scores
+
+
+def test_a_cancelled_wait_loses_no_token(engine):
+    """wait_for() timing out on astream()'s next token, again and again: the same iterator then
+    goes on, and no token is lost."""
+    prompt = random_prompts(1, 5, 20, seed=81)[0]
+    handle = engine.add_request(prompt, max_new_tokens=10, eos_token_ids=(2,),
+                                logits_processor=LogitsProcessorList([Slow()]))
+
+    async def read():
+        stream = handle.astream().__aiter__()
+        tokens, timeouts = [], 0
+        while True:
+            try:
+                tokens.append(await asyncio.wait_for(stream.__anext__(), 0.004))
+            except asyncio.TimeoutError:
+                timeouts += 1
+            except StopAsyncIteration:
+                return tokens, timeouts
+
+    tokens, timeouts = _in_thread(lambda: asyncio.run(asyncio.wait_for(read(), 30)), 35)
+    assert timeouts >= 3
+    assert tokens == handle.result(timeout=30).output_token_ids == stock_rows([prompt], 10)[0]
+
+
+class Gate(LogitsProcessor):
+    """Holds the loop inside a step until released, so that requests added meanwhile join the same step."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        self.entered.set()
+        assert self.release.wait(30)
+        return scores
+
+
+class CriterionFails(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise ValueError("criterion failed")
+
+
+class ProcessorFails(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        raise ValueError("processor failed")
+
+
+@pytest.mark.parametrize("fault", ["criterion", "processor"])
+def test_a_fault_fails_only_its_request(engine, fault):
+    """B's criterion (or processor) raises in the step where A ends: only B fails."""
+    gate = Gate()
+    held_prompt, a_prompt, b_prompt = random_prompts(3, 5, 12, seed=82)
+    held = engine.add_request(held_prompt, max_new_tokens=4, eos_token_ids=(2,),
+                              logits_processor=LogitsProcessorList([gate]))
+    assert gate.entered.wait(30)
+    a = engine.add_request(a_prompt, max_new_tokens=1)
+    b = engine.add_request(b_prompt, max_new_tokens=8, **(
+        dict(stopping_criteria=StoppingCriteriaList([CriterionFails()])) if fault == "criterion"
+        else dict(logits_processor=LogitsProcessorList([ProcessorFails()]))))
+    gate.release.set()
+    with pytest.raises(RuntimeError, match=f"{fault} failed"):
+        b.result(timeout=30)
+    out = a.result(timeout=30)
+    assert out.finish_reason is FinishReason.LENGTH and out.output_token_ids == stock_rows([a_prompt], 1)[0]
+    assert held.result(timeout=30).output_token_ids == stock_rows([held_prompt], 4)[0]
+    assert list(a) == out.output_token_ids
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_dropped_engine_stops_its_loop_and_gives_the_model_back(mode):
+    """An engine dropped without shutdown(): its loop aborts what it held and ends, and the model
+    gets its own attention back."""
+    model = own_model()
+    implementation = model.config._attn_implementation
+    prompts = random_prompts(2, 5, 12, seed=83)
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    handle = engine.add_request(prompts[0], max_new_tokens=400)
+    next(iter(handle))  # running
+    thread = engine._background.thread
+    del engine
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert model.config._attn_implementation == implementation != "hf_async_cb_paged"
+    assert handle.result(timeout=1).finish_reason is FinishReason.ABORTED
+    assert torch.equal(stock_generate(model, prompts, max_new_tokens=6),
+                       stock_generate(tiny_model("llama"), prompts, max_new_tokens=6))

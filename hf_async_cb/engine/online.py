@@ -10,9 +10,12 @@
 
 Requests join the running batches at the next step. Aborts and new requests are applied by the
 loop thread between steps; a request aborted while a step computing it is in flight simply has
-that token dropped. An exception inside a step fails the requests that were active (each handle
-re-raises it), and the loop goes on serving new ones. While the loop runs, the model's attention
-is routed to the engine: do not run the model elsewhere meanwhile.
+that token dropped. A request's own logits processor or stopping criterion raising fails that
+request alone (its handle re-raises the error); an exception of the step itself fails the requests
+that were active, and the loop goes on serving new ones. While the loop runs, the model's attention
+is routed to the engine: do not run the model elsewhere meanwhile. An engine dropped without
+shutdown() is collected like any object: its loop then cancels what it holds, gives the model its
+attention back and ends.
 """
 
 from __future__ import annotations
@@ -21,22 +24,34 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
+from typing import AsyncIterator, Iterator
 
+from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
+from hf_async_cb.engine.runner import ModelRunner
+from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 
 logger = logging.getLogger(__name__)
 
-_END = object()
-
 
 class RequestHandle:
-    """A request submitted to the background loop."""
+    """A request submitted to the background loop.
+
+    Its tokens are kept (not consumed by a reader): every iterator and every astream() starts from
+    the first token and keeps its own position, so any number of readers, concurrent or coming
+    after the end, each see the whole stream, and each gets the request's error at its end.
+    """
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.error: BaseException | None = None
-        self._tokens: queue.Queue = queue.Queue()
+        self._tokens: list[int] = []
+        self._ended = False
+        self._changed = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._done = threading.Event()
         self._abort = False
 
@@ -50,131 +65,220 @@ class RequestHandle:
 
     # called on the loop thread
     def _on_token(self, request: Request, token: int) -> None:
-        self._tokens.put(token)
+        with self._changed:
+            self._tokens.append(token)
+            self._changed.notify_all()
+            if self._async_waiters:
+                self._wake_async()
 
     def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
+        with self._changed:
+            if self._ended:
+                return
+            self.error = error
+            self._ended = True
+            self._changed.notify_all()
+            self._wake_async()
         self._done.set()
-        self._tokens.put(_END)
+
+    def _wake_async(self) -> None:
+        """Wake the astream() readers waiting on their event loops (called holding the condition)."""
+        for loop, waiter in self._async_waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, waiter)
+            except RuntimeError:  # that event loop is closed: nobody waits there any more
+                pass
+        self._async_waiters.clear()
+
+    def _failure(self) -> RuntimeError:
+        return RuntimeError(f"request {self.request_id} failed: {self.error!r}")
+
+    def _read_from(self, position: int) -> tuple[list[int], bool]:
+        """The tokens from `position` on and whether the stream has ended; blocks until there is either."""
+        with self._changed:
+            while position >= len(self._tokens) and not self._ended:
+                self._changed.wait()
+            return self._tokens[position:], self._ended
 
     # called by users
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
+        position = 0
         while True:
-            item = self._tokens.get()
-            if item is _END:
+            new, ended = self._read_from(position)
+            if new:
+                position += len(new)
+                yield from new
+            elif ended:
                 if self.error is not None:
-                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+                    raise self._failure() from self.error
                 return
-            yield item
 
-    async def astream(self):
-        loop = asyncio.get_running_loop()
-        while True:
-            item = await loop.run_in_executor(None, self._tokens.get)
-            if item is _END:
-                if self.error is not None:
-                    raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
-                return
-            yield item
+    def astream(self) -> AsyncIterator[int]:
+        """The tokens as an asyncio iterator. A cancelled wait for the next token (a timeout) takes
+        nothing: the same iterator then goes on from where it was."""
+        return _AsyncTokens(self)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
         if self.error is not None:
-            raise RuntimeError(f"request {self.request_id} failed: {self.error!r}") from self.error
+            raise self._failure() from self.error
         return self.request.to_output()
 
 
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _AsyncTokens:
+    """An iterator object rather than an async generator: a cancelled __anext__ leaves an async
+    generator closed, while this one keeps its position and can be awaited again."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._position = 0
+
+    def __aiter__(self) -> "_AsyncTokens":
+        return self
+
+    async def __anext__(self) -> int:
+        handle = self._handle
+        while True:
+            with handle._changed:
+                if self._position < len(handle._tokens):
+                    self._position += 1  # taken only here, where no await can cancel the return
+                    return handle._tokens[self._position - 1]
+                if handle._ended:
+                    if handle.error is not None:
+                        raise handle._failure() from handle.error
+                    raise StopAsyncIteration
+                loop = asyncio.get_running_loop()
+                waiter = loop.create_future()
+                entry = (loop, waiter)
+                handle._async_waiters.append(entry)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():  # cancelled: forget this waiter
+                    with handle._changed:
+                        if entry in handle._async_waiters:
+                            handle._async_waiters.remove(entry)
+
+
+class _Worker:
+    """What the loop thread runs. It holds the pipeline, scheduler and runner but never the engine,
+    so that an engine dropped without shutdown() can be collected; its finalizer then stops this."""
+
+    def __init__(self, pipeline: Pipeline, scheduler: Scheduler, runner: ModelRunner,
+                 config: BatchingConfig) -> None:
+        self.pipeline = pipeline
+        self.scheduler = scheduler
+        self.runner = runner
+        self.config = config
+        self.intake: queue.Queue[RequestHandle] = queue.Queue()
+        self.active: dict[int, RequestHandle] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.cancel = False
+        self.lock = threading.Lock()
+
+    def request_stop(self, cancel: bool) -> None:
+        with self.lock:
+            self.stopping = True
+            self.cancel = self.cancel or cancel
+        self.wake.set()
+
+    def run(self) -> None:
+        pipeline, scheduler = self.pipeline, self.scheduler
+        with self.runner.prepared("the background loop", serving=True):
+            while True:
+                self._admit()
+                self._apply_aborts(cancel_all=self.cancel)
+                busy = scheduler.has_work or bool(pipeline.in_flight)
+                if not busy:
+                    if self.stopping and self.intake.empty():
+                        break
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+                    continue
+                try:
+                    finished = pipeline.step(isolate_faults=True)
+                except BaseException as error:  # noqa: BLE001 - reported to every affected caller
+                    logger.exception("a step failed; failing its requests")
+                    pipeline.abandon()
+                    self._fail_active(explain_out_of_memory(error, self.config))
+                    continue
+                for req in finished:
+                    handle = self.active.pop(id(req), None)
+                    if handle is not None:
+                        handle._finish(req.error)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                handle = self.intake.get_nowait()
+            except queue.Empty:
+                return
+            self.active[id(handle.request)] = handle
+            try:
+                self.scheduler.add(handle.request)
+            except ValueError as error:
+                self.active.pop(id(handle.request))
+                handle._finish(error)
+
+    def _apply_aborts(self, cancel_all: bool) -> None:
+        for key, handle in list(self.active.items()):
+            if handle._abort or cancel_all:
+                req = handle.request
+                if not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.ABORTED)
+                    req.finish_reason = FinishReason.ABORTED
+                del self.active[key]
+                handle._finish()
+
+    def _fail_active(self, error: BaseException) -> None:
+        for handle in self.active.values():
+            req = handle.request
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.ABORTED)
+                req.finish_reason = FinishReason.ABORTED
+            req.num_pending = 0
+            handle._finish(error)
+        self.active.clear()
+
+
 class BackgroundLoop:
+    """The engine's side of the loop thread: submit, abort, stop."""
+
     def __init__(self, engine, mode: str) -> None:
         self.engine = engine
         self.pipeline = engine.pipeline(mode)
-        self._intake: queue.Queue[RequestHandle] = queue.Queue()
-        self._active: dict[int, RequestHandle] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-        self._cancel = False
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="hf_async_cb-loop", daemon=True)
+        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config)
+        self.thread = threading.Thread(target=self._worker.run, name="hf_async_cb-loop", daemon=True)
+        # The engine collected while the loop runs: cancel what it holds and end the thread.
+        self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, handle: RequestHandle) -> None:
-        with self._lock:
-            if self._stopping:
+        worker = self._worker
+        with worker.lock:
+            if worker.stopping:
                 raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
             handle.request.on_token = handle._on_token
-            self._intake.put(handle)
-        self._wake.set()
+            worker.intake.put(handle)
+        worker.wake.set()
 
     def abort(self, handle: RequestHandle) -> None:
         handle._abort = True
-        self._wake.set()
+        self._worker.wake.set()
 
     def stop(self, cancel: bool, timeout: float | None) -> bool:
-        with self._lock:
-            self._stopping = True
-            self._cancel = cancel
-        self._wake.set()
+        self._worker.request_stop(cancel)
         self.thread.join(timeout)
-        return not self.thread.is_alive()
-
-    # -- the loop thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        scheduler = self.engine.scheduler
-        with self.engine.runner.prepared("the background loop", serving=True):
-            while True:
-                self._admit()
-                self._apply_aborts(cancel_all=self._cancel)
-                busy = scheduler.has_work or bool(self.pipeline.in_flight)
-                if not busy:
-                    if self._stopping and self._intake.empty():
-                        break
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                try:
-                    finished = self.pipeline.step()
-                except BaseException as error:  # noqa: BLE001 - reported to every affected caller
-                    logger.exception("a step failed; failing its requests")
-                    self.pipeline.abandon()
-                    self._fail_active(explain_out_of_memory(error, self.engine.config))
-                    continue
-                for req in finished:
-                    handle = self._active.pop(id(req), None)
-                    if handle is not None:
-                        handle._finish()
-
-    def _admit(self) -> None:
-        while True:
-            try:
-                handle = self._intake.get_nowait()
-            except queue.Empty:
-                return
-            self._active[id(handle.request)] = handle
-            try:
-                self.engine.scheduler.add(handle.request)
-            except ValueError as error:
-                self._active.pop(id(handle.request))
-                handle._finish(error)
-
-    def _apply_aborts(self, cancel_all: bool) -> None:
-        for key, handle in list(self._active.items()):
-            if handle._abort or cancel_all:
-                req = handle.request
-                if not req.is_finished:
-                    self.engine.scheduler.finish(req, RequestStatus.ABORTED)
-                    req.finish_reason = FinishReason.ABORTED
-                del self._active[key]
-                handle._finish()
-
-    def _fail_active(self, error: BaseException) -> None:
-        for handle in self._active.values():
-            req = handle.request
-            if not req.is_finished:
-                self.engine.scheduler.finish(req, RequestStatus.ABORTED)
-                req.finish_reason = FinishReason.ABORTED
-            req.num_pending = 0
-            handle._finish(error)
-        self._active.clear()
+        stopped = not self.thread.is_alive()
+        if stopped:
+            self._on_collected.detach()
+        return stopped

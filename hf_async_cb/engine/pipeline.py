@@ -19,6 +19,12 @@ sample but not their values (they are carried over on the device). A request tha
 (EOS) may run once more in N+1; that token is dropped, never emitted or counted. Its pages are
 freed when N's tokens are processed; only steps queued after that can reuse them, and those run
 after N+1 on the compute stream, so no queued step reads a page after it changed hands.
+
+A request's own code (its logits processor, stopping criterion or token callback) raising fails
+that request alone: it ends ABORTED with the error in `request.error` (noted with its id) and its
+pages freed, the step's other requests are updated as usual, and then step() raises that error,
+unless the caller isolates faults (the online loop), which gets the request back among the
+finished ones instead.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
 from hf_async_cb.engine.io_slots import Download, IOSlot
 from hf_async_cb.engine.profiling import StepProfile
-from hf_async_cb.engine.requests import Request
+from hf_async_cb.engine.requests import FinishReason, Request, RequestStatus
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.sampling.sampler import INVALID_TOKEN, invalid_scores_error
@@ -47,6 +53,7 @@ class InFlight:
     download: Download
     keep_rows: list[int]
     kept: tuple[torch.Tensor, torch.Tensor] | None  # device (raw logits, processed scores) of keep_rows
+    faults: dict[int, Exception] | None  # row -> what its request's logits processor raised
 
 
 class Pipeline:
@@ -65,16 +72,20 @@ class Pipeline:
         self.record_step_times = False  # CUDA events around each step's compute (benchmarks)
         self.step_times: list[tuple[bool, object, object]] = []
         self.profile: StepProfile | None = None  # BatchingConfig(profile=True)
+        self.faults: list[Request] = []  # requests failed by their own code since the last step() returned
 
-    def step(self) -> list[Request]:
+    def step(self, isolate_faults: bool = False) -> list[Request]:
         """Queue the next step if there is one, then process the oldest step that must be; return
-        the requests that finished."""
+        the requests that finished. A request failed by its own code is among them with its
+        `error` set when `isolate_faults`; otherwise that error is raised once the step is processed."""
         launched = self._launch()
         keep = 1 if (self.overlap and launched) else 0
         completed = len(self.in_flight) > keep
         finished: list[Request] = []
         while len(self.in_flight) > keep:
             finished.extend(self._complete(self.in_flight.popleft()))
+        if self.faults:
+            self._report_faults(isolate_faults)
         if not launched and not completed and self.scheduler.has_work:
             raise RuntimeError(
                 "the scheduler made no progress: no request fits in the KV pool "
@@ -82,11 +93,18 @@ class Pipeline:
             )
         return finished
 
-    def drain(self) -> list[Request]:
+    def drain(self, isolate_faults: bool = False) -> list[Request]:
         finished: list[Request] = []
         while self.in_flight:
             finished.extend(self._complete(self.in_flight.popleft()))
+        if self.faults:
+            self._report_faults(isolate_faults)
         return finished
+
+    def _report_faults(self, isolate: bool) -> None:
+        faults, self.faults = self.faults, []
+        if not isolate:
+            raise faults[0].error
 
     def decode_busy_fraction(self) -> tuple[float | None, float | None]:
         """(busy fraction, ms per step) of the compute stream over the recorded decode-only steps:
@@ -155,7 +173,7 @@ class Pipeline:
             if self.profile is not None:
                 self.profile.gpu(self.num_steps, began, ended)
         self.in_flight.append(InFlight(inputs.sample_requests, sampled, slot.download(sampled, computed),
-                                       inputs.keep_rows, inputs.kept))
+                                       inputs.keep_rows, inputs.kept, inputs.faults))
         self.num_steps += 1
 
     def _complete(self, flight: InFlight) -> list[Request]:
@@ -165,7 +183,12 @@ class Pipeline:
             return self._update(flight, tokens, logprobs)
 
     def _update(self, flight: InFlight, tokens: list[int], logprobs: list[float]) -> list[Request]:
-        finished = []
+        finished: list[Request] = []
+        if flight.faults:  # their tokens are dropped below, as those of any request that ended
+            for row, error in flight.faults.items():
+                req = flight.sample_requests[row]
+                if not req.is_finished:
+                    self._fail(req, error, "logits processor", finished)
         if flight.kept is not None:
             with self.streams.on(self.streams.d2h):  # after the step's compute: the event above fired
                 raw, processed = (t.cpu() for t in flight.kept)
@@ -180,10 +203,25 @@ class Pipeline:
                 self.num_discarded += 1  # it ended in the step before; this token was speculative
                 continue
             if token == INVALID_TOKEN:  # NaN / inf / nothing kept in a sampled row: stock raises too
-                raise invalid_scores_error(req.request_id, len(req.output_token_ids))
-            if req.append_token(token, logprob):
-                self.scheduler.finish(req)
-                finished.append(req)
-            if req.on_token is not None:
-                req.on_token(req, token)
+                self._fail(req, invalid_scores_error(req.request_id, len(req.output_token_ids)), "scores",
+                           finished)
+                continue
+            try:  # free on 3.11+ when nothing raises
+                if req.append_token(token, logprob):
+                    self.scheduler.finish(req)
+                    finished.append(req)
+                if req.on_token is not None:
+                    req.on_token(req, token)
+            except Exception as error:  # the request's stopping criterion or callback: fail it alone
+                self._fail(req, error, "stopping criterion or token callback", finished)
         return finished
+
+    def _fail(self, req: Request, error: Exception, source: str, finished: list[Request]) -> None:
+        """End `req` (ABORTED, pages freed: no queued step reads them, as for EOS) with `error`."""
+        error.add_note(f"hf_async_cb: raised by the {source} of request {req.request_id}, which was aborted")
+        req.error = error
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.ABORTED)
+            req.finish_reason = FinishReason.ABORTED
+            finished.append(req)
+        self.faults.append(req)

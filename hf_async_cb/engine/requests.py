@@ -239,6 +239,9 @@ class Request:
     keep_scores: bool = False
     output_scores: list = field(default_factory=list)  # CPU [V] float32 per output token
     output_logits: list = field(default_factory=list)
+    # What this request's own logits processor, stopping criterion or token callback raised (it
+    # then ended ABORTED); None otherwise.
+    error: BaseException | None = None
 
     @property
     def num_known_tokens(self) -> int:

@@ -109,7 +109,13 @@ class ModelRunner:
             history = history.to(logits.device)
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
-            logits[row] = processor(history[None], logits[row : row + 1])[0]
+            try:
+                logits[row] = processor(history[None], logits[row : row + 1])[0]
+            except Exception as error:  # this request's own code: the pipeline fails it alone
+                if inputs.faults is None:
+                    inputs.faults = {}
+                inputs.faults[row] = error
+                logits[row] = 0.0  # a valid draw whatever the processor left; the token is dropped
         if inputs.keep_rows:
             # The slow path: output_scores / output_logits (rows kept on the device, read after the step).
             rows = inputs.keep_rows
