@@ -24,7 +24,7 @@ import torch
 
 import hf_async_cb
 from hf_async_cb.generate import runtime
-from hf_async_cb.kernels import compiled_variants
+from hf_async_cb.kernels import compiled_keys, compiled_variants
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model, copy_bandwidth, floor_ms_per_step
 
 
@@ -100,6 +100,7 @@ def main() -> None:
         for n in (1, 2, 4, 8, 16, 32, 64, 3, 12, 48):  # warm-up: every bucket once
             through_generate_ragged(model, batch(n), 64)
         compiles, captures, builds = compiled_variants(), rt.engine.graphs.num_captured, rt.builds
+        keys_before = compiled_keys()
         loop = []
         for _ in range(args.loop):
             b = batch(rng.randrange(1, 65))
@@ -112,6 +113,11 @@ def main() -> None:
                               captures=rt.engine.graphs.num_captured - captures, builds=rt.builds - builds,
                               max_overhead_ms=max(c["overhead_ms"] for c in loop),
                               median_overhead_ms=sorted(c["overhead_ms"] for c in loop)[len(loop) // 2])
+        report["loop"]["new_variants"] = {name: sorted(set(keys) - set(keys_before.get(name, [])))
+                                          for name, keys in compiled_keys().items()
+                                          if set(keys) - set(keys_before.get(name, []))}
+        for name, new in report["loop"]["new_variants"].items():
+            print("compiled in the loop:", name, *new, sep="\n  ", flush=True)
         print("loop summary:", {k: v for k, v in report["loop"].items() if k != "calls"}, flush=True)
     report["capture_ms"] = [round(1e3 * s, 1) for s in rt.engine.graphs.capture_seconds]
     report["runtime"] = hf_async_cb.runtime_info(model)

@@ -33,12 +33,12 @@ def test_default_bench_runs_on_a_cpu_only_machine():
     assert "--shape tiny, --requests 8, --prompt 32, --new 32" in out
     assert "nan" not in out.lower() and "not measured on cpu" in out and "% of floor" not in out
     rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "path" not in line]
-    assert rows == ["| stock", "| hf-cb-sync", "| sync", "| async"]
+    assert rows == ["| stock", "| hf-cb-sync", "| sync", "| async", "| generate-async"]
 
 
 def test_paths_the_device_cannot_run_are_dropped_with_a_note():
     kept, notes = bench.runnable_paths(bench.PATHS, torch.device("cpu"))
-    assert kept == ("stock", "hf-cb-sync", "sync", "async") and len(notes) == 1 and "hf-cb-async" in notes[0]
+    assert kept == ("stock", "hf-cb-sync", "sync", "async", "generate-async") and len(notes) == 1 and "hf-cb-async" in notes[0]
     assert bench.runnable_paths(bench.PATHS, torch.device("cuda")) == (bench.PATHS, [])
     assert bench.default_workload(torch.device("cpu"))["shape"] == "tiny"
     assert bench.default_workload(torch.device("cuda"))["shape"] == "llama3.2-1b"

@@ -17,16 +17,23 @@ list, so a process compiles each kernel a bounded number of times and never agai
 def compiled_variants() -> int:
     """How many compiled variants of the package's Triton kernels this process holds (0 without
     Triton): a count that must stop growing once every bucket has been seen."""
+    return sum(len(keys) for keys in compiled_keys().values())
+
+
+def compiled_keys() -> dict[str, list[str]]:
+    """Each kernel's compiled variants, by their specialisation keys (to see what compiled anew)."""
     import importlib
 
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
-        return 0
-    total = 0
+        return {}
+    keys: dict[str, list[str]] = {}
+    seen: set[int] = set()  # helpers imported into another kernel module count once
     for name in ("paged_attention", "store_kv", "elementwise", "draw_greedy", "draw_sampled"):
         module = importlib.import_module(f"hf_async_cb.kernels.{name}")
-        for fn in vars(module).values():
-            if isinstance(fn, JITFunction):
-                total += sum(len(cache[0]) for cache in fn.device_caches.values())
-    return total
+        for attr, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and id(fn) not in seen:
+                seen.add(id(fn))
+                keys[f"{name}.{attr}"] = [str(k) for cache in fn.device_caches.values() for k in cache[0]]
+    return keys

@@ -1,7 +1,8 @@
 """Benchmarks on random weights in real shapes: the same workload through every generation path.
 
 Paths: "stock" (plain generate), "hf-cb-sync" / "hf-cb-async" (transformers' own continuous
-batching), "sync" / "async" (ours), and ablations of ours: a suffix "-ref" runs the pure-torch
+batching), "sync" / "async" (ours, on a held Engine), "generate-sync" / "generate-async" (ours through
+model.generate(batching=...): the runtime it keeps on the model), and ablations of ours: a suffix "-ref" runs the pure-torch
 reference attention, "-unfused" leaves the model unfused (projections and element-wise work),
 "-noew" fuses the projections only, "-eager" runs without CUDA graphs
 (e.g. "async-ref-unfused"). The "mixed" workload gives each request its own prompt and output
@@ -32,7 +33,8 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
-PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async")
+PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async", "generate-async")
+GENERATE_PATHS = ("generate-sync", "generate-async")  # ours through model.generate(batching=...)
 # The default workload per device: the GPU one takes minutes per path on a CPU, where nothing is
 # measured anyway (no CUDA events, no floor): there it only shows that every path runs.
 WORKLOADS = {"cuda": dict(shape="llama3.2-1b", requests=64, prompt=128, new=256),
@@ -53,10 +55,10 @@ def our_path(path: str) -> tuple[str, dict] | None:
 
 def check_paths(paths, mixed: bool = False) -> None:
     for path in paths:
-        if path not in PATHS and our_path(path) is None:
+        if path not in PATHS and path not in GENERATE_PATHS and our_path(path) is None:
             raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} "
                              "(ours with -ref/-unfused/-noew/-eager/-noprefill)")
-        if mixed and path in PATHS[:3]:
+        if mixed and (path in PATHS[:3] or path in GENERATE_PATHS):
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
 
 
@@ -173,6 +175,25 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, batching="off",
                              eos_token_id=None, pad_token_id=0, **decoding)
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    elif path in GENERATE_PATHS:
+        import hf_async_cb
+
+        ids = torch.tensor(prompts, device=device)
+        options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, batching=path.split("-")[1],
+                       batching_config=replace(config or hf_async_cb.BatchingConfig(), seed=0),
+                       eos_token_id=None, pad_token_id=0, **decoding)
+        # The first call builds the model's runtime (captures, compiles): timed on its own, as ours.
+        warm = time.perf_counter()
+        model.generate(ids, **options)
+        _sync(device)
+        extra["warmup_s"] = time.perf_counter() - warm
+        start = time.perf_counter()
+        out = model.generate(ids, **options)
+        tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        _sync(device)
+        seconds = time.perf_counter() - start
+        hf_async_cb.release(model)
+        return Result(path, seconds, tokens, extra=extra)
     elif path.startswith("hf-cb"):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
