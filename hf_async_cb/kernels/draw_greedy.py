@@ -68,7 +68,9 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, 
     tl.store(sum_ptr + out, total)
 
 
-@triton.jit
+# The packed output's second row (log-probabilities) starts `rows` int64s in: 16-byte aligned or not
+# with the row count's parity; specialising on it would compile a variant mid-run (scalar stores).
+@triton.jit(do_not_specialize_on_alignment=["tokens_ptr", "logprobs_ptr"])
 def _greedy_merge_kernel(max_ptr, idx_ptr, nan_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab,
                          NUM_PARTS: tl.constexpr):
     row = tl.program_id(0)

@@ -283,7 +283,7 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
     tl.store(sum_ptr + out, part_sum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["do_sample_ptr", "tokens_ptr", "logprobs_ptr"])
 def _draw_merge_kernel(value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr, do_sample_ptr, tokens_ptr,
                        logprobs_ptr, vocab, INVALID: tl.constexpr, NUM_PARTS: tl.constexpr):
     row = tl.program_id(0)

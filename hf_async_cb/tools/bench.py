@@ -16,6 +16,7 @@ short smoke test of every path that runs there, not a measurement.
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -206,7 +207,9 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
             lengths = new if isinstance(new, list) else [new] * len(prompts)
             sizing["num_blocks"] = sum(-(-(len(p) + n) // HF_PAGE) for p, n in zip(prompts, lengths))
             sizing["max_batch_tokens"] = config.max_batch_tokens if config is not None else 512
-        cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"), page_size=HF_PAGE, **sizing)
+        # Its page size is `block_size` in transformers 5.17, `page_size` in newer releases.
+        page_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"), **{page_key: HF_PAGE}, **sizing)
         outs = model.generate_batch(prompts, generation_config=gcfg, continuous_batching_config=cb)
         tokens = sum(len(o.generated_tokens) for o in outs.values())
     else:
