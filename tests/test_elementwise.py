@@ -18,6 +18,11 @@ from hf_async_cb.model import elementwise_fusion as ew
 from hf_async_cb.model.elementwise_fusion import fuse_elementwise
 from hf_async_cb.model.fusion import fuse_projections
 
+# CPU tensors through Triton's interpreter (set by conftest where there is no CUDA); on a CUDA
+# machine test_gpu.py runs the kernels and the fused models on the device instead.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="the CPU run of the interpreted kernels (CUDA runs test_gpu.py)")
+
 ORIGINAL_ROTARY = {m: m.apply_rotary_pos_emb for m in (modeling_llama, modeling_qwen3)}
 apply_rotary = ORIGINAL_ROTARY[modeling_llama]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
