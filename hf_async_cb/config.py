@@ -30,7 +30,8 @@ class BatchingConfig:
     attention: "auto" runs the Triton paged-attention kernels on CUDA (when Triton is installed)
         and the pure-torch reference elsewhere; "reference" forces the pure-torch one; "triton"
         forces the kernels (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1).
-    trust_untested_model: run model families outside the tested list (see docs/api.md).
+    trust_untested_model: skip the parity check that a model family's logits on the engine match its
+        own forward (engine/parity.py; docs/api.md).
     profile: record each step's CPU spans (and GPU spans on CUDA) into Engine.last_profile
         (see engine/profiling.py).
     fuse_projections: run each layer's q/k/v (and gate/up) projections as one GEMM over their

@@ -162,15 +162,10 @@ def test_softcapping_architecture_is_refused():
         gemma2.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
 
 
-def test_untested_family_needs_opt_in():
+def test_an_untested_family_runs_after_its_parity_check():
     olmo = _tiny(transformers.OlmoConfig)
-    with pytest.raises(ValueError, match="trust_untested_model"):
-        olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
-    # With the opt-in it runs, and still matches stock.
     expected = olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=4, batching="off")
-    got = olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=4, batching="sync",
-                        batching_config=BatchingConfig(trust_untested_model=True))
-    assert torch.equal(got, expected)
+    assert torch.equal(olmo.generate(torch.tensor([[5, 6]]), max_new_tokens=4, batching="sync"), expected)
 
 
 def test_encoder_decoder_is_refused():

@@ -17,6 +17,7 @@ from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
 from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
 from hf_async_cb.engine.page_allocator import PageAllocator
+from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.requests import (
@@ -125,6 +126,8 @@ class Engine:
         self.prepared_model = prepared
         try:
             self._build(model, max_pages_needed)
+            if not self.config.trust_untested_model:
+                check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
         except BaseException:  # give the model back as it was found
             if self._owns_preparation:
                 prepared.restore()

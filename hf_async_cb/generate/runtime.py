@@ -33,6 +33,7 @@ import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine
+from hf_async_cb.engine.parity import probe_pages
 from hf_async_cb.model.prepared import PreparedModel, model_guard
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ModelRuntime:
         engine = self.engine
         grow = engine is not None and engine.num_pages < pages_needed and engine.num_pages == self._page_cap
         if engine is None or grow:
-            cap = max(_pow2(pages_needed), 2 * self._page_cap)
+            cap = max(_pow2(max(pages_needed, probe_pages(self.structure.page_size))), 2 * self._page_cap)
             if engine is not None:
                 engine.close()  # the pool and graphs go; the preparation stays
                 self.engine = None

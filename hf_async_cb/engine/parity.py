@@ -1,0 +1,111 @@
+"""The parity check: a model family runs on the engine only if its logits match its own forward.
+
+Rather than a list of tested families, an engine checks the model it is given, once per model
+class, config, dtype and device in a process: two short prompts (one spanning several pages) run
+through the engine's whole path (fused projections, element-wise kernels, paged attention, the
+cache) for a few greedy steps, keeping each step's logits; the model's own forward, on the same
+tokens, gives the reference. The largest difference, relative to the reference's largest logit,
+must stay under a tolerance set by the dtype (TOLERANCE). Otherwise, or if the probe fails (the
+modeling code or the cache layout cannot take the engine's inputs), the engine refuses the model
+with a ValueError naming the family and the reason, before any of the caller's work.
+
+Verdicts are cached per (class, config, dtype, device type), so the check costs nothing after the
+first engine; BatchingConfig(trust_untested_model=True) skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from hf_async_cb.engine.requests import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Largest |ours - reference| over the reference's largest |logit| (at least 1): float32 agrees to
+# rounding; 16-bit dtypes round every layer's output, so their logits drift by a few percent of the
+# largest logit, while a family the engine gets wrong (an ignored attention sink, positions read
+# from the cache, a missing bias) is off by the order of the logits themselves.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.05, torch.bfloat16: 0.1}
+PROBE_LENGTHS = (37, 11)
+PROBE_NEW_TOKENS = 4
+
+_VERDICTS: dict[tuple, str | None] = {}  # key -> None (passed) or the reason for refusing
+_SKIPPED = "skipped"
+
+
+def probe_pages(page_size: int) -> int:
+    """KV pages the probe needs: a pool sized for a call must hold at least these."""
+    return sum(-(-(n + PROBE_NEW_TOKENS) // page_size) for n in PROBE_LENGTHS)
+
+
+def _key(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple:
+    return type(model), model.config.to_json_string(use_diff=False), dtype, device.type
+
+
+def check_parity(engine) -> None:
+    """Raise ValueError if `engine`'s model does not reproduce its own forward on the engine."""
+    model = engine.model
+    key = _key(model, engine.dtype, engine.device)
+    if key not in _VERDICTS:
+        verdict = _probe(engine, model)
+        if verdict is _SKIPPED:  # the pool cannot hold the probe: the next engine checks
+            return
+        _VERDICTS[key] = verdict
+        if verdict is None:
+            logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)
+    reason = _VERDICTS[key]
+    if reason is not None:
+        family = getattr(model.config, "model_type", None) or type(model).__name__
+        raise ValueError(f"{type(model).__name__} (model_type {family!r}) cannot run on hf_async_cb: {reason}. "
+                         "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
+
+
+def _prompts(vocab: int, limit: int | None) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = [n if limit is None else max(1, min(n, limit // 2)) for n in PROBE_LENGTHS]
+    low = min(3, vocab - 1)
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def _probe(engine, model: torch.nn.Module) -> str | None:
+    """None if the engine's logits match the model's own; else why not (_SKIPPED: it did not fit)."""
+    prompts = _prompts(engine.vocab_size, engine.max_positions)
+    config = engine.config
+    engine.config = dataclasses.replace(config, progress=False, profile=False)
+    try:
+        try:
+            requests = [engine.make_request(p, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS)) for p in prompts]
+        except ValueError as error:  # the probe does not fit this engine's pool (num_pages set small)
+            logger.warning("hf_async_cb: the parity check of %s could not run on this engine (%s); it runs on "
+                           "the next one", type(model).__name__, error)
+            return _SKIPPED
+        for r in requests:
+            r.keep_scores = True  # each step's raw logits, on the host
+        engine.run(requests, "sync")
+    except ValueError as error:
+        return f"the parity check could not run it ({error})"
+    except Exception as error:  # noqa: BLE001 - a crash inside the model or the cache is the verdict
+        first = str(error).splitlines()[0] if str(error) else ""
+        return f"the parity check failed inside the model ({type(error).__name__}: {first})"
+    finally:
+        engine.config = config
+    worst = 0.0
+    for request in requests:
+        ours = torch.stack([t.float().cpu() for t in request.output_logits])
+        sequence = request.prompt_token_ids + request.output_token_ids[:-1]
+        ids = torch.tensor([sequence], device=engine.device)
+        reference = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        reference = reference[len(request.prompt_token_ids) - 1:].cpu()
+        scale = max(1.0, float(reference.abs().max()))
+        worst = max(worst, float((ours - reference).abs().max()) / scale)
+    tolerance = TOLERANCE.get(engine.dtype, 0.1)
+    logger.info("hf_async_cb: parity of %s: %.3g of the largest logit (tolerance %g)", type(model).__name__, worst,
+                tolerance)
+    if not worst <= tolerance:  # NaN fails too
+        return (f"its logits on the engine differ from its own forward by {worst:.3g} of the largest logit "
+                f"(tolerance {tolerance:g} in {str(engine.dtype).removeprefix('torch.')})")
+    return None

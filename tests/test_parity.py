@@ -1,0 +1,104 @@
+"""The parity check: any decoder family runs if its logits on the engine match its own forward,
+and is refused up front, with the family and the measured difference, if they do not."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from models import tiny_model
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.engine import parity
+from hf_async_cb.generate import runtime as runtime_module
+from hf_async_cb.model.kv_cache import PagedKVCache
+
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+
+
+def scaled(config):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model
+
+
+def small(cls, **kw):
+    return scaled(cls(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, **kw))
+
+
+@pytest.mark.parametrize("cls", [transformers.OlmoConfig, transformers.GemmaConfig, transformers.MixtralConfig,
+                                 transformers.GraniteConfig])
+def test_families_off_the_old_list_run_by_default(cls):
+    model = small(cls)
+    expected = model.generate(IDS, max_new_tokens=6, batching="off", do_sample=False)
+    for mode in ("sync", "async"):
+        assert torch.equal(model.generate(IDS, max_new_tokens=6, batching=mode, do_sample=False), expected)
+
+
+def broken_cache(monkeypatch):
+    """The engine's cache scales every new key: logits that differ from the model's own."""
+    original = PagedKVCache.update
+    monkeypatch.setattr(PagedKVCache, "update", lambda self, k, v, *a, **kw: original(self, k * 1.5, v, *a, **kw))
+
+
+def test_a_family_the_engine_gets_wrong_is_refused_with_the_difference(monkeypatch):
+    broken_cache(monkeypatch)
+    model = small(transformers.Qwen2Config, use_sliding_window=False)
+    modules = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"model_type 'qwen2'.*differ from its own forward by [0-9.]+ of the largest"
+                                         r" logit \(tolerance 0.001 in float32\)"):
+        model.generate(IDS, max_new_tokens=4, batching="async")
+    assert runtime_module._RUNTIMES.get(model) is None
+    assert {n: type(m) for n, m in model.named_modules()} == modules
+    assert model.config._attn_implementation != "hf_async_cb_paged"
+    with pytest.raises(ValueError, match="differ from its own forward"):  # the verdict is kept
+        Engine(copy.deepcopy(model))
+    # The override runs it anyway (here: other tokens than stock's).
+    out = model.generate(IDS, max_new_tokens=4, batching="sync", batching_config=BatchingConfig(trust_untested_model=True))
+    assert out.shape == (1, 9)
+
+
+def test_a_crash_inside_the_model_is_a_refusal_not_an_internal_error(monkeypatch):
+    def crash(self, *args, **kwargs):
+        raise IndexError("too many indices for tensor of dimension 3")
+
+    monkeypatch.setattr(PagedKVCache, "update", crash)
+    model = small(transformers.Qwen3Config, head_dim=16)
+    with pytest.raises(ValueError, match=r"parity check failed inside the model \(IndexError: too many indices"):
+        model.generate(IDS, max_new_tokens=4, batching="sync")
+    monkeypatch.undo()
+    parity._VERDICTS.clear()
+    assert torch.equal(model.generate(IDS, max_new_tokens=4, batching="sync"),
+                       model.generate(IDS, max_new_tokens=4, batching="off"))
+
+
+def test_the_probe_runs_once_per_family_config_and_dtype(monkeypatch):
+    probes = []
+    original = parity._probe
+    monkeypatch.setattr(parity, "_probe", lambda engine, model: probes.append(1) or original(engine, model))
+    model = copy.deepcopy(tiny_model("llama"))
+    parity._VERDICTS.clear()
+    for _ in range(2):
+        Engine(copy.deepcopy(model)).close()
+    hf_async_cb.release(model)
+    model.generate(IDS, max_new_tokens=2, batching="sync")
+    assert len(probes) == 1
+    model.to(torch.float64)
+    model.generate(IDS, max_new_tokens=2, batching="sync")
+    assert len(probes) == 2
+
+
+def test_a_pool_too_small_for_the_probe_leaves_the_check_to_the_next_engine(monkeypatch):
+    parity._VERDICTS.clear()
+    model = copy.deepcopy(tiny_model("qwen2"))
+    with Engine(model, BatchingConfig(num_pages=2, page_size=4)) as engine:
+        assert engine.generate([[5, 6]], max_new_tokens=2)[0].finish_reason is not None
+    assert not parity._VERDICTS
+    Engine(model).close()
+    assert list(parity._VERDICTS.values()) == [None]
