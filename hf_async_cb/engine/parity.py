@@ -26,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 # Largest |ours - reference| over the reference's largest |logit| (at least 1): float32 agrees to
 # rounding; 16-bit dtypes round every layer's output, so their logits drift by a few percent of the
-# largest logit, while a family the engine gets wrong (an ignored attention sink, positions read
-# from the cache, a missing bias) is off by the order of the logits themselves.
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.05, torch.bfloat16: 0.1}
+# largest logit (on an H200, random bf16 weights: 0.018 for the Llama-3.2-1B shape, 0.059 for the
+# 8B one), while a family the engine gets wrong (an ignored attention sink, positions read from the
+# cache, a missing bias) is off by the order of the logits themselves. Deeper 16-bit models drift
+# more: their bound leaves room for that, and float32 (the tests) holds the check tight.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch.bfloat16: 0.25}
 PROBE_LENGTHS = (37, 11)
 PROBE_NEW_TOKENS = 4
 
