@@ -32,7 +32,7 @@ from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import has_learned_positions, max_positions
+from hf_async_cb.model.checks import has_learned_positions, max_positions, text_config_of
 from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import derive_seed
@@ -136,10 +136,11 @@ class Engine:
     def _build(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self.device = self.prepared_model.device
         self.dtype = _model_dtype(model)
-        self.layout = KVLayout.from_config(model.config)
-        self._model_config = model.config
+        text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
+        self.layout = KVLayout.from_config(text_config)
+        self._model_config = text_config
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_positions = max_positions(model.config)
+        self.max_positions = max_positions(text_config)
         self._learned_positions = has_learned_positions(model)
         page_size = self.config.page_size
         num_pages = self._num_pages()

@@ -26,6 +26,7 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         raise ValueError(f"{name} is an encoder-decoder model; hf_async_cb runs decoder-only models.")
     if type(model).generate is not GenerationMixin.generate:
         raise ValueError(f"{name} overrides generate(); hf_async_cb runs plain decoder-only language models.")
+    config = text_config_of(config)
     for attr, what in _UNSUPPORTED_CONFIG.items():
         if getattr(config, attr, None):
             raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
@@ -34,6 +35,12 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         raise ValueError(f"{name} has non-attention layers ({sorted(set(layer_types))}); hf_async_cb does not support them.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
+
+
+def text_config_of(config):
+    """The config of the language model: the config itself, or a composite config's text part."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def max_positions(config) -> int | None:
