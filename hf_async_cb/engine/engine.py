@@ -137,7 +137,12 @@ class Engine:
         self.device = self.prepared_model.device
         self.dtype = _model_dtype(model)
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
-        self.layout = KVLayout.from_config(text_config)
+        try:
+            self.layout = KVLayout.from_config(text_config)
+        except Exception as error:  # noqa: BLE001 - per-layer head sizes, no attention heads, ...
+            raise ValueError(f"{type(model).__name__} cannot run on hf_async_cb: its attention layout cannot be read "
+                             f"from its config ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+                             ) from error
         self._model_config = text_config
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = max_positions(text_config)
