@@ -72,10 +72,6 @@ class ModelGuard:
                 self._owner, self._serving, self._holds = None, False, []
             self._lock.release()
 
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
 
 _GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.WeakKeyDictionary()
 _GUARDS_LOCK = threading.Lock()
