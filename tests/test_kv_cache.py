@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_async_cb.engine.page_allocator import PageAllocator
-from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
+from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.kv_layout import KVLayout
 from hf_async_cb.model.step_metadata import StepMetadata
 
 # -- PageAllocator -------------------------------------------------------------------------
@@ -172,7 +173,7 @@ SENTINEL = -7.0
 
 
 def _cache(num_layers=2, kv_heads=3, head_dim=4, num_pages=5, page_size=4, dtype=torch.float32):
-    layout = KVLayout(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    layout = KVLayout.uniform(num_layers, kv_heads, head_dim)
     cache = PagedKVCache(layout, num_pages=num_pages, page_size=page_size, dtype=dtype,
                          device=torch.device("cpu"))
     for t in cache.keys + cache.values:
@@ -228,10 +229,13 @@ def test_update_writes_exactly_the_slots(slots):
     value_states = torch.randn(1, 3, T, 4, generator=gen)
     cache.step = _step(slots)
     layer = 1
-    k_pool, v_pool = cache.update(key_states, value_states, layer)
+    k_view, v_view = cache.update(key_states, value_states, layer)
+    k_pool, v_pool = PagedKVCache.pool_of(k_view), PagedKVCache.pool_of(v_view)
 
-    assert k_pool is cache.keys[layer]
-    assert v_pool is cache.values[layer]
+    # The returned states are [1, heads, slots, dim] views of the layer's pools, not copies.
+    assert k_view.shape == (1, 3, 20, 4) and k_view.data_ptr() == cache.keys[layer].data_ptr()
+    assert v_view.data_ptr() == cache.values[layer].data_ptr()
+    assert torch.equal(k_pool, cache.keys[layer]) and torch.equal(v_pool, cache.values[layer])
     for t, slot in enumerate(slots):
         torch.testing.assert_close(k_pool[slot], key_states[0, :, t, :], rtol=0, atol=0)
         torch.testing.assert_close(v_pool[slot], value_states[0, :, t, :], rtol=0, atol=0)
@@ -252,7 +256,7 @@ def test_update_keys_and_values_independent():
     cache.step = _step([2, 9])
     k = torch.full((1, 3, 2, 4), 1.0)
     v = torch.full((1, 3, 2, 4), 2.0)
-    k_pool, v_pool = cache.update(k, v, 0)
+    k_pool, v_pool = map(PagedKVCache.pool_of, cache.update(k, v, 0))
     assert (k_pool[[2, 9]] == 1.0).all()
     assert (v_pool[[2, 9]] == 2.0).all()
 
@@ -265,7 +269,7 @@ def test_update_successive_steps_accumulate():
     cache.update(k1, v1, 0)
     k2, v2 = torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
     cache.step = _step([7])
-    k_pool, v_pool = cache.update(k2, v2, 0)
+    k_pool, v_pool = map(PagedKVCache.pool_of, cache.update(k2, v2, 0))
     expected_k = torch.cat([k1[0], k2[0]], dim=1).transpose(0, 1)  # [4, heads, dim]
     expected_v = torch.cat([v1[0], v2[0]], dim=1).transpose(0, 1)
     torch.testing.assert_close(k_pool[4:8], expected_k, rtol=0, atol=0)
@@ -290,8 +294,24 @@ def test_update_casts_to_pool_dtype():
     cache.step = _step([0, 1])
     k = torch.randn(1, 3, 2, 4, dtype=torch.float32)
     v = torch.randn(1, 3, 2, 4, dtype=torch.float32)
-    k_pool, v_pool = cache.update(k, v, 0)
+    k_pool, v_pool = map(PagedKVCache.pool_of, cache.update(k, v, 0))
     assert k_pool.dtype == v_pool.dtype == torch.float16
     torch.testing.assert_close(k_pool[:2], k[0].transpose(0, 1).half(), rtol=0, atol=0)
     torch.testing.assert_close(v_pool[:2], v[0].transpose(0, 1).half(), rtol=0, atol=0)
     assert (k_pool[2:] == SENTINEL).all()
+
+
+def test_layers_of_different_shapes_get_their_own_pools():
+    """A measured layout with per-layer shapes (MLA: keys wider than values; Gemma 4: per-layer
+    head_dim) gives each layer pools of its own shape, and the pool bytes add up."""
+    from hf_async_cb.model.kv_layout import LayerKV
+
+    layout = KVLayout((LayerKV(1, 48, 1, 16), LayerKV(4, 8, 4, 8)))
+    cache = PagedKVCache(layout, num_pages=3, page_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    assert [k.shape for k in cache.keys] == [(12, 1, 48), (12, 4, 8)]
+    assert [v.shape for v in cache.values] == [(12, 1, 16), (12, 4, 8)]
+    assert cache.bytes == 12 * layout.bytes_per_token(torch.float32) == 12 * 4 * (48 + 16 + 32 + 32)
+    cache.step = _step([5, 6])
+    k, v = torch.randn(1, 1, 2, 48), torch.randn(1, 1, 2, 16)
+    k_pool, v_pool = map(PagedKVCache.pool_of, cache.update(k, v, 0))
+    assert torch.equal(k_pool[5:7], k[0].transpose(0, 1)) and torch.equal(v_pool[5:7], v[0].transpose(0, 1))

@@ -33,6 +33,8 @@ REPRESENTATIVE = (
     "phi3", "phimoe", "olmo2", "olmoe", "gpt_neox", "falcon", "stablelm", "granite", "cohere2", "smollm3",
     "deepseek_v3", "gpt_oss", "starcoder2", "gptj", "gpt2", "bloom", "opt",
 )
+# These must run token-exact by default (not merely be refused): the families users bring most.
+MUST_BE_EXACT = tuple(t for t in REPRESENTATIVE if t not in ("bloom",))
 LONG_TAIL = "the long tail of the model sweep runs with HF_ASYNC_CB_FULL_SWEEP=1 (or benchmarks/model_sweep.py)"
 
 # model type -> Outcome, per setting: the summary at the end of the run.
@@ -92,6 +94,8 @@ def test_family_is_exact_or_refused(model_type):
             pytest.xfail(f"{model_type} ({mode}): {outcome.reason}")
         assert outcome.kind != "differs", f"{model_type} ({mode}) is silently wrong: {outcome.reason}"
         assert outcome.kind in ("exact", "refused"), outcome
+    if model_type in MUST_BE_EXACT:
+        assert verdict.kind == "exact", f"{model_type} must run token-exact by default: {verdict.reason}"
     if verdict.kind == "refused" or any(o.kind == "refused" for o in per_mode.values()):
         # A refusal comes before any work: the model is left as it was found.
         assert _modules(model) == modules and model.config._attn_implementation == attention

@@ -33,7 +33,8 @@ from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import has_learned_positions, max_positions, text_config_of
-from hf_async_cb.model.kv_cache import KVLayout, PagedKVCache
+from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import derive_seed
 
@@ -137,12 +138,7 @@ class Engine:
         self.device = self.prepared_model.device
         self.dtype = _model_dtype(model)
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
-        try:
-            self.layout = KVLayout.from_config(text_config)
-        except Exception as error:  # noqa: BLE001 - per-layer head sizes, no attention heads, ...
-            raise ValueError(f"{type(model).__name__} cannot run on hf_async_cb: its attention layout cannot be read "
-                             f"from its config ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-                             ) from error
+        self.layout = measured_layout(model, self.dtype, self.device)  # raises ValueError with the reason
         self._model_config = text_config
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = max_positions(text_config)

@@ -4,7 +4,6 @@ logits processors, sampling."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import weakref
 from typing import Iterator
 
@@ -12,16 +11,10 @@ import torch
 
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention
-from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The forward keyword of the KV cache: `past_key_values` (<= 5.23) or `cache` (newer)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class ModelRunner:
@@ -60,16 +53,17 @@ class ModelRunner:
         meta = inputs.meta
         meta.begin_forward()
         self.cache.step = meta
-        out = self.model(
-            input_ids=inputs.input_ids,
-            # Never read (causality comes from the step metadata), but its presence keeps models
-            # from probing input_ids for padding, a host sync (GPT-2's warn_if_padding_and_no_attention_mask).
-            attention_mask=torch.ones_like(inputs.input_ids),
-            position_ids=inputs.position_ids,
-            use_cache=True,
-            logits_to_keep=inputs.logits_indices,
-            **{self._cache_kw: self.cache, attention.METADATA_KWARG: meta},
-        )
+        with attention.current_step(meta):
+            out = self.model(
+                input_ids=inputs.input_ids,
+                # Never read (causality comes from the step metadata), but its presence keeps models
+                # from probing input_ids for padding, a host sync (GPT-2's warn_if_padding_and_no_attention_mask).
+                attention_mask=torch.ones_like(inputs.input_ids),
+                position_ids=inputs.position_ids,
+                use_cache=True,
+                logits_to_keep=inputs.logits_indices,
+                **{self._cache_kw: self.cache, attention.METADATA_KWARG: meta},
+            )
         if meta.attention_calls != self.num_layers:
             raise RuntimeError(
                 f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "

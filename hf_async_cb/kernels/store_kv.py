@@ -14,34 +14,47 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
-def _store_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
-                     stride_kh, stride_kt, stride_vh, stride_vt, stride_pool_t, stride_pool_h,
-                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+@triton.jit
+def _store_one(src_ptr, pool_ptr, t, slot, stride_h, stride_t, stride_pool_t, stride_pool_h,
+               HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
-    dst = slot * stride_pool_t + h * stride_pool_h + d
-    k = tl.load(k_ptr + h * stride_kh + t * stride_kt + d, mask=mask)
-    tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + h * stride_vh + t * stride_vt + d, mask=mask)
-    tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=mask)
+    mask = (h < HEADS) & (d < DIM)
+    x = tl.load(src_ptr + h * stride_h + t * stride_t + d, mask=mask)
+    tl.store(pool_ptr + slot * stride_pool_t + h * stride_pool_h + d, x.to(pool_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
+def _store_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
+                     stride_kh, stride_kt, stride_vh, stride_vt,
+                     stride_kpool_t, stride_kpool_h, stride_vpool_t, stride_vpool_h,
+                     K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr, V_DIM: tl.constexpr,
+                     BLOCK_KH: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_VH: tl.constexpr,
+                     BLOCK_VD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    _store_one(k_ptr, k_pool_ptr, t, slot, stride_kh, stride_kt, stride_kpool_t, stride_kpool_h,
+               K_HEADS, K_DIM, BLOCK_KH, BLOCK_KD)
+    _store_one(v_ptr, v_pool_ptr, t, slot, stride_vh, stride_vt, stride_vpool_t, stride_vpool_h,
+               V_HEADS, V_DIM, BLOCK_VH, BLOCK_VD)
 
 
 def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, key_states: torch.Tensor,
              value_states: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value_states [1, kv_heads, T, head_dim] -> pools [slots, kv_heads, head_dim] at slot_mapping [T]."""
-    _, heads, total, head_dim = key_states.shape
+    """key_states [1, key_heads, T, key_dim] -> key_pool [slots, key_heads, key_dim] at slot_mapping [T],
+    and the values alike (their heads and dim may differ from the keys')."""
+    _, k_heads, total, k_dim = key_states.shape
+    _, v_heads, _, v_dim = value_states.shape
     k, v = key_states[0], value_states[0]
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or key_pool.stride(-1) != 1 or key_pool.stride() != value_pool.stride():
-        raise ValueError("store_kv needs K/V and pools contiguous in the head dimension, both pools alike")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
+        raise ValueError("store_kv needs K/V and pools contiguous in the head dimension")
     if total == 0:
         return
     _store_kv_kernel[(total,)](
         k, v, key_pool, value_pool, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_pool.stride(0), key_pool.stride(1),
-        NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
+        K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
+        BLOCK_KH=triton.next_power_of_2(k_heads), BLOCK_KD=triton.next_power_of_2(k_dim),
+        BLOCK_VH=triton.next_power_of_2(v_heads), BLOCK_VD=triton.next_power_of_2(v_dim),
     )

@@ -2,7 +2,11 @@
 
 Models call registered attention functions as fn(module, query, key, value, attention_mask,
 scaling=..., dropout=..., **forward_kwargs). Ours receives the layer's whole page pool as key and
-value (from PagedKVCache.update) and the step's StepMetadata through the forward kwargs.
+value (from PagedKVCache.update, as [1, heads, slots, dim] views) and the step's StepMetadata
+through the forward kwargs. Some modeling code (StableLM, Nemotron) does not pass its kwargs on to
+the attention function: the step is then read from `current_step`, which the runner sets around
+every forward. Per-layer options arrive as keywords: `sliding_window`, `softcap` (Gemma 2's
+attention-logit softcapping) and `s_aux` / `sinks` (gpt-oss's attention sinks).
 
 No mask function is registered on purpose: transformers skips building a dense mask for an
 attention implementation that has none, and the paged attention derives causality (and sliding
@@ -11,32 +15,58 @@ windows) from the step metadata instead.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
+from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.step_metadata import StepMetadata
 
 ATTENTION_NAME = "hf_async_cb_paged"
 METADATA_KWARG = "hf_async_cb_step"
 
+# The step of the forward running in this thread (or task): what the attention reads when the
+# modeling code drops the forward kwargs on the way.
+_current_step: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("hf_async_cb_step", default=None)
+
+
+@contextlib.contextmanager
+def current_step(meta: StepMetadata) -> Iterator[None]:
+    token = _current_step.set(meta)
+    try:
+        yield
+    finally:
+        _current_step.reset(token)
+
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    meta: StepMetadata | None = kwargs.get(METADATA_KWARG)
+    meta: StepMetadata | None = kwargs.get(METADATA_KWARG) or _current_step.get()
     if meta is None:
         raise RuntimeError(
-            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention without the engine's step "
-            "metadata: this model does not pass its forward kwargs to the attention function, so the "
-            "engine cannot run it."
+            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step."
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit softcapping is not supported by hf_async_cb yet.")
+    if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
+        raise ValueError(f"{type(module).__name__} adds position biases to its attention scores (ALiBi, relative "
+                         "positions), which hf_async_cb does not support.")
     meta.attention_calls += 1
+    options = {}
+    if kwargs.get("softcap"):
+        options["softcap"] = float(kwargs["softcap"])
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        options["sinks"] = sinks
+    key_pool, value_pool = PagedKVCache.pool_of(key), PagedKVCache.pool_of(value)
     if meta.backend == "triton":
         from hf_async_cb.kernels.paged_attention import paged_attention_triton
 
-        out = paged_attention_triton(query, key, value, meta, scaling, kwargs.get("sliding_window"))
+        out = paged_attention_triton(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
+                                     **options)
     else:
-        out = paged_attention_reference(query, key, value, meta, scaling, kwargs.get("sliding_window"))
+        out = paged_attention_reference(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
+                                        **options)
     return out, None
 
 
@@ -74,5 +104,5 @@ def unregister() -> None:
     AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
 
 
-__all__ = ["ATTENTION_NAME", "METADATA_KWARG", "StepMetadata", "paged_attention_forward",
+__all__ = ["ATTENTION_NAME", "METADATA_KWARG", "StepMetadata", "current_step", "paged_attention_forward",
            "paged_attention_reference", "register", "resolve_backend", "unregister"]

@@ -1,38 +1,24 @@
 """The paged KV cache: a transformers Cache the attention layers write into (pages are handed out by
 engine.page_allocator).
 
-Layout, per layer: keys and values are flat [num_pages * page_size, num_kv_heads, head_dim]
-tensors; token t of a request lives at slot pages[t // page_size] * page_size + t % page_size.
-The model's attention layers call `update()` through transformers' standard path; it scatters
-the step's new K/V into their slots and hands the whole layer pool to our attention function,
-which reads what each request needs through the step's metadata.
+Layout, per layer: keys and values are flat [num_pages * page_size, heads, dim] tensors, their
+heads and dims measured per layer (model.kv_layout: keys and values may differ, as in MLA); token t
+of a request lives at slot pages[t // page_size] * page_size + t % page_size. The model's attention
+layers call `update()` through transformers' standard path; it scatters the step's new K/V into
+their slots and hands back the whole layer pool, viewed as a stock cache's [1, heads, slots, dim]
+(no copy), so that modeling code that transforms its cached states before attention (DeepSeek's
+latents) sees the shape it expects. Our attention function turns the views back into pools and
+reads what each request needs through the step's metadata.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
 
 import torch
 from transformers.cache_utils import Cache
 
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shapes of the model's K/V, read from its config."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config) -> "KVLayout":
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim)
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+from hf_async_cb.model.kv_layout import KVLayout
 
 
 class PagedKVCache(Cache):
@@ -50,10 +36,11 @@ class PagedKVCache(Cache):
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages * page_size, layout.num_kv_heads, layout.head_dim)
+        slots = num_pages * page_size
         # torch.empty: slots are always written before they are read.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+        self.keys = [torch.empty(slots, kv.key_heads, kv.key_dim, dtype=dtype, device=device) for kv in layout.layers]
+        self.values = [torch.empty(slots, kv.value_heads, kv.value_dim, dtype=dtype, device=device)
+                       for kv in layout.layers]
         self.step = None
 
     # transformers' mask and generation helpers look at these; the paged cache is one full-attention pool.
@@ -76,7 +63,8 @@ class PagedKVCache(Cache):
         return 0  # positions are always passed explicitly
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Scatter the step's new K/V ([1, kv_heads, T, head_dim]) into their slots."""
+        """Scatter the step's new K/V ([1, heads, T, dim]) into their slots; return the layer's pools
+        as [1, heads, slots, dim] views (pool_of() turns them back)."""
         if self.step is None:
             raise RuntimeError("PagedKVCache.update called outside an engine step")
         slots = self.step.slot_mapping
@@ -88,8 +76,20 @@ class PagedKVCache(Cache):
         else:
             k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
             v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
-        return k_pool, v_pool
+        return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
+
+    @staticmethod
+    def pool_of(states: torch.Tensor) -> torch.Tensor:
+        """[1, heads, slots, dim] states over a whole pool (update's views, or what the model made
+        of them) -> [slots, heads, dim], the layout the attention kernels index by slot."""
+        return states[0].transpose(0, 1)
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword of the KV cache: `past_key_values` (<= 5.23) or `cache` (newer)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from hf_async_cb.model import attention
+from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections
 
@@ -109,6 +110,7 @@ class PreparedModel:
         on_cuda = self.device.type == "cuda"
         self.fusion: FusedProjections | None = None
         self.elementwise = None
+        self.adapters = AttentionAdapters(model)
         try:
             if on_cuda if fuse_projections_ is None else fuse_projections_:
                 self.fusion = fuse_projections(model)
@@ -142,6 +144,7 @@ class PreparedModel:
                     self.fusion.attach()
                 if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
                     self.elementwise.attach()
+                self.adapters.attach()
                 attention.register()
                 config._attn_implementation = attention.ATTENTION_NAME
                 yield
@@ -150,6 +153,7 @@ class PreparedModel:
                 self._detach()
 
     def _detach(self) -> None:
+        self.adapters.detach()
         if self.elementwise is not None:
             self.elementwise.detach()
         if self.fusion is not None:

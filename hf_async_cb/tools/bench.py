@@ -31,6 +31,15 @@ SHAPES = {
     "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                         tie_word_embeddings=True),
+    # A mixture of experts: Qwen3-30B-A3B's layer (128 experts, 8 active, GQA 32/4 of head_dim 128),
+    # 12 of its 48 layers (7.6B parameters, 1.1B active per token), so that stock finishes in minutes.
+    "qwen3-moe-12l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=8192,
+                          rope_theta=1000000.0, norm_topk_prob=True),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                     num_experts_per_tok=2, vocab_size=256, max_position_embeddings=2048),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
@@ -101,12 +110,14 @@ class Result:
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # benchmarks ignore EOS: every request runs to max_new
     model.generation_config.pad_token_id = 0
     return model
@@ -133,10 +144,15 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
 
 
 def floor_ms_per_step(model, requests: int, prompt: int, new: int, bandwidth: float) -> float:
-    """Weights once + the average KV read of a decode step, at the measured bandwidth."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Weights once + the average KV read of a decode step, at the measured bandwidth. In a mixture
+    of experts, a step reads only the experts its rows route to: with k of E experts per token,
+    uniform routing touches a fraction 1 - (1 - k/E)^requests of each layer's experts."""
     c = model.config
-    head_dim = c.hidden_size // c.num_attention_heads
+    experts, active = getattr(c, "num_experts", None), getattr(c, "num_experts_per_tok", None)
+    touched = 1 - (1 - active / experts) ** requests if experts and active else 1.0
+    weight_bytes = sum(p.numel() * p.element_size() * (touched if ".experts." in name else 1.0)
+                       for name, p in model.named_parameters())
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
     avg_context = prompt + new / 2
     return (weight_bytes + requests * avg_context * kv_per_token) / bandwidth * 1e3

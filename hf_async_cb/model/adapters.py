@@ -1,0 +1,61 @@
+"""Attention modules that bypass transformers' attention interface, routed through it for a call.
+
+Most modeling code looks its attention function up in `ALL_ATTENTION_FUNCTIONS`, which is how the
+paged attention gets in. A few families still hard-code SDPA or eager attention inside their
+attention module (Falcon). For those, this module holds a forward that does the same projections,
+rotary and cache update and then calls the registered attention: `attach()` puts it on each such
+module as an instance attribute for an engine call, `detach()` removes it, so that between calls
+the module is stock. The parity check (engine/parity.py) compares the result with the stock forward.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from hf_async_cb.model.attention import paged_attention_forward
+
+
+def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                              use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """FalconAttention.forward (rotary Falcon: 7B's multi-query and 40B's grouped heads) with its
+    attention through the paged attention."""
+    if alibi is not None:
+        raise ValueError("Falcon with ALiBi position biases is not supported by hf_async_cb.")
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    query, key, value = self._split_heads(self.query_key_value(hidden_states))
+    batch, length = query.shape[:2]
+    kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+    query = query.transpose(1, 2).reshape(batch, self.num_heads, length, self.head_dim)
+    key = key.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
+    value = value.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    key, value = layer_past.update(key, value, self.layer_idx)
+    out, _ = paged_attention_forward(self, query, key, value, None, scaling=1.0 / math.sqrt(self.head_dim), **kwargs)
+    return self.dense(out.reshape(batch, length, self.num_heads * self.head_dim)), None
+
+
+# Attention classes (by name, so that no modeling module is imported) -> the forward used in calls.
+_FORWARDS = {"FalconAttention": _falcon_attention_forward}
+
+
+class AttentionAdapters:
+    """The model's modules that need an adapted forward (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = [m for m in model.modules() if type(m).__name__ in _FORWARDS]
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def attach(self) -> None:
+        for module in self.modules:
+            module.forward = types.MethodType(_FORWARDS[type(module).__name__], module)
+
+    def detach(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)

@@ -1,0 +1,99 @@
+"""KVLayout: the shapes of what each attention layer stores in its cache, measured, not guessed.
+
+Reading K/V shapes from a config goes wrong for every family that departs from
+[num_key_value_heads, head_dim]: multi-query Falcon and GPT-BigCode store one head, DeepSeek's MLA
+stores its latents (or keys and values of different widths, by transformers version), Gemma 4
+changes head_dim per layer. So the layout is measured: one stock forward over two tokens with a
+recording transformers cache, which notes the key and value shapes each layer hands to
+`Cache.update`. The result is cached per model class, config, dtype and device type (the shapes do
+not depend on the weights), so the forward runs once per family in a process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one layer stores per token: keys [key_heads, key_dim], values [value_heads, value_dim]."""
+
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer K/V shapes of a model, in layer order."""
+
+    layers: tuple[LayerKV, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> "KVLayout":
+        """Every layer alike, keys and values of the same shape (Llama-like models, tests)."""
+        return cls((LayerKV(num_kv_heads, head_dim, num_kv_heads, head_dim),) * num_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return sum(layer.elements_per_token for layer in self.layers) * torch.finfo(dtype).bits // 8
+
+
+_LAYOUTS: dict[tuple, KVLayout] = {}
+
+
+def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> KVLayout:
+    """The K/V shapes `model` writes to its cache, measured once per family (see the module doc).
+
+    Raises ValueError naming the reason when the layout cannot be measured: the forward fails, or
+    some layers write no cache of their own (layers that share another layer's K/V)."""
+    key = (type(model), model.config.to_json_string(use_diff=False), dtype, device.type)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _measure(model, device)
+    return _LAYOUTS[key]
+
+
+@torch.no_grad()
+def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
+    from transformers.cache_utils import DynamicCache
+
+    from hf_async_cb.model.kv_cache import cache_keyword
+    from hf_async_cb.model.checks import text_config_of
+
+    shapes: dict[int, LayerKV] = {}
+
+    class ShapeRecorder(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            shapes[layer_idx] = LayerKV(key_states.shape[1], key_states.shape[-1],
+                                        value_states.shape[1], value_states.shape[-1])
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    name = type(model).__name__
+    try:
+        recorder = ShapeRecorder(config=text_config_of(model.config))
+    except TypeError:  # an older DynamicCache without config=
+        recorder = ShapeRecorder()
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.tensor([[min(1, vocab - 1), min(2, vocab - 1)]], device=device)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{cache_keyword(model): recorder})
+    except Exception as error:  # noqa: BLE001 - any failure of the stock forward is the reason
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"{name} cannot run on hf_async_cb: measuring its K/V layout with a transformers cache "
+                         f"failed ({type(error).__name__}: {first})") from error
+    if not shapes:
+        raise ValueError(f"{name} cannot run on hf_async_cb: none of its layers writes a K/V cache.")
+    if sorted(shapes) != list(range(len(shapes))):
+        raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)} write a K/V cache of "
+                         "their own (the others share one), which the paged cache does not support.")
+    return KVLayout(tuple(shapes[i] for i in range(len(shapes))))

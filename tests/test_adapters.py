@@ -1,0 +1,49 @@
+"""Families whose attention bypasses transformers' attention interface (Falcon) or drops the
+forward kwargs on the way to it (StableLM): exact against stock, and stock between calls."""
+
+import pytest
+import torch
+import transformers
+from models import left_pad, random_prompts
+
+import hf_async_cb
+
+
+def _falcon(**overrides):
+    config = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model
+
+
+def _greedy(model, batching):
+    ids, mask = left_pad(random_prompts(3, 5, 20, seed=7, vocab=256))
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=None,
+                          pad_token_id=0, batching=batching)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(multi_query=True),  # Falcon-7B: one K/V head
+    dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B/180B: grouped K/V heads
+    dict(multi_query=False, parallel_attn=False, bias=True),
+], ids=["multi-query", "grouped", "sequential-with-bias"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_falcon_is_exact_and_stock_between_calls(overrides, mode):
+    model = _falcon(**overrides)
+    expected = _greedy(model, "off")
+    assert torch.equal(_greedy(model, mode), expected)
+    attention = [m for m in model.modules() if type(m).__name__ == "FalconAttention"]
+    assert attention and all("forward" not in vars(m) for m in attention)
+    assert torch.equal(_greedy(model, "off"), expected)
+    hf_async_cb.release(model)
+
+
+def test_falcon_with_alibi_is_refused():
+    model = _falcon(alibi=True)
+    with pytest.raises(ValueError, match="ALiBi"):
+        _greedy(model, "sync")
