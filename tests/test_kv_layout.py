@@ -73,3 +73,34 @@ def test_a_forward_that_fails_is_a_refusal_with_the_reason(monkeypatch):
 def test_families_that_needed_the_measured_layout_are_exact(model_type):
     verdict, per_mode = run_family(model_type)
     assert verdict.kind == "exact", (verdict, per_mode)
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_layers_that_transform_their_cache_get_the_step_contexts_not_the_pool(attention, monkeypatch):
+    """DeepSeek's MLA expands its cached latents before attending: the cache hands it each
+    request's context gathered (a few rows), never the whole pool, and the tokens stay stock's
+    with either attention kernel (Triton runs interpreted on the CPU)."""
+    from models import random_prompts, stock_generate
+
+    from hf_async_cb import BatchingConfig, Engine
+    from hf_async_cb.model.kv_cache import PagedKVCache
+
+    model, _ = tiny_model("deepseek_v3")
+    layout = measured_layout(model, torch.float32, torch.device("cpu"))
+    assert all(kv.gathered for kv in layout.layers)
+    seen = []
+    original = PagedKVCache.update
+
+    def update(self, *args, **kwargs):
+        k, v = original(self, *args, **kwargs)
+        seen.append((k.shape[2], self.keys[0].shape[0]))
+        return k, v
+
+    monkeypatch.setattr(PagedKVCache, "update", update)
+    prompts = random_prompts(3, 5, 20, seed=3, vocab=256)
+    engine = Engine(model, BatchingConfig(mode="sync", attention=attention, num_pages=512, trust_untested_model=True))
+    outputs = engine.generate(prompts, max_new_tokens=6)
+    expected = stock_generate(model, prompts, max_new_tokens=6)
+    for prompt, out, row in zip(prompts, outputs, expected):
+        assert out.output_token_ids == row[-6:].tolist()
+    assert seen and all(rows < slots // 8 for rows, slots in seen)

@@ -14,14 +14,13 @@ import math
 import types
 
 import torch
-
-from hf_async_cb.model.attention import paged_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                               use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
     """FalconAttention.forward (rotary Falcon: 7B's multi-query and 40B's grouped heads) with its
-    attention through the paged attention."""
+    attention through the registered attention function (the paged attention, in engine calls)."""
     if alibi is not None:
         raise ValueError("Falcon with ALiBi position biases is not supported by hf_async_cb.")
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
@@ -35,7 +34,8 @@ def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, positi
     cos, sin = position_embeddings
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     key, value = layer_past.update(key, value, self.layer_idx)
-    out, _ = paged_attention_forward(self, query, key, value, None, scaling=1.0 / math.sqrt(self.head_dim), **kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    out, _ = attend(self, query, key, value, None, scaling=1.0 / math.sqrt(self.head_dim), **kwargs)
     return self.dense(out.reshape(batch, length, self.num_heads * self.head_dim)), None
 
 

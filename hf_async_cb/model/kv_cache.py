@@ -6,9 +6,12 @@ heads and dims measured per layer (model.kv_layout: keys and values may differ, 
 of a request lives at slot pages[t // page_size] * page_size + t % page_size. The model's attention
 layers call `update()` through transformers' standard path; it scatters the step's new K/V into
 their slots and hands back the whole layer pool, viewed as a stock cache's [1, heads, slots, dim]
-(no copy), so that modeling code that transforms its cached states before attention (DeepSeek's
-latents) sees the shape it expects. Our attention function turns the views back into pools and
-reads what each request needs through the step's metadata.
+(no copy). A layer that transforms its cached states before attending (DeepSeek's MLA expands
+its latents: LayerKV.gathered) gets instead each request's context gathered into one
+[1, heads, requests x context bucket, dim] tensor, so that it transforms what the step reads, not
+the pool; the attention then reads it through StepMetadata.gathered_view(). Our attention function
+turns either form back into [slots, heads, dim] and reads what each request needs through the step's
+metadata.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ class PagedKVCache(Cache):
         else:
             k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
             v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
+        if self.layout.layers[layer_idx].gathered:
+            # The layer transforms its states before attending (MLA latents): only the step's contexts.
+            index = self.step.gathered_view()["index"]
+            self.step.kv_gathered = True
+            return k_pool[index].transpose(0, 1)[None], v_pool[index].transpose(0, 1)[None]
+        self.step.kv_gathered = False
         return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
 
     @staticmethod

@@ -5,13 +5,20 @@ Reading K/V shapes from a config goes wrong for every family that departs from
 stores its latents (or keys and values of different widths, by transformers version), Gemma 4
 changes head_dim per layer. So the layout is measured: one stock forward over two tokens with a
 recording transformers cache, which notes the key and value shapes each layer hands to
-`Cache.update`. The result is cached per model class, config, dtype and device type (the shapes do
+`Cache.update`, and a recording attention function, which notes whether the layer then attends
+over what the cache returned or over something it made of it (DeepSeek's MLA expands its cached
+latents into keys and values). Such a layer must not be handed the whole pool (it would expand
+every slot of it, every step): the cache gives it the step's contexts gathered instead (`gathered`).
+The result is cached per model class, config, dtype and device type (the shapes do
 not depend on the weights), so the forward runs once per family in a process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -24,6 +31,7 @@ class LayerKV:
     key_dim: int
     value_heads: int
     value_dim: int
+    gathered: bool = False  # the layer transforms its cached states before attention (see the module doc)
 
     @property
     def elements_per_token(self) -> int:
@@ -71,12 +79,22 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
     from hf_async_cb.model.checks import text_config_of
 
     shapes: dict[int, LayerKV] = {}
+    returned: dict[int, tuple] = {}
+    transformed: set[int] = set()
 
     class ShapeRecorder(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             shapes[layer_idx] = LayerKV(key_states.shape[1], key_states.shape[-1],
                                         value_states.shape[1], value_states.shape[-1])
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            returned[layer_idx] = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            return returned[layer_idx]
+
+    def recording_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if layer in returned and (key is not returned[layer][0] or value is not returned[layer][1]):
+            transformed.add(layer)
+        # Only the shapes matter here: [batch, tokens, heads, value dim].
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
     name = type(model).__name__
     try:
@@ -86,7 +104,9 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.tensor([[min(1, vocab - 1), min(2, vocab - 1)]], device=device)
     try:
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **{cache_keyword(model): recorder})
+        with _attention(model, recording_attention):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                  **{cache_keyword(model): recorder})
     except Exception as error:  # noqa: BLE001 - any failure of the stock forward is the reason
         first = str(error).splitlines()[0] if str(error) else ""
         raise ValueError(f"{name} cannot run on hf_async_cb: measuring its K/V layout with a transformers cache "
@@ -96,4 +116,25 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
     if sorted(shapes) != list(range(len(shapes))):
         raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)} write a K/V cache of "
                          "their own (the others share one), which the paged cache does not support.")
-    return KVLayout(tuple(shapes[i] for i in range(len(shapes))))
+    return KVLayout(tuple(dataclasses.replace(shapes[i], gathered=i in transformed) for i in range(len(shapes))))
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, function) -> Iterator[None]:
+    """`function` as the model's attention implementation, for a forward."""
+    from transformers import AttentionInterface
+
+    from hf_async_cb.model.adapters import AttentionAdapters
+
+    name = "hf_async_cb_layout_probe"
+    AttentionInterface.register(name, function)
+    previous = model.config._attn_implementation
+    adapters = AttentionAdapters(model)
+    model.config._attn_implementation = name
+    adapters.attach()
+    try:
+        yield
+    finally:
+        adapters.detach()
+        model.config._attn_implementation = previous
+        AttentionInterface._global_mapping.pop(name, None)

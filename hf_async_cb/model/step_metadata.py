@@ -31,6 +31,7 @@ class StepMetadata:
     max_context: int  # host: a bound on every context length (a bucket: shapes change rarely)
     backend: str = "reference"  # the attention kernel: "reference" or "triton" (attention.resolve_backend)
     attention_calls: int = 0
+    kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
     _derived: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -73,6 +74,19 @@ class StepMetadata:
                 "out_index": owner * self.max_query_len + (t - starts[owner]),
             }
         return self._derived["view"]
+
+    def gathered_view(self) -> dict:
+        """For layers that receive their contexts gathered (PagedKVCache.update): `index` [B * max_ctx],
+        the cache slot of each context position of each request (padding repeats the request's last
+        token), and `meta`, this step as seen by attention over the gathered tensor: request i's
+        context at rows i * max_ctx onwards, one-token pages."""
+        if "gathered" not in self._derived:
+            batch, width = self.num_requests, self.max_context
+            table = torch.arange(batch * width, device=self.block_table.device).view(batch, width)
+            meta = StepMetadata(self.slot_mapping, table, self.query_start, self.context_lens, 1,
+                                self.max_query_len, self.max_context, self.backend)
+            self._derived["gathered"] = {"index": self.padded_view()["kv_index"].reshape(-1), "meta": meta}
+        return self._derived["gathered"]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Bool [B, 1, max_q, max_ctx] of the padded view: query at position p sees key k when
