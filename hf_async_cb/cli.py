@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed", action="store_true",
                    help="prompts and outputs of 64..1024 tokens per request (our paths only)")
     p.add_argument("--page-size", type=int, default=16, help="KV-cache page size of our paths")
-    p.add_argument("--max-batch-tokens", type=int, default=2048,
-                   help="token budget of a step of our paths (and of HF CB's on the CPU)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="token budget of a step of our paths (and of HF CB's on the CPU); default: the device's "
+                        "(BatchingConfig.for_device: 8192 on a GPU of 70 GiB or more, 512 on the CPU)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.set_defaults(func=bench)

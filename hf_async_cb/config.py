@@ -20,9 +20,14 @@ class BatchingConfig:
         loop: the CPU prepares step N+1 while the device computes step N).
     page_size: tokens per KV-cache page.
     num_pages: pages in the KV pool. None sizes the pool from memory: `kv_memory_fraction` of
-        the free GPU memory on CUDA, `cpu_kv_cache_bytes` on the CPU.
+        the GPU memory free after the weights and the steps' activations on CUDA,
+        `cpu_kv_cache_bytes` on the CPU. (generate() sizes its pool to each call instead.)
     max_batch_tokens: token budget of one step (decode tokens + prefill chunk tokens). Prompts
-        longer than this are prefilled in chunks.
+        longer than this are prefilled in chunks. None: sized to the device (`for_device`): on
+        CUDA 8192 tokens with 70 GiB of memory or more, 4096 with 32 GiB or more, 2048 below;
+        512 on the CPU.
+    kv_memory_fraction: the share of free GPU memory the KV pool may take. None: 0.9 (the pool
+        always leaves room for the activations of the widest step, see Engine).
     max_running_requests: requests that hold KV pages at once.
     seed: the engine seed: a sampled request without a seed of its own gets one derived from it and
         from its index in the generate call (or its submission order online), so that its tokens
@@ -51,9 +56,9 @@ class BatchingConfig:
     mode: str = "async"
     page_size: int = 16
     num_pages: int | None = None
-    max_batch_tokens: int = 512
+    max_batch_tokens: int | None = None
     max_running_requests: int = 256
-    kv_memory_fraction: float = 0.5
+    kv_memory_fraction: float | None = None
     cpu_kv_cache_bytes: int = 512 * 1024**2
     seed: int | None = None
     attention: str = "auto"
@@ -73,14 +78,17 @@ class BatchingConfig:
         fails here and not deep in the engine; integral numpy scalars become ints, fractions floats."""
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"BatchingConfig.mode must be one of {MODES}, got {self.mode!r}.")
-        for name in ("page_size", "max_batch_tokens", "max_running_requests", "cpu_kv_cache_bytes"):
+        for name in ("page_size", "max_running_requests", "cpu_kv_cache_bytes"):
             setattr(self, name, _positive_int(name, getattr(self, name)))
-        if self.num_pages is not None:
-            self.num_pages = _positive_int("num_pages", self.num_pages)
+        for name in ("num_pages", "max_batch_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _positive_int(name, getattr(self, name)))
         fraction = self.kv_memory_fraction
-        if not _is_real(fraction) or not 0.0 < fraction <= 1.0:
-            raise ValueError(f"BatchingConfig.kv_memory_fraction must be a number in (0, 1], got {fraction!r}.")
-        self.kv_memory_fraction = float(fraction)
+        if fraction is not None:
+            if not _is_real(fraction) or not 0.0 < fraction <= 1.0:
+                raise ValueError(f"BatchingConfig.kv_memory_fraction must be None or a number in (0, 1], "
+                                 f"got {fraction!r}.")
+            self.kv_memory_fraction = float(fraction)
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
                 raise ValueError(f"BatchingConfig.seed must be None or an integer in [0, 2**63), got {self.seed!r}.")
@@ -96,6 +104,32 @@ class BatchingConfig:
 
     def with_mode(self, mode: str) -> "BatchingConfig":
         return replace(self, mode=mode)
+
+    def for_device(self, device) -> "BatchingConfig":
+        """This config with the fields left to the device (None) decided for `device` (see the
+        field docs): what an Engine runs with. Unchanged fields stay as the user set them."""
+        if self.max_batch_tokens is not None and self.kv_memory_fraction is not None:
+            return self
+        return replace(self, max_batch_tokens=self.max_batch_tokens or default_batch_tokens(device),
+                       kv_memory_fraction=self.kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION)
+
+
+DEFAULT_KV_MEMORY_FRACTION = 0.9
+CPU_BATCH_TOKENS = 512
+# (GiB of device memory at least, step token budget): a large budget prefills long prompts in few,
+# compute-bound steps; smaller GPUs keep it smaller to leave the KV pool room for the activations.
+GPU_BATCH_TOKENS = ((70, 8192), (32, 4096), (0, 2048))
+
+
+def default_batch_tokens(device) -> int:
+    """The step token budget for `device` when BatchingConfig.max_batch_tokens is None."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_BATCH_TOKENS
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return next(tokens for at_least, tokens in GPU_BATCH_TOKENS if gib >= at_least)
 
 
 def _is_int(value: Any) -> bool:

@@ -247,3 +247,29 @@ def test_rows_stopping_apart_with_eos_match_stock(model):
     kwargs = dict(max_new_tokens=5, stopping_criteria=StoppingCriteriaList([StopAfterToken(first)]))
     expected = model.generate(ids, attention_mask=mask, batching="off", **kwargs)
     assert torch.equal(model.generate(ids, attention_mask=mask, batching="sync", **kwargs), expected)
+
+
+def test_device_sized_defaults(monkeypatch):
+    """max_batch_tokens and kv_memory_fraction left to the device: 512 tokens on the CPU; on CUDA
+    by the GPU's memory (8192 at 70 GiB or more, 4096 at 32, 2048 below) and 0.9 of free memory;
+    a user's value is kept; the Engine runs with the decided values."""
+    import hf_async_cb.config as config_module
+
+    config = BatchingConfig()
+    assert config.max_batch_tokens is None and config.kv_memory_fraction is None
+    cpu = config.for_device("cpu")
+    assert (cpu.max_batch_tokens, cpu.kv_memory_fraction) == (512, 0.9)
+    assert cpu.for_device("cpu") is cpu
+    assert BatchingConfig(max_batch_tokens=64, kv_memory_fraction=0.3).for_device("cpu").max_batch_tokens == 64
+
+    class Props:
+        def __init__(self, gib):
+            self.total_memory = gib * 2**30
+
+    for gib, tokens in ((141, 8192), (80, 8192), (48, 4096), (24, 2048)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, gib=gib: Props(gib))
+        assert config_module.default_batch_tokens(torch.device("cuda", 0)) == tokens
+    monkeypatch.undo()
+
+    engine = Engine(tiny_model("llama"), BatchingConfig())
+    assert engine.config.max_batch_tokens == 512 and engine.scheduler.max_batch_tokens == 512

@@ -101,6 +101,20 @@ class _Progress:
             self.bar.close()
 
 
+_LOGGED_DEFAULTS: set = set()
+
+
+def _log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, device: torch.device) -> None:
+    """Say once per device and choice what the device-sized defaults came to."""
+    chosen = {name: getattr(resolved, name) for name in ("max_batch_tokens", "kv_memory_fraction")
+              if getattr(config, name) is None}
+    key = (str(device), tuple(chosen.items()))
+    if key not in _LOGGED_DEFAULTS:
+        _LOGGED_DEFAULTS.add(key)
+        logger.info("hf_async_cb: defaults for %s: %s", device,
+                    ", ".join(f"{name}={value}" for name, value in chosen.items()))
+
+
 class Engine:
     """Continuous batching over one transformers model.
 
@@ -136,6 +150,10 @@ class Engine:
 
     def _build(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self.device = self.prepared_model.device
+        resolved = self.config.for_device(self.device)
+        if resolved is not self.config:
+            _log_device_defaults(self.config, resolved, self.device)
+        self.config = resolved
         self.dtype = _model_dtype(model)
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
         self.layout = measured_layout(model, self.dtype, self.device)  # raises ValueError with the reason

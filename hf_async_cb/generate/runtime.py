@@ -81,7 +81,7 @@ class ModelRuntime:
             self._page_cap = cap
             self.builds += 1
             logger.info("hf_async_cb runtime for %s: %s", type(model).__name__, self.describe())
-        self.engine.config = config
+        self.engine.config = config.for_device(self.engine.device)
         self.calls += 1
         return self.engine
 

@@ -222,7 +222,9 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
             # those tensors (with their attention mask) for tens of seconds: the workload's pages and our step budget.
             lengths = new if isinstance(new, list) else [new] * len(prompts)
             sizing["num_blocks"] = sum(-(-(len(p) + n) // HF_PAGE) for p, n in zip(prompts, lengths))
-            sizing["max_batch_tokens"] = config.max_batch_tokens if config is not None else 512
+            from hf_async_cb.config import BatchingConfig
+
+            sizing["max_batch_tokens"] = (config or BatchingConfig()).for_device(device).max_batch_tokens
         # Its page size is `block_size` in transformers 5.17, `page_size` in newer releases.
         page_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
         cb = ContinuousBatchingConfig(use_async_batching=path.endswith("async"), **{page_key: HF_PAGE}, **sizing)
