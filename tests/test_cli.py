@@ -71,7 +71,7 @@ def _help(capsys, *argv: str) -> str:
 def test_help_shows_every_default(capsys):
     assert "later" not in _help(capsys) and "`bench`" in _help(capsys)
     text = _help(capsys, "bench")
-    for expected in ("--page-size PAGE_SIZE KV-cache page size of our paths (default: 16)", "(default: 2048)",
+    for expected in ("--page-size PAGE_SIZE KV-cache page size of our paths (default: 16)", "8192 on a GPU of 70 GiB",
                      "(default: llama3.2-1b on CUDA, tiny on the CPU)", "(default: 64 on CUDA, 8 on the CPU)",
                      "less the paths the device cannot run", "progress bars (default: True)"):
         assert expected in text
