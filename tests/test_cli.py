@@ -145,3 +145,24 @@ def test_conversion_is_logged_at_info_with_an_honest_estimate(tmp_path, monkeypa
     records = [r for r in caplog.records if r.name == demo_model.__name__]
     assert [r.levelno for r in records] == [logging.INFO] and "a few seconds" in records[0].getMessage()
     assert not demo_model.needs_conversion()
+
+
+def test_roofline_column_where_a_roofline_was_measured():
+    """The roofline (prefill at the measured matmul peak, decode steps at the floor) is the run's
+    ideal time; each row shows ideal / its own time."""
+    report = dict(_report(4.0, 0.5), roofline_s=1.0, peak_tflops=790.0)
+    table = bench.format_table(report)
+    assert "roofline 1.00 s (prefill at the measured 790 TFLOP/s" in table and "| 0.50 |" in table
+    assert "roofline" not in bench.format_table(_report(4.0, 0.5))
+
+
+def test_prefill_flops_counts_active_weights_and_causal_attention():
+    model = bench.build_model("tiny", torch.device("cpu"), torch.float32)
+    c = model.config
+    body = sum(p.numel() for p in model.parameters()) - 2 * c.vocab_size * c.hidden_size  # untied embeddings
+    attention = 2 * c.num_hidden_layers * c.hidden_size * 8 * 8
+    assert bench.prefill_flops(model, 2, 8) == 2 * (2 * body * 8 + 2 * c.vocab_size * c.hidden_size + attention)
+    moe = bench.build_model("tiny-moe", torch.device("cpu"), torch.float32)
+    dense_equivalent = sum(p.numel() for n, p in moe.named_parameters() if ".experts." not in n)
+    assert bench.prefill_flops(moe, 1, 4) < 2 * 4 * dense_equivalent + 2 * 4 * sum(
+        p.numel() for n, p in moe.named_parameters() if ".experts." in n)

@@ -143,6 +143,39 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
     return 2 * gib * 2**30 / seconds
 
 
+def matmul_peak(device: torch.device, n: int = 8192) -> float | None:
+    """FLOP/s of a large bf16 matmul on `device` (what a compute-bound prefill can reach); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    end.synchronize()
+    del a, b
+    return 2 * n**3 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def prefill_flops(model, requests: int, prompt: int) -> float:
+    """FLOPs of prefilling `requests` prompts of `prompt` tokens: 2 per active weight per token (the
+    embedding table is a lookup; the LM head runs at each prompt's last token only), plus causal
+    attention (q.k and p.v over half the square of the prompt, per layer and query head)."""
+    c = model.config
+    experts, active = getattr(c, "num_experts", None), getattr(c, "num_experts_per_tok", None)
+    share = active / experts if experts and active else 1.0
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters()
+               if p is not embed and p is not head)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * prompt * prompt
+    return requests * (2 * body * prompt + 2 * head.numel() + attention)
+
+
 def floor_ms_per_step(model, requests: int, prompt: int, new: int, bandwidth: float) -> float:
     """Weights once + the average KV read of a decode step, at the measured bandwidth. In a mixture
     of experts, a step reads only the experts its rows route to: with k of E experts per token,
@@ -283,13 +316,15 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = build_model(shape, device, dtype)
     bandwidth = copy_bandwidth(device)
-    floor = None
+    peak = matmul_peak(device)
+    floor = roofline = None
     if mixed:
         prompts, new = mixed_workload(requests, model.config.vocab_size)
     else:
         prompts = _prompts(requests, prompt, model.config.vocab_size)
         if bandwidth is not None:
             floor = floor_ms_per_step(model, requests, prompt, new, bandwidth)
+            roofline = prefill_flops(model, requests, prompt) / peak + new * floor / 1e3
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
         run_path(path, model, prompts[:2], 2, config, sample)
@@ -300,6 +335,7 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype), "bandwidth_tb_s": bandwidth / 1e12 if bandwidth is not None else None,
             "floor_ms_per_step": floor, "floor_tokens_per_s": requests / floor * 1e3 if floor is not None else None,
+            "peak_tflops": peak / 1e12 if peak is not None else None, "roofline_s": roofline,
             "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]}
 
 
@@ -307,11 +343,13 @@ def _cell(value, fmt: str) -> str | None:
     return None if value is None else format(value, fmt)
 
 
-# (title, cell of a result row, given the report's floor in tok/s or None). A column no row has a
-# value for is left out (on a CPU: the floor, the CUDA-event timings and peak memory).
+# (title, cell of a result row, given the report's floor in tok/s or None, and its roofline in s or
+# None). A column no row has a value for is left out (on a CPU: the floor, the roofline, the
+# CUDA-event timings and peak memory).
 COLUMNS = (
     ("tokens/s", lambda r, floor: f"{r['tokens_per_s']:,.0f}"),
     ("% of floor", lambda r, floor: None if floor is None else f"{100 * r['tokens_per_s'] / floor:.1f}%"),
+    ("of roofline", lambda r, floor: None if r.get("roofline_s") is None else f"{r['roofline_s'] / r['seconds']:.2f}"),
     ("s", lambda r, floor: f"{r['seconds']:.1f}"),
     ("steps", lambda r, floor: _cell(r["steps"], "d")),
     ("decode ms/step", lambda r, floor: _cell(r["decode_ms_per_step"], ".2f")),
@@ -331,7 +369,11 @@ def format_table(report: dict) -> str:
     else:
         bound = (f"copy bandwidth {report['bandwidth_tb_s']:.2f} TB/s; floor {report['floor_ms_per_step']:.2f} "
                  f"ms/step = {floor:,.0f} tok/s")
-    cells = [[cell(r, floor) for _, cell in COLUMNS] for r in report["results"]]
+    if report.get("roofline_s") is not None:
+        bound += (f"; roofline {report['roofline_s']:.2f} s (prefill at the measured "
+                  f"{report['peak_tflops']:.0f} TFLOP/s, then every decode step at the floor)")
+    cells = [[cell(dict(r, roofline_s=report.get("roofline_s")), floor) for _, cell in COLUMNS]
+             for r in report["results"]]
     shown = [i for i in range(len(COLUMNS)) if any(row[i] is not None for row in cells)]
     lines = [
         f"{report['shape']}, {report['requests']} requests x prompt {report['prompt']} x {report['new']} new"
