@@ -26,8 +26,15 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (real-size bf16 kernel checks)")
 
 
-def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dtype, device, seed=0):
-    """A random packed step over a shuffled page pool: (query, key pool, value pool, metadata)."""
+def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dtype, device, seed=0,
+              head_dim_v=None, strided=False):
+    """A random packed step over a shuffled page pool: (query, key pool, value pool, metadata).
+
+    Values have head size `head_dim_v` (default: head_dim). With `strided`, the pools hold the same
+    numbers as without, as views of other layouts (only the last dimension dense): the keys as
+    [1, KVH, slots, Dk] seen through x[0].transpose(0, 1), the values as the front of a wider,
+    head-major buffer, so that the two pools' strides differ from each other and from contiguous."""
+    head_dim_v = head_dim_v or head_dim
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // page_size) for c in context_lens]
     num_pages = sum(need) + 2
@@ -52,8 +59,15 @@ def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dt
         query_start=torch.tensor(starts, device=device), context_lens=torch.tensor(context_lens, device=device),
         page_size=page_size, max_query_len=max(query_lens), max_context=max_context, backend="triton",
     )
-    return rand(1, heads, total, head_dim), rand(num_pages * page_size, kv_heads, head_dim), \
-        rand(num_pages * page_size, kv_heads, head_dim), meta
+    slots = num_pages * page_size
+    query, keys, values = rand(1, heads, total, head_dim), rand(slots, kv_heads, head_dim), \
+        rand(slots, kv_heads, head_dim_v)
+    if strided:
+        keys = keys.transpose(0, 1).contiguous()[None][0].transpose(0, 1)
+        wide = torch.zeros(kv_heads, slots, head_dim_v + 5, dtype=dtype, device=device)
+        wide[..., :head_dim_v] = values.transpose(0, 1)
+        values = wide.transpose(0, 1)[..., :head_dim_v]
+    return query, keys, values, meta
 
 
 def relative_error(query, keys, values, meta, window=None, splits=None):

@@ -7,9 +7,17 @@ with an online softmax (flash attention); causality and sliding windows come fro
 not from a mask tensor. Decode steps with few programs for the GPU's size split the context
 across programs and merge the partial results in a second small kernel.
 
-Programs are laid out as (query blocks of all requests, KV heads, splits): request i owns the
-blocks from query_start[i] // BLOCK_Q + i on, found by binary search, so the grid depends only on
-the step's token and request counts (fixed inside a CUDA graph).
+Programs are laid out as (query blocks of all requests, KV heads x group chunks, splits): request
+i owns the blocks from query_start[i] // BLOCK_Q + i on, found by binary search, so the grid
+depends only on the step's token and request counts (fixed inside a CUDA graph). A group of more
+than 128 query heads per KV head (64 when a head size exceeds 128) is split evenly over several
+programs (tile_shape); smaller groups, Falcon's 71 heads on one KV head included, take one.
+
+Variants, each a compile-time flag so that a model compiles its own once: values may have their
+own head size (Dv != Dk, both any size, padded to powers of two inside); Gemma 2's logit softcap
+(softcap * tanh(s / softcap) on the scaled scores, before the mask; the cap itself is a runtime
+float); gpt-oss's attention sinks (split 0 starts its online softmax from the sink, a virtual key
+with a zero value, which the split merge then weighs like any other partial).
 
 Without CUDA the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
 first imported, as the tests do): slow, but the same code, so CI checks the kernels' logic.
@@ -24,25 +32,44 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.devices import num_sms
+from hf_async_cb.kernels.paged_attention_reference import check_shapes, check_sinks, check_softcap
 from hf_async_cb.model.step_metadata import StepMetadata
 
 NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh without tl.tanh (which not every backend, nor the interpreter, has): an odd Taylor
+    polynomial for |x| < 1/8 (error < 2e-10), else (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]:
+    no overflow for any x, and no cancellation where 1 - e would lose the small values' digits."""
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|)
+    far = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    near = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, near, far)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr,
     block_table_ptr, query_start_ptr, context_lens_ptr,
-    scale_log2, window, num_seqs,
+    qk_scale, cap_log2, window, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_os, stride_ot, stride_oh, stride_ms, stride_mt, stride_bt,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     qb = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // CHUNKS
+    chunk = tl.program_id(1) % CHUNKS
     split = tl.program_id(2)
 
     # The request whose query blocks include qb: the last i with query_start[i] // BLOCK_Q + i <= qb.
@@ -61,13 +88,17 @@ def _paged_attention_kernel(
     if local * BLOCK_Q < q_len:
         ctx = tl.load(context_lens_ptr + seq)
 
+        # Rows: BLOCK_Q tokens x HEADS query heads (this program's chunk of the KV head's group).
         offs_m = tl.arange(0, BLOCK_M)
-        tok = local * BLOCK_Q + offs_m // GROUP
-        head = kv_head * GROUP + offs_m % GROUP
-        row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        tok = local * BLOCK_Q + offs_m // HEADS
+        in_group = chunk * HEADS + offs_m % HEADS
+        head = kv_head * GROUP + in_group
+        row_ok = (offs_m < BLOCK_Q * HEADS) & (tok < q_len) & (in_group < GROUP)
         pos = ctx - q_len + tok
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < HEAD_DIM_V
         q = tl.load(q_ptr + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -84,19 +115,32 @@ def _paged_attention_kernel(
 
         m_i = tl.full([BLOCK_M], NEG_INF_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if HAS_SINKS:
+            # Split 0 starts from the sink: a virtual key of logit sinks[head] and a zero value.
+            # (A -inf sink gives m = NEG_INF_INIT and l = 0, the start without one.)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            m_sink = tl.maximum(sink, NEG_INF_INIT)
+            m_i = tl.where(split == 0, m_sink, m_i)
+            l_i = tl.where(split == 0, tl.exp2(sink - m_sink), l_i)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        # In 64 bits: a strided pool's head stride may be slots x D, and the pool 2**31 elements or more.
+        k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+        v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
         for blk in range(blk_lo, blk_hi):
             offs_n = kv_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_hi
             page = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
             slot = page * PAGE + offs_n % PAGE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = s * scale_log2
+            if HAS_SOFTCAP:  # softcap * tanh(s * scaling / softcap), then into the log2 domain
+                s = _tanh(s * qk_scale) * cap_log2
+            else:
+                s = s * qk_scale
             allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
             if HAS_WINDOW:
                 allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
@@ -105,7 +149,8 @@ def _paged_attention_kernel(
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
+                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -113,13 +158,13 @@ def _paged_attention_kernel(
             m_i = m_new
 
         rows = q_begin + tok
-        out_mask = row_ok[:, None] & d_ok[None, :]
+        out_mask = row_ok[:, None] & dv_ok[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=out_mask)
         else:  # unnormalised partials, merged by _merge_splits_kernel
-            tl.store(o_ptr + split * stride_os + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            tl.store(o_ptr + split * stride_os + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                      acc, mask=out_mask)
             ml = split * stride_ms + rows * stride_mt + head
             tl.store(m_ptr + ml, m_i, mask=row_ok)
@@ -151,21 +196,88 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
 
 
-def _launch_defaults(head_dim: int, dtype: torch.dtype) -> dict:
-    """Key block and launch shape, from a sweep of decode steps on the H200 (benchmarks/tune_kernels.py,
-    docs/benchmarks.md): 16-bit K/V tiles of 64 x 64 with 2 warps, of 128 x 128 with 4, both two
-    stages deep. fp32 (the tests' exact path) keeps 64-key blocks, whose tiles fit shared memory."""
-    if dtype.itemsize == 2 and head_dim <= 64:
-        return dict(block_n=64, num_warps=2, num_stages=2)
-    if dtype.itemsize == 2 and head_dim <= 128:
-        return dict(block_n=128, num_warps=4, num_stages=2)
-    return dict(block_n=64 if head_dim <= 128 else 32)
+SHARED_MEMORY_BUDGET = 200 * 1024  # of the H200's ~227 KB a block may take, with room for Triton's scratch
+
+
+def shared_memory_estimate(block_m: int, block_d: int, block_dv: int, block_n: int, num_stages: int,
+                           itemsize: int) -> int:
+    """Bytes of shared memory the attention kernel's tiles take, counted generously: every stage
+    of the K and V tiles buffered, plus the Q tile and the P tile (the dot operands that may be
+    staged through shared memory)."""
+    kv = block_n * (block_d + block_dv) * itemsize * max(1, num_stages)
+    return kv + block_m * block_d * itemsize + block_m * block_n * itemsize
+
+
+def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None = None, block_m: int = 16) -> dict:
+    """Key block and launch shape for a tile of `block_m` rows (BLOCK_M: query tokens x query
+    heads) over head sizes padded to powers of two (d = the larger of the padded Dk and Dv).
+
+    16-bit, block_m <= 32 (every group of up to 32 heads), d <= 128: from a sweep of decode steps
+    on the H200 (benchmarks/tune_kernels.py, docs/benchmarks.md): K/V tiles of 64 x 64 with 2 warps,
+    of 128 x 128 with 4, both two stages deep.
+
+    Not measured yet (no GPU where they were written), so chosen to fit with a margin, by
+    shared_memory_estimate against SHARED_MEMORY_BUDGET (200 KB of the H200's ~227 KB per block)
+    and by register pressure (the fp32 accumulator is block_m x d):
+    - 16-bit, d = 256 (Gemma 2's 256, MLA's 192), block_m <= 32: 64 keys, 4 warps, 2 stages
+      (~148 KB: 2 x 64 KB of K/V, 16 KB Q, 4 KB P);
+    - 16-bit, block_m 64..128 (groups above 32 heads: Falcon's 71, MQA's many): 64 keys, 4 warps
+      for d <= 64 (48-64 KB), 8 warps for d = 128 (88-112 KB); for d = 256 32 keys, 8 warps, one stage
+      (~104 KB with 128 rows; the wrapper keeps such tiles to 64 rows anyway, see _max_rows).
+    fp32 (the tests' exact path) keeps 64-key blocks for d <= 128 and 32 for larger ones, and
+    Triton's default of 3 stages and 4 warps, except where the estimate asks for fewer stages
+    (2 for d = 128 or 256, 1 with 128 rows; 16 keys for d = 256 with 128 rows, a tile the wrapper
+    never makes) or the rows for more warps (8 above 32 rows). Head sizes over 256 (untested) take
+    that same search in 16-bit too."""
+    d = max(triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v or head_dim))
+    if dtype.itemsize == 2 and d <= 256:
+        if block_m <= 32:
+            if d <= 64:
+                return dict(block_n=64, num_warps=2, num_stages=2)
+            if d <= 128:
+                return dict(block_n=128, num_warps=4, num_stages=2)
+            return dict(block_n=64, num_warps=4, num_stages=2)
+        if d <= 64:
+            return dict(block_n=64, num_warps=4, num_stages=2)
+        if d <= 128:
+            return dict(block_n=64, num_warps=8, num_stages=2)
+        return dict(block_n=32, num_warps=8, num_stages=1)
+    bd, bdv = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v or head_dim))
+    fits = [(n, s) for n in ((64, 32, 16) if d <= 128 else (32, 16)) for s in (3, 2, 1)
+            if shared_memory_estimate(block_m, bd, bdv, n, s, dtype.itemsize) <= SHARED_MEMORY_BUDGET]
+    block_n, stages = fits[0] if fits else (16, 1)
+    launch = dict(block_n=block_n)  # Triton's default stages (3) and warps (4) where they fit, as before
+    if stages < 3:
+        launch["num_stages"] = stages
+    if block_m > 32:
+        launch["num_warps"] = 8
+    return launch
+
+
+def _max_rows(head_dim: int, head_dim_v: int) -> int:
+    """The most query-head rows one program's tile takes: 128, or 64 when a padded head size
+    exceeds 128 (a 128 x 256 fp32 accumulator alone would take every register of 8 warps)."""
+    return 128 if max(head_dim, head_dim_v) <= 128 else 64
+
+
+def tile_shape(group: int, head_dim: int, head_dim_v: int) -> dict:
+    """How a KV head's group of `group` query heads maps onto programs: `chunks` programs per KV
+    head, each with `heads` of the group (the last may have fewer valid ones) for `block_q` query
+    tokens, in a tile of `block_m` rows (a power of two, at least 16). Groups of up to 128 heads
+    (64 for head sizes over 128) take one program, as before; larger ones are split evenly."""
+    rows = _max_rows(triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v))
+    chunks = -(-group // rows)
+    heads = -(-group // chunks)
+    block_q = max(1, 16 // heads)
+    block_m = max(16, triton.next_power_of_2(block_q * heads))
+    return dict(chunks=chunks, heads=heads, block_q=block_q, block_m=block_m)
 
 
 def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -> int:
     """Split decode contexts when the step has too few (request, KV head) programs to give every
     SM one, and the contexts are long enough to share (at least 256 keys per split). At 32
-    requests x 8 KV heads on the H200's 132 SMs, splitting already loses (the merge costs more)."""
+    requests x 8 KV heads on the H200's 132 SMs, splitting already loses (the merge costs more).
+    (`num_kv_heads` counts programs per request: a group split over several programs counts each.)"""
     if not meta.is_decode:
         return 1
     programs = meta.num_requests * num_kv_heads
@@ -183,29 +295,49 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     tuning: dict | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [1, H, T, D] (packed), pools [slots, KVH, D] -> output [1, T, H, D]; same contract as
-    paged_attention_reference. `num_splits` overrides the split heuristic (tests); `tuning` the
-    launch parameters (block_n, num_warps, num_stages: benchmarks/tune_kernels.py)."""
+    """query [1, H, T, Dk] (packed), pools [slots, KVH, Dk] and [slots, KVH, Dv] -> output
+    [1, T, H, Dv]; same contract as paged_attention_reference (softcap None or 0.0: none; sinks
+    [H] of any float dtype on query's device, read as fp32). The pools' last dimension must be
+    dense; their other strides are free (and may differ between keys and values). `num_splits`
+    overrides the split heuristic (tests); `tuning` the launch parameters (block_n, num_warps,
+    num_stages: benchmarks/tune_kernels.py)."""
     _, num_heads, total, head_dim = query.shape
     num_kv_heads = key_pool.shape[1]
+    head_dim_v = value_pool.shape[-1]
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, num_heads)
+    check_shapes(query, key_pool, value_pool)
+    if sinks is not None:
+        if sinks.device != query.device:
+            raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
+        if sinks.stride(0) != 1:
+            sinks = sinks.contiguous()
     group = num_heads // num_kv_heads
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    q = query[0].transpose(0, 1)  # [T, H, Dk]
     if q.stride(-1) != 1:
         q = q.contiguous()
     if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("the KV pools must be contiguous in the head dimension")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    block_q = max(1, 16 // group)
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    if softcap is None:
+        qk_scale, cap_log2 = scale * LOG2E.value, 1.0
+    else:
+        qk_scale, cap_log2 = scale / softcap, softcap * LOG2E.value
+    tile = tile_shape(group, head_dim, head_dim_v)
+    block_q, block_m, chunks = tile["block_q"], tile["block_m"], tile["chunks"]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tuning = {**_launch_defaults(head_dim, query.dtype), **(tuning or {})}
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    tuning = {**_launch_defaults(head_dim, query.dtype, head_dim_v, block_m), **(tuning or {})}
     block_n = tuning["block_n"]
     launch = {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}
-    splits = num_splits or choose_splits(meta, num_kv_heads, query.device)
-    out = torch.empty(total, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    splits = num_splits or choose_splits(meta, num_kv_heads * chunks, query.device)
+    out = torch.empty(total, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
     if splits > 1:
-        part = torch.empty(splits, total, num_heads, head_dim, dtype=torch.float32, device=query.device)
+        part = torch.empty(splits, total, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
         m = torch.empty(splits, total, num_heads, dtype=torch.float32, device=query.device)
         l = torch.empty_like(m)
         target, part_strides, ml_strides = part, part.stride(), m.stride()[:2]
@@ -213,20 +345,21 @@ def paged_attention_triton(
         m = l = out  # unused
         target, part_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0)
     num_seqs = meta.num_requests
-    grid = (total // block_q + num_seqs, num_kv_heads, splits)
+    grid = (total // block_q + num_seqs, num_kv_heads * chunks, splits)
     _paged_attention_kernel[grid](
-        q, key_pool, value_pool, target, m, l,
+        q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         meta.block_table, meta.query_start, meta.context_lens,
-        scale * 1.4426950408889634, sliding_window or 0, num_seqs,
+        qk_scale, cap_log2, sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
         *part_strides[:3], *ml_strides, meta.block_table.stride(0),
-        PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
-        IEEE=query.dtype == torch.float32, **launch,
+        PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+        GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, IEEE=query.dtype == torch.float32, **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](
             part, m, l, out, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            HEAD_DIM=head_dim_v, BLOCK_D=block_dv, NUM_SPLITS=splits,
         )
     return out[None]
