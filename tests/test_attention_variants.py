@@ -356,3 +356,24 @@ def test_bf16_large_groups(heads, kv_heads, head_dim, head_dim_v):
     assert bf16_error(decode) < 1e-2
     assert bf16_error(decode, 512, **kw) < 1e-2
     assert bf16_error(prefill, 512, **kw) < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU end-to-end run of the interpreted kernels")
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "falcon"])
+def test_engine_with_the_variants_in_triton_matches_stock(model_type):
+    """Softcapping with sliding windows (Gemma 2), sinks with sliding windows (gpt-oss), multi-query
+    (Falcon): the whole engine on the Triton kernels (interpreted), chunked prefill and a small pool
+    included, gives stock's greedy tokens."""
+    from family_sweep import GENERATE, prompts_for
+    from model_configs import tiny_model as sweep_model
+
+    from hf_async_cb import BatchingConfig, Engine
+
+    model, _ = sweep_model(model_type)
+    ids, mask = prompts_for(model_type, 256)
+    expected = model.generate(ids, attention_mask=mask, batching="off", **GENERATE)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    engine = Engine(model, BatchingConfig(mode="async", attention="triton", page_size=8, num_pages=24,
+                                          max_batch_tokens=16))
+    outs = engine.generate(prompts, max_new_tokens=GENERATE["max_new_tokens"])
+    assert [o.output_token_ids for o in outs] == expected[:, ids.shape[1]:].tolist()

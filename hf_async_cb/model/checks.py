@@ -1,4 +1,4 @@
-"""The models the engine refuses by their kind alone (encoder-decoder, softcapping, non-attention
+"""The models the engine refuses by their kind alone (encoder-decoder, ALiBi, non-attention
 layers, ...), with the reason; every other family is checked by running it (engine/parity.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import torch
 
 # Config attributes that change attention or logits in ways the engine does not implement.
 _UNSUPPORTED_CONFIG = {
-    "attn_logit_softcapping": "attention logit softcapping",
-    "final_logit_softcapping": "final logit softcapping",
     "alibi": "ALiBi position biases",
 }
 
