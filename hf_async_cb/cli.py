@@ -1,10 +1,12 @@
 """Command line of hf_async_cb: `demo` (SmolLM2 on real prompts), `bench` (one workload through every
-generation path) and `profile` (a timeline of the sync and async loops)."""
+generation path; `bench --serve`: requests arriving over time, with their latencies) and `profile`
+(a timeline of the sync and async loops)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 
 import torch
@@ -72,21 +74,43 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Defaults that are None depend on the device (tools/bench.py's WORKLOADS): a CPU run is a short
-    check that every path it can run works, without the paths it cannot run."""
-    import json
+SERVE_ONLY = ("rate", "lengths", "warmup", "seed")  # bench options that only --serve reads
 
-    from hf_async_cb.config import BatchingConfig
+
+def _bench_workload(args: argparse.Namespace, device: torch.device) -> tuple:
+    """shape, requests, prompt and new tokens: those given, the device's defaults for the others
+    (tools/bench.py's WORKLOADS), saying so when the defaults are the CPU's short check."""
     from hf_async_cb.tools import bench as b
 
-    device = torch.device(args.device) if args.device else b.default_device()
     workload = b.default_workload(device)
     chosen = {k: getattr(args, k) for k in workload}
     if device.type != "cuda" and any(v is None for v in chosen.values()):
         print(f"On {device.type} the default workload is a short check, not a measurement: "
               + ", ".join(f"--{k} {v}" for k, v in workload.items()))
-    shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
+    return tuple(workload[k] if v is None else v for k, v in chosen.items())
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Defaults that are None depend on the device (tools/bench.py's WORKLOADS): a CPU run is a short
+    check that every path it can run works, without the paths it cannot run."""
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.tools import bench as b
+
+    if args.serve:
+        return serve(args)
+    given = [f"--{name}" for name in SERVE_ONLY if getattr(args, name) is not None]
+    if given:
+        raise SystemExit(f"{', '.join(given)}: only with --serve")
+    device = torch.device(args.device) if args.device else b.default_device()
+    shape, requests, prompt, new = _bench_workload(args, device)
     if args.compare is not None:
         paths = tuple(args.compare.split(","))
     else:  # the mixed workload runs our paths only
@@ -106,9 +130,39 @@ def bench(args: argparse.Namespace) -> int:
     report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
                    sample=args.sample)
     print(b.format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    _write_json(args.json, report)
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`bench --serve`: the serving benchmark (tools/serving.py) on bench's workload options."""
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.tools import bench as b
+    from hf_async_cb.tools import serving as s
+
+    if args.mixed:
+        raise SystemExit("--mixed is the batch bench's; with --serve, choose the lengths with --lengths")
+    if args.rate is not None and not args.rate > 0:
+        raise SystemExit(f"--rate must be > 0 requests/s (inf: all at once), got {args.rate}")
+    device = torch.device(args.device) if args.device else b.default_device()
+    shape, requests, prompt, new = _bench_workload(args, device)
+    paths = tuple(args.compare.split(",")) if args.compare is not None else s.PATHS
+    try:
+        s.check_paths(paths)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    paths, notes = s.runnable_paths(paths, device)
+    for note in notes:
+        print(note)
+    if not paths:
+        raise SystemExit(f"no path to run on {device}")
+    config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                            max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs)
+    report = s.run(shape, requests, math.inf if args.rate is None else args.rate,
+                   args.lengths or s.default_lengths(device), prompt, new, paths, device, config=config,
+                   sample=args.sample, warmup=args.warmup or "replay", seed=args.seed or 0)
+    print(s.format_table(report))
+    _write_json(args.json, report)
     return 0
 
 
@@ -162,15 +216,19 @@ def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> 
                    help="model shape, random weights" + ("" if d else " " + per_device["shape"]))
     p.add_argument("--requests", type=int, default=d.get("requests"),
                    help="requests in the workload" + ("" if d else " " + per_device["requests"]))
+    serve = "" if d else ("; with --serve, the fixed length and the middle of the uniform range (1/2 to 3/2 of it; "
+                          "sharegpt ignores it)")
     p.add_argument("--prompt", type=int, default=d.get("prompt"),
-                   help="prompt tokens per request" + ("" if d else " " + per_device["prompt"]))
+                   help="prompt tokens per request" + serve + ("" if d else " " + per_device["prompt"]))
     p.add_argument("--new", type=int, default=d.get("new"),
-                   help="new tokens per request" + ("" if d else " " + per_device["new"]))
+                   help="new tokens per request" + serve + ("" if d else " " + per_device["new"]))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help=CUDA_GRAPHS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hf_async_cb.tools.serving import LENGTHS, WARMUPS
+
     parser = argparse.ArgumentParser(prog="python -m hf_async_cb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="SmolLM2-135M on a few real prompts: stock generate vs sync vs async",
@@ -184,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", default=None,
                    help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, "
                         "-noprefill (default: stock,hf-cb-sync,hf-cb-async,sync,async, less the paths the device "
-                        "cannot run, e.g. hf-cb-async on the CPU; with --mixed: sync,async)")
+                        "cannot run, e.g. hf-cb-async on the CPU; with --mixed: sync,async; with --serve: "
+                        "hf-cb-sync,hf-cb-async,sync,async, less what the device or transformers cannot run)")
     p.add_argument("--sample", action="store_true",
                    help="sampled decoding (temperature 0.8, top-p 0.95; ours seeded) instead of greedy, on every path")
     p.add_argument("--mixed", action="store_true",
@@ -195,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(BatchingConfig.for_device: 8192 on a GPU of 70 GiB or more, 512 on the CPU)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
+    p.add_argument("--serve", action="store_true",
+                   help="the serving benchmark instead (tools/serving.py): requests arriving over time at a "
+                        "held engine, a row per path with throughput and TTFT, ITL and E2E latency percentiles")
+    p.add_argument("--rate", type=float, default=None,
+                   help="with --serve: Poisson arrivals of this many requests/s; inf: all at once (default: inf)")
+    p.add_argument("--lengths", default=None, choices=LENGTHS,
+                   help="with --serve: prompt and output lengths: fixed (--prompt and --new), uniform (1/2 to 3/2 "
+                        "of --prompt and of --new), sharegpt (lognormal, ShareGPT-like: means ~161 and ~341 "
+                        "tokens) (default: sharegpt on CUDA, fixed on the CPU)")
+    p.add_argument("--warmup", default=None, choices=WARMUPS,
+                   help="with --serve: before the timed run, replay its workload once (keeps graph captures out "
+                        "of it) or send a few short requests (default: replay)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --serve: seed of the arrivals, lengths and prompt tokens (default: 0)")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG",
                        formatter_class=_HelpFormatter)

@@ -75,6 +75,10 @@ def test_help_shows_every_default(capsys):
                      "(default: llama3.2-1b on CUDA, tiny on the CPU)", "(default: 64 on CUDA, 8 on the CPU)",
                      "less the paths the device cannot run", "progress bars (default: True)"):
         assert expected in text
+    for expected in ("Poisson arrivals of this many requests/s; inf: all at once (default: inf)",
+                     "(default: sharegpt on CUDA, fixed on the CPU)", "a few short requests (default: replay)",
+                     "prompt tokens (default: 0)", "less what the device or transformers cannot run"):
+        assert expected in text
     assert "default: None" not in text
     text = _help(capsys, "profile")
     assert "(default: tiny)" in text and "(default: 16)" in text and "(default: timeline.png)" in text
@@ -166,3 +170,24 @@ def test_prefill_flops_counts_active_weights_and_causal_attention():
     dense_equivalent = sum(p.numel() for n, p in moe.named_parameters() if ".experts." not in n)
     assert bench.prefill_flops(moe, 1, 4) < 2 * 4 * dense_equivalent + 2 * 4 * sum(
         p.numel() for n, p in moe.named_parameters() if ".experts." in n)
+
+
+def test_bench_serve_prints_a_row_per_path(capsys, tmp_path):
+    """`bench --serve`: the serving table on bench's workload options; its options are refused without it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as above: shared cores
+    try:
+        assert cli.main(["bench", "--serve", "--device", "cpu", "--shape", "tiny", "--requests", "3", "--prompt", "8",
+                         "--new", "4", "--rate", "100", "--lengths", "uniform", "--compare", "sync,async,hf-cb-async",
+                         "--warmup", "short", "--json", str(tmp_path / "serve.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "skipped hf-cb-async" in out and "arrival Poisson 100 req/s, lengths uniform: prompt 4..12 x 2..6 new" in out
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "path" not in line]
+    assert rows == ["| sync", "| async"] and "TTFT p99 ms" in out and "nan" not in out.lower()
+    assert '"itl_ms"' in (tmp_path / "serve.json").read_text()
+    for argv in (["--rate", "2"], ["--lengths", "fixed"], ["--serve", "--mixed"], ["--serve", "--compare", "stock"],
+                 ["--serve", "--rate", "0"]):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "--device", "cpu", *argv])

@@ -351,8 +351,13 @@ class Engine:
         self._background.start()
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
-                    stopping_criteria=None, **param_kwargs) -> RequestHandle:
-        """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle."""
+                    stopping_criteria=None, on_token=None, **param_kwargs) -> RequestHandle:
+        """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle.
+
+        `on_token(request, token)`: called on the loop thread for every token, right after the
+        handle has it (the moment any reader can see it), e.g. to time tokens without a reader
+        thread per request; keep it short, it runs between the loop's steps. If it raises, the
+        request fails as for a raising stopping criterion."""
         if self._background is None:
             raise RuntimeError("start() the engine before add_request().")
         if isinstance(prompt, str):
@@ -362,7 +367,7 @@ class Engine:
         if params is None:
             params = SamplingParams(**param_kwargs)
         request = self.make_request(prompt, params, logits_processor=logits_processor,
-                                    stopping_criteria=stopping_criteria)
+                                    stopping_criteria=stopping_criteria, on_token=on_token)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))
         handle = RequestHandle(request)
         self._background.submit(handle)

@@ -126,6 +126,19 @@ class RequestHandle:
         return self.request.to_output()
 
 
+def _recorder(handle: RequestHandle, on_token):
+    """The request's token callback on the loop: the handle records the token, then the caller's
+    own `on_token` (add_request's) sees it."""
+    if on_token is None:
+        return handle._on_token
+
+    def record(request: Request, token: int) -> None:
+        handle._on_token(request, token)
+        on_token(request, token)
+
+    return record
+
+
 def _resolve(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -267,7 +280,7 @@ class BackgroundLoop:
         with worker.lock:
             if worker.stopping:
                 raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
-            handle.request.on_token = handle._on_token
+            handle.request.on_token = _recorder(handle, handle.request.on_token)
             worker.intake.put(handle)
         worker.wake.set()
 

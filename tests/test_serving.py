@@ -1,0 +1,132 @@
+"""The serving benchmark (tools/serving.py) on the CPU: the arrival process and the length
+distributions it draws, its metrics against numpy on hand-made timestamps, and end-to-end runs on
+the tiny shape whose requests each get exactly their tokens, timed one stamp per token, and the
+tokens Engine.generate gives for the same prompts."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+from hf_async_cb.tools import bench, serving
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared cores: two contending OpenMP threads slow a tiny model's steps a lot
+    yield bench.build_model("tiny", torch.device("cpu"), torch.float32)
+    torch.set_num_threads(threads)
+
+
+def test_poisson_arrivals_have_the_rate():
+    rate, n = 50.0, 20000
+    times = np.array(serving.arrival_times(n, rate, seed=3))
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and (gaps >= 0).all() and len(times) == n
+    assert abs(gaps.mean() - 1 / rate) < 0.03 / rate  # exponential gaps of mean 1/rate ...
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.05  # ... whose standard deviation is their mean
+    counts = np.bincount(times.astype(int))[:-1]  # arrivals per whole second
+    assert abs(counts.mean() - rate) < 0.05 * rate and abs(counts.var() / counts.mean() - 1) < 0.25  # Poisson
+    assert serving.arrival_times(100, rate, seed=3) == times[:100].tolist()  # seeded
+    assert serving.arrival_times(100, rate, seed=4) != times[:100].tolist()
+
+
+def test_all_at_once_has_zero_gaps():
+    assert serving.arrival_times(5, math.inf) == [0.0] * 5
+    workload = serving.make_workload(5, 256, math.inf, "fixed", 8, 4)
+    assert workload.arrivals == [0.0] * 5 and workload.rate is None
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        serving.arrival_times(5, 0.0)
+
+
+def test_length_distributions_keep_their_bounds_and_seeds():
+    assert serving.draw_lengths(3, "fixed", 10, 7) == ([10] * 3, [7] * 3)
+    prompts, outputs = map(np.array, serving.draw_lengths(5000, "uniform", 10, 7, seed=1))
+    assert prompts.min() == 5 and prompts.max() == 15 and outputs.min() == 3 and outputs.max() == 10
+    assert abs(prompts.mean() - 10) < 0.2 and abs(outputs.mean() - 6.5) < 0.2
+    assert serving.draw_lengths(4, "uniform", 1, 1) == ([1] * 4, [1] * 4)  # never below one token
+    prompts, outputs = map(np.array, serving.draw_lengths(20000, "sharegpt", 0, 0, seed=2))
+    p, o = serving.SHAREGPT["prompt"], serving.SHAREGPT["output"]
+    assert prompts.min() >= p["lo"] and prompts.max() <= p["hi"] and outputs.min() >= o["lo"] and outputs.max() <= o["hi"]
+    assert abs(prompts.mean() - 161) < 8 and abs(outputs.mean() - 341) < 10  # the documented means
+    assert abs(np.median(prompts) - p["median"]) < 6 and prompts.max() > 900  # a long tail, cut at 1024
+    for kind in serving.LENGTHS:
+        assert serving.draw_lengths(50, kind, 32, 16, seed=9) == serving.draw_lengths(50, kind, 32, 16, seed=9)
+    assert serving.draw_lengths(50, "sharegpt", 0, 0, seed=9) != serving.draw_lengths(50, "sharegpt", 0, 0, seed=10)
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        serving.draw_lengths(1, "zipf", 1, 1)
+
+
+def test_a_workload_keeps_its_requests_whatever_the_rate():
+    steady = serving.make_workload(20, 256, 4.0, "uniform", 16, 8, seed=5)
+    burst = serving.make_workload(20, 256, math.inf, "uniform", 16, 8, seed=5)
+    assert steady.prompts == burst.prompts and steady.new == burst.new and steady.arrivals != burst.arrivals
+    assert all(3 <= t < 256 for p in steady.prompts for t in p)
+    assert [len(p) for p in steady.prompts] == serving.draw_lengths(
+        20, "uniform", 16, 8, np.random.SeedSequence(5).spawn(3)[1])[0]
+
+
+def test_metrics_from_hand_made_timestamps():
+    traces = [serving.Trace(4, 0.00, [0.10, 0.15, 0.25]),
+              serving.Trace(6, 0.05, [0.30, 0.32]),
+              serving.Trace(2, 0.20, [0.50])]
+    m = serving.summarize(traces)
+    assert m["duration_s"] == pytest.approx(0.5) and m["requests"] == 3 and m["failed"] == 0
+    assert m["request_throughput"] == pytest.approx(6.0) and m["output_throughput"] == pytest.approx(12.0)
+    assert m["total_token_throughput"] == pytest.approx(36.0)
+    ttft, itl, e2e = [0.10, 0.25, 0.30], [0.05, 0.10, 0.02], [0.25, 0.27, 0.30]
+    assert m["ttft_ms"]["p50"] == pytest.approx(250) and m["ttft_ms"]["mean"] == pytest.approx(650 / 3)
+    assert m["itl_ms"]["p50"] == pytest.approx(50) and m["e2e_s"]["p50"] == pytest.approx(0.27)
+    for key, values, scale in (("ttft_ms", ttft, 1e3), ("itl_ms", itl, 1e3), ("e2e_s", e2e, 1)):
+        for q in (90, 99) if key != "e2e_s" else (99,):
+            assert m[key][f"p{q}"] == pytest.approx(np.percentile(values, q) * scale)
+    one_token = serving.summarize([serving.Trace(1, 0.0, [0.2])])
+    assert one_token["itl_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    table = serving.format_table(dict(
+        shape="tiny", requests=1, rate=16.0, lengths="fixed", length_description="fixed: prompt 1 x 1 new",
+        mean_prompt=1.0, mean_new=1.0, warmup="short", dtype="torch.float32", gpu="cpu",
+        results=[dict(one_token, path="sync", warmup_s=0.5, extra={})]))
+    assert "arrival Poisson 16 req/s" in table and "| sync | 5.00 | 5 | 10 | 200.0 |" in table
+    assert "| - | - | - |" in table and "none" not in table.lower() and "nan" not in table.lower()
+
+
+def test_add_request_calls_on_token_for_every_token(tiny):
+    with Engine(tiny, BatchingConfig(mode="async")) as engine:
+        engine.start()
+        seen = []
+        handle = engine.add_request([5, 6, 7], max_new_tokens=6, on_token=lambda request, token: seen.append(token))
+        assert handle.result(timeout=30).output_token_ids == seen == list(handle) and len(seen) == 6
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_request_gets_its_tokens_as_engine_generate_gives_them(tiny, mode):
+    workload = serving.make_workload(6, tiny.config.vocab_size, 200.0, "uniform", 12, 6, seed=1)
+    run = serving.run_path(mode, tiny, workload, warmup="short", timeout=60)
+    with Engine(tiny, BatchingConfig(mode="sync")) as engine:  # the oracle, on the same prompts
+        expected = engine.generate(workload.prompts, [SamplingParams(max_new_tokens=n) for n in workload.new])
+    for trace, n, out in zip(run.traces, workload.new, expected):
+        assert len(trace.token_times) == len(trace.output_token_ids) == n
+        assert trace.output_token_ids == out.output_token_ids
+        assert 0 <= trace.ttft <= trace.e2e and len(trace.itls) == n - 1 and min(trace.itls, default=0) >= 0
+    row = run.row()
+    assert row["requests"] == 6 and row["output_tokens"] == sum(workload.new) and row["warmup_s"] > 0
+
+
+@pytest.mark.skipif(serving.hf_online_missing() is not None, reason=str(serving.hf_online_missing()))
+def test_transformers_online_batching_is_timed_token_by_token(tiny):
+    workload = serving.make_workload(3, tiny.config.vocab_size, math.inf, "uniform", 12, 6, seed=2)
+    run = serving.run_path("hf-cb-sync", tiny, workload, warmup="short", timeout=60)
+    for trace, n in zip(run.traces, workload.new):
+        assert len(trace.token_times) == len(trace.output_token_ids) == n and 0 <= trace.ttft <= trace.e2e
+
+
+def test_paths():
+    serving.check_paths(["sync", "async-eager", "hf-cb-async"])
+    with pytest.raises(ValueError, match="unknown serving path 'stock'"):
+        serving.check_paths(["stock"])
+    kept, notes = serving.runnable_paths(serving.PATHS, torch.device("cpu"))
+    assert "hf-cb-async" not in kept and "sync" in kept and any("hf-cb-async" in note for note in notes)
