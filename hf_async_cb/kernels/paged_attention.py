@@ -286,6 +286,17 @@ def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
+def _aligned_rows(pool: torch.Tensor) -> torch.Tensor:
+    """The pool itself when each head's row starts on a 16-byte boundary, else a compact copy. The
+    kernel's tile loads need that alignment on the GPU (an H200 faults on misaligned addresses).
+    The engine's own pools and gathered contexts always have it; a view into a wider buffer with an
+    odd row width (a test's, or a model's own layout) may not."""
+    size = pool.element_size()
+    if pool.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in pool.stride()[:2]):
+        return pool
+    return pool.contiguous()
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     key_pool: torch.Tensor,
@@ -322,6 +333,7 @@ def paged_attention_triton(
         q = q.contiguous()
     if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("the KV pools must be contiguous in the head dimension")
+    key_pool, value_pool = _aligned_rows(key_pool), _aligned_rows(value_pool)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     if softcap is None:
         qk_scale, cap_log2 = scale * LOG2E.value, 1.0
