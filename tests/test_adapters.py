@@ -47,3 +47,14 @@ def test_falcon_with_alibi_is_refused():
     model = _falcon(alibi=True)
     with pytest.raises(ValueError, match="ALiBi"):
         _greedy(model, "sync")
+
+
+def test_grouped_falcon_caches_one_head_per_kv_group():
+    """Stock Falcon-40B broadcasts its grouped K/V to every query head before caching; the adapted
+    module caches one per KV head (a sixteenth of the memory for 128 heads on 8), same tokens."""
+    from hf_async_cb.model.kv_layout import measured_layout
+
+    model = _falcon(new_decoder_architecture=True, num_kv_heads=2)
+    layout = measured_layout(model, torch.float32, torch.device("cpu"))
+    assert {(kv.key_heads, kv.value_heads) for kv in layout.layers} == {(2, 2)}
+    assert model.config.num_attention_heads == 4

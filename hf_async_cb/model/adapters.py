@@ -19,24 +19,39 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
                               use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
-    """FalconAttention.forward (rotary Falcon: 7B's multi-query and 40B's grouped heads) with its
-    attention through the registered attention function (the paged attention, in engine calls)."""
+    """FalconAttention.forward (rotary Falcon: 7B's multi-query, 40B's grouped heads, and the
+    original multi-head form) with its attention through the registered attention function (the
+    paged attention, in engine calls)."""
     if alibi is not None:
         raise ValueError("Falcon with ALiBi position biases is not supported by hf_async_cb.")
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
-    query, key, value = self._split_heads(self.query_key_value(hidden_states))
-    batch, length = query.shape[:2]
-    kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
-    query = query.transpose(1, 2).reshape(batch, self.num_heads, length, self.head_dim)
-    key = key.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
-    value = value.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
+    query, key, value = (x.transpose(1, 2) for x in _falcon_split_heads(self, self.query_key_value(hidden_states)))
+    batch, _, length, _ = query.shape
     cos, sin = position_embeddings
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     key, value = layer_past.update(key, value, self.layer_idx)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, _ = attend(self, query, key, value, None, scaling=1.0 / math.sqrt(self.head_dim), **kwargs)
     return self.dense(out.reshape(batch, length, self.num_heads * self.head_dim)), None
+
+
+def _falcon_split_heads(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[batch, tokens, heads, head_dim] queries, keys and values of Falcon's fused projection.
+
+    Unlike FalconAttention._split_heads: slices, not list indexing (which uploads an index tensor
+    from the host, so no CUDA graph could capture it), and grouped keys and values stay one per
+    KV head (stock broadcasts them to every query head, and caches them that way: 16x the memory
+    for Falcon-40B); the attention reads each group's K/V for all its query heads."""
+    batch, length, _ = fused.shape
+    if self.new_decoder_architecture:  # per KV head: its query heads, then its key, then its value
+        qkv = fused.view(batch, length, self.num_kv_heads, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+        return qkv[..., :-2, :].flatten(2, 3), qkv[..., -2, :], qkv[..., -1, :]
+    if not self.multi_query:
+        qkv = fused.view(batch, length, self.num_heads, 3, self.head_dim)
+        return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    qkv = fused.view(batch, length, self.num_heads + 2, self.head_dim)
+    return qkv[..., :-2, :], qkv[..., -2:-1, :], qkv[..., -1:, :]
 
 
 # Attention classes (by name, so that no modeling module is imported) -> the forward used in calls.
