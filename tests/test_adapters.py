@@ -58,3 +58,33 @@ def test_grouped_falcon_caches_one_head_per_kv_group():
     layout = measured_layout(model, torch.float32, torch.device("cpu"))
     assert {(kv.key_heads, kv.value_heads) for kv in layout.layers} == {(2, 2)}
     assert model.config.num_attention_heads == 4
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_bloom_alibi_is_exact_and_stock_between_calls(mode):
+    """Bloom's ALiBi runs as per-head slopes in the paged attention (its dense bias tensor is never
+    needed), token-exact against stock; its attention modules are stock again after the call."""
+    config = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    expected = _greedy(model, "off")
+    assert torch.equal(_greedy(model, mode), expected)
+    attention = [m for m in model.modules() if type(m).__name__ == "BloomAttention"]
+    assert attention and all(not {"forward", "hf_async_cb_alibi_slopes"} & set(vars(m)) for m in attention)
+    hf_async_cb.release(model)
+
+
+def test_bloom_slopes_are_the_models_own():
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from hf_async_cb.model.adapters import _bloom_slopes
+
+    for heads in (4, 6, 32):
+        slopes = _bloom_slopes(None, heads, torch.device("cpu"))
+        bias = build_alibi_tensor(torch.ones(1, 5), heads, torch.float32).view(heads, 5)
+        torch.testing.assert_close(bias, slopes[:, None] * torch.arange(5.0))

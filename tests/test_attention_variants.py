@@ -23,7 +23,7 @@ from hf_async_cb.kernels.paged_attention_reference import paged_attention_refere
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def dense_oracle(query, keys, values, meta, scaling=None, window=None, softcap=None, sinks=None):
+def dense_oracle(query, keys, values, meta, scaling=None, window=None, softcap=None, sinks=None, alibi_slopes=None):
     """Attention of a packed step computed request by request, densely, in float64."""
     query, keys, values = query.double(), keys.double(), values.double()
     _, heads, _, head_dim = query.shape
@@ -45,6 +45,8 @@ def dense_oracle(query, keys, values, meta, scaling=None, window=None, softcap=N
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         pos = (ctx - q_len + torch.arange(q_len))[:, None]
+        if alibi_slopes is not None:  # Bloom's form: slope x key position
+            s = s + alibi_slopes.double().to(s.device).view(heads, 1, 1) * t.double().to(s.device)
         allowed = t[None, :] <= pos
         if window is not None:
             allowed &= (pos - t[None, :]) < window
@@ -79,6 +81,7 @@ VARIANTS = {
     "softcap": dict(softcap=2.0),
     "sinks": dict(sinks=True),
     "softcap and sinks": dict(softcap=2.0, sinks=True),
+    "alibi": dict(alibi_slopes=True),
 }
 # (heads, kv_heads, Dk, Dv): MHA; GQA with smaller values; MQA with larger values; odd sizes.
 SHAPES = [(4, 4, 16, 16), (8, 2, 24, 16), (4, 1, 16, 40), (6, 2, 80, 48)]
@@ -88,6 +91,8 @@ def variant_kwargs(name, heads, seed=0, sink_dtype=torch.float32):
     kw = dict(VARIANTS[name])
     if kw.get("sinks"):
         kw["sinks"] = make_sinks(heads, seed, sink_dtype)
+    if kw.get("alibi_slopes"):  # ALiBi's geometric slopes, 2^(-8 i / H)
+        kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=DEVICE)
     return kw
 
 

@@ -56,7 +56,7 @@ def _tanh(x):
 @triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr, slopes_ptr,
     block_table_ptr, query_start_ptr, context_lens_ptr,
     qk_scale, cap_log2, window, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -65,7 +65,7 @@ def _paged_attention_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IEEE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1) // CHUNKS
@@ -123,6 +123,8 @@ def _paged_attention_kernel(
             m_i = tl.where(split == 0, m_sink, m_i)
             l_i = tl.where(split == 0, tl.exp2(sink - m_sink), l_i)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        if HAS_ALIBI:  # slope x key position, in the log2 domain (a row's constant shift cancels)
+            slope = tl.load(slopes_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         # In 64 bits: a strided pool's head stride may be slots x D, and the pool 2**31 elements or more.
         k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
@@ -141,6 +143,8 @@ def _paged_attention_kernel(
                 s = _tanh(s * qk_scale) * cap_log2
             else:
                 s = s * qk_scale
+            if HAS_ALIBI:
+                s = s + slope[:, None] * offs_n[None, :].to(tl.float32)
             allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
             if HAS_WINDOW:
                 allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
@@ -309,6 +313,7 @@ def paged_attention_triton(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, H, T, Dk] (packed), pools [slots, KVH, Dk] and [slots, KVH, Dv] -> output
     [1, T, H, Dv]; same contract as paged_attention_reference (softcap None or 0.0: none; sinks
@@ -327,6 +332,11 @@ def paged_attention_triton(
             raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
         if sinks.stride(0) != 1:
             sinks = sinks.contiguous()
+    alibi_slopes = check_sinks(alibi_slopes, num_heads, "alibi_slopes")
+    if alibi_slopes is not None:
+        if alibi_slopes.device != query.device:
+            raise ValueError(f"alibi_slopes are on {alibi_slopes.device}, the query on {query.device}")
+        alibi_slopes = alibi_slopes.contiguous()
     group = num_heads // num_kv_heads
     q = query[0].transpose(0, 1)  # [T, H, Dk]
     if q.stride(-1) != 1:
@@ -360,6 +370,7 @@ def paged_attention_triton(
     grid = (total // block_q + num_seqs, num_kv_heads * chunks, splits)
     _paged_attention_kernel[grid](
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
+        alibi_slopes if alibi_slopes is not None else q,
         meta.block_table, meta.query_start, meta.context_lens,
         qk_scale, cap_log2, sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
@@ -367,7 +378,8 @@ def paged_attention_triton(
         PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None, IEEE=query.dtype == torch.float32, **launch,
+        HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
+        **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](

@@ -10,7 +10,9 @@ product in fp32, the K/V heads broadcast over their query-head groups without a 
 - softcap (Gemma 2): scores s = (q . k) * scaling become softcap * tanh(s / softcap) before the
   causal / sliding-window mask, as transformers' gemma2 eager attention does;
 - sinks (gpt-oss): one learned logit per query head joins every row's softmax as a virtual key
-  with a zero value, out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)).
+  with a zero value, out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h));
+- ALiBi (Bloom, MPT): slope_h x (key position) is added to the scaled scores, which is the
+  models' own bias up to a per-row constant (the softmax cancels it).
 
 The pools may be strided views (only the last dimension must be dense in the Triton kernel; here
 any layout works, the pools are gathered), and values may have another head size than keys
@@ -39,15 +41,17 @@ def paged_attention_reference(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, H, T, Dk] (packed), pools [slots, KVH, Dk] and [slots, KVH, Dv] -> output
     [1, T, H, Dv] in query's dtype. `scaling` None means 1 / sqrt(Dk). `softcap` None or 0.0: no
-    capping; `sinks` [H] (any float dtype, used in fp32) or None."""
+    capping; `sinks` [H] (any float dtype, used in fp32) or None; `alibi_slopes` [H] or None."""
     _, num_heads, _, head_dim = query.shape
     num_kv_heads = key_pool.shape[1]
     head_dim_v = value_pool.shape[-1]
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, num_heads)
+    alibi_slopes = check_sinks(alibi_slopes, num_heads, "alibi_slopes")
     check_shapes(query, key_pool, value_pool)
     n_rep = num_heads // num_kv_heads
     view = meta.padded_view()
@@ -56,7 +60,7 @@ def paged_attention_reference(
     k = key_pool[view["kv_index"]].permute(0, 2, 1, 3)  # [B, KVH, max_ctx, Dk]
     v = value_pool[view["kv_index"]].permute(0, 2, 1, 3)  # [B, KVH, max_ctx, Dv]
     mask = meta.mask(sliding_window)  # [B, 1, max_q, max_ctx]
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is None and alibi_slopes is None:
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
@@ -64,12 +68,12 @@ def paged_attention_reference(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     else:
         scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-        o = _explicit(q, k, v, mask, scale, softcap, sinks).to(query.dtype)
+        o = _explicit(q, k, v, mask, scale, softcap, sinks, alibi_slopes).to(query.dtype)
     o = o.permute(0, 2, 1, 3).reshape(batch * max_q, num_heads, head_dim_v)[view["out_index"]]
     return o[None]
 
 
-def _explicit(q, k, v, mask, scale, softcap, sinks):
+def _explicit(q, k, v, mask, scale, softcap, sinks, alibi_slopes=None):
     """Attention by matmuls in fp32: q [B, H, M, Dk], k [B, KVH, N, Dk], v [B, KVH, N, Dv],
     mask [B, 1, M, N] -> [B, H, M, Dv]. Query head h reads KV head h // (H // KVH)."""
     batch, num_heads, max_q, _ = q.shape
@@ -79,6 +83,9 @@ def _explicit(q, k, v, mask, scale, softcap, sinks):
     s = torch.matmul(qg, k.float().transpose(-1, -2)).reshape(batch, num_heads, max_q, -1) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        positions = torch.arange(s.shape[-1], device=s.device, dtype=torch.float32)
+        s = s + alibi_slopes.float().to(s.device).view(1, num_heads, 1, 1) * positions
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is None:
         p = torch.softmax(s, dim=-1)
@@ -100,12 +107,13 @@ def check_softcap(softcap: float | None) -> float | None:
     return softcap
 
 
-def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
-    """[H] of any floating dtype (or H elements in any shape) -> a flat [H] view, None stays None."""
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, name: str = "sinks") -> torch.Tensor | None:
+    """[H] of any floating dtype (or H elements in any shape) -> a flat [H] view, None stays None
+    (sinks, and ALiBi slopes alike)."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.numel() != num_heads:
-        raise ValueError(f"sinks must be a floating tensor of one logit per query head ({num_heads}), "
+        raise ValueError(f"{name} must be a floating tensor of one logit per query head ({num_heads}), "
                          f"not {getattr(sinks, 'dtype', type(sinks))} of shape {tuple(getattr(sinks, 'shape', ()))}")
     return sinks.reshape(num_heads)
 

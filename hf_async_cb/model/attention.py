@@ -6,7 +6,8 @@ value (from PagedKVCache.update, as [1, heads, slots, dim] views) and the step's
 through the forward kwargs. Some modeling code (StableLM, Nemotron) does not pass its kwargs on to
 the attention function: the step is then read from `current_step`, which the runner sets around
 every forward. Per-layer options arrive as keywords: `sliding_window`, `softcap` (Gemma 2's
-attention-logit softcapping) and `s_aux` / `sinks` (gpt-oss's attention sinks).
+attention-logit softcapping), `s_aux` / `sinks` (gpt-oss's attention sinks) and `alibi_slopes`
+(Bloom's and MPT's ALiBi, from model/adapters.py).
 
 No mask function is registered on purpose: transformers skips building a dense mask for an
 attention implementation that has none, and the paged attention derives causality (and sliding
@@ -49,8 +50,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step."
         )
     if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
-        raise ValueError(f"{type(module).__name__} adds position biases to its attention scores (ALiBi, relative "
-                         "positions), which hf_async_cb does not support.")
+        raise ValueError(f"{type(module).__name__} adds a dense position-bias tensor to its attention scores, which "
+                         "hf_async_cb does not support (ALiBi runs through model/adapters.py, as slopes).")
     meta.attention_calls += 1
     options = {}
     if kwargs.get("softcap"):
@@ -58,6 +59,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if sinks is not None:
         options["sinks"] = sinks
+    if kwargs.get("alibi_slopes") is not None:  # model/adapters.py: Bloom, MPT
+        options["alibi_slopes"] = kwargs["alibi_slopes"]
     key_pool, value_pool = PagedKVCache.pool_of(key), PagedKVCache.pool_of(value)
     if meta.kv_gathered:
         meta.kv_gathered = False
