@@ -33,6 +33,7 @@ from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import has_learned_positions, max_positions, text_config_of
+from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel
@@ -54,15 +55,17 @@ def _random_seed() -> int:
     return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_index: int = 0) -> None:
+def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_index: int = 0,
+                  draw=None) -> None:
     """Give every sampled request without a seed of its own the seed derived from `engine_seed` and
     its index (first_index + position in `requests`), so that its tokens depend on nothing but its
     prompt, parameters and that index, never on the requests sharing its batches. No engine seed:
-    one is drawn from torch's generator (only when a request needs it)."""
+    one is drawn from torch's generator (only when a request needs it), through `draw` if given
+    (tensor-parallel ranks agree on one: engine/distributed.py)."""
     unseeded = [(i, r) for i, r in enumerate(requests, first_index) if r.params.do_sample and r.params.seed is None]
     if not unseeded:
         return
-    base = engine_seed if engine_seed is not None else _random_seed()
+    base = engine_seed if engine_seed is not None else (draw or _random_seed)()
     for index, request in unseeded:
         request.params = dataclasses.replace(request.params, seed=derive_seed(base, index))
 
@@ -165,6 +168,9 @@ class Engine:
         num_pages = self._num_pages()
         if self.config.num_pages is None and max_pages_needed is not None:
             num_pages = max(1, min(num_pages, max_pages_needed))
+        self.tensor_parallel = TensorParallel.of(model)
+        if self.tensor_parallel is not None:  # every rank's engine must schedule alike
+            num_pages = self.tensor_parallel.agree_min(num_pages)
         self.num_pages = num_pages
         # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
         self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
@@ -315,7 +321,7 @@ class Engine:
         loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
-        seed_requests(requests, self.config.seed)
+        seed_requests(requests, self.config.seed, draw=self._draw_seed)
         remaining = {id(r) for r in requests}
         with self.runner.prepared("Engine.run"):
             try:
@@ -341,10 +347,18 @@ class Engine:
                 raise
 
     # -- online API ---------------------------------------------------------------------------
+    def _draw_seed(self) -> int:
+        """An engine seed from torch's generator; rank 0's on a tensor-parallel model."""
+        seed = _random_seed()
+        return seed if self.tensor_parallel is None else self.tensor_parallel.agree_seed(seed)
+
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
         if self._background is not None:
             raise RuntimeError("the engine's background loop is already running.")
+        if self.tensor_parallel is not None:
+            raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "
+                             "at its own steps and the ranks' collectives would no longer match; use generate().")
         self._background = BackgroundLoop(self, resolve_mode(mode or self.config.mode) or self.config.mode)
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()

@@ -24,6 +24,11 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         raise ValueError(f"{name} is an encoder-decoder model; hf_async_cb runs decoder-only models.")
     if type(model).generate is not GenerationMixin.generate:
         raise ValueError(f"{name} overrides generate(); hf_async_cb runs plain decoder-only language models.")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"{name}'s weights are spread over {sorted(map(str, devices))} (a device_map): hf_async_cb "
+                         "runs a model on one device, or tensor-parallel across processes (from_pretrained(..., "
+                         "tp_plan='auto') under torchrun); load it on one device, or with a tp_plan.")
     config = text_config_of(config)
     for attr, what in _UNSUPPORTED_CONFIG.items():
         if getattr(config, attr, None):

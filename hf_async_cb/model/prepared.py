@@ -111,6 +111,9 @@ class PreparedModel:
         self.fusion: FusedProjections | None = None
         self.elementwise = None
         self.adapters = AttentionAdapters(model)
+        if (getattr(model, "_tp_size", None) or 1) > 1:
+            # Tensor-parallel layers carry transformers' sharding hooks, which fused modules would lose.
+            fuse_projections_ = fuse_elementwise = False
         try:
             if on_cuda if fuse_projections_ is None else fuse_projections_:
                 self.fusion = fuse_projections(model)
