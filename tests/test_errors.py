@@ -156,10 +156,17 @@ def _tiny(config_cls, **kw):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_softcapping_architecture_is_refused():
+def test_softcapping_architecture_runs_as_stock():
+    """Gemma 2's attention and final-logit softcapping, once refused, now give stock's tokens."""
     gemma2 = _tiny(transformers.Gemma2Config, head_dim=16)
-    with pytest.raises(ValueError, match="softcapping"):
-        gemma2.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
+    expected = gemma2.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, batching="off")
+    assert torch.equal(gemma2.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, batching="sync"), expected)
+
+
+def test_an_alibi_falcon_is_refused():
+    falcon = _tiny(transformers.FalconConfig, alibi=True)
+    with pytest.raises(ValueError, match="ALiBi"):
+        falcon.generate(torch.tensor([[5, 6]]), max_new_tokens=2, batching="sync")
 
 
 def test_an_untested_family_runs_after_its_parity_check():
