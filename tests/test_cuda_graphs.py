@@ -85,6 +85,20 @@ def test_prefill_graphs_are_capped():
     assert sum(key.tokens > 0 for key in engine.graphs._graphs) == 2
 
 
+def test_large_prefill_steps_run_eagerly():
+    """A prefill step of more than PREFILL_GRAPH_MAX_TOKENS tokens gets no graph (its GPU time
+    dwarfs the launches a graph saves); one at the limit still does."""
+    from hf_async_cb.engine.cuda_graphs import PREFILL_GRAPH_MAX_TOKENS
+
+    graphs = DecodeGraphs(None, 8, is_cuda=False, prefill=True)
+
+    def plan(tokens):
+        return StepPlan([ScheduledChunk(Request([3] * tokens, SamplingParams()), 0, tokens, True)], [])
+
+    assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS - 8)) is not None
+    assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS + 1)) is None
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_seeded_sampling_replays_graphs_with_the_eager_tokens(mode):
     """Sampled and greedy requests (different warpers) share graph buckets, decode and prefill, and

@@ -50,6 +50,11 @@ from hf_async_cb.sampling.sampler import SamplingTensors
 logger = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 64
+# Prefill and mixed steps of more tokens than this run eagerly: their GPU time dwarfs the launch
+# cost a graph saves, while each capture holds its activations in the graph pool and costs its
+# warm-up. Measured on an H200 (docs/benchmarks.md, 2026-12-01): 8B, 32 x 7K -> 1K with 8192-token
+# prefill steps took 21.9 s with prefill graphs and 21.6 s without, and 29.0 s of warm-up against 21.9.
+PREFILL_GRAPH_MAX_TOKENS = 2048
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
@@ -260,7 +265,7 @@ class DecodeGraphs:
             key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
-            if not self.prefill:
+            if not self.prefill or plan.num_tokens > PREFILL_GRAPH_MAX_TOKENS:
                 return None
             size, tokens = len(chunks), plan.num_tokens
             batch = _pow2(size)
