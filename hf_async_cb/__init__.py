@@ -12,6 +12,7 @@ if _Version(_transformers.__version__) < _Version("5.17"):
 
 from hf_async_cb._moved import install_finder  # noqa: E402
 from hf_async_cb.config import BatchingConfig  # noqa: E402
+from hf_async_cb.engine.data_parallel import DataParallel  # noqa: E402
 from hf_async_cb.engine.engine import Engine  # noqa: E402
 from hf_async_cb.engine.requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
 from hf_async_cb.generate.hook import install, is_installed, uninstall  # noqa: E402
@@ -19,7 +20,7 @@ from hf_async_cb.generate.runtime import release, runtime_info  # noqa: E402
 
 __version__ = "0.3.0"
 
-__all__ = ["BatchingConfig", "Engine", "FinishReason", "RequestOutput", "SamplingParams", "install",
+__all__ = ["BatchingConfig", "DataParallel", "Engine", "FinishReason", "RequestOutput", "SamplingParams", "install",
            "is_installed", "release", "runtime_info", "uninstall", "__version__"]
 
 install()

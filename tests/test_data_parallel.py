@@ -1,0 +1,64 @@
+"""Data-parallel replicas (two and three CPU replicas here) against one Engine: the same tokens,
+greedy and seeded-sampled, whatever replica a request lands on; outputs in prompt order; work
+balanced by load."""
+
+import pytest
+import torch
+from models import random_prompts, tiny_model
+
+from hf_async_cb import BatchingConfig, DataParallel, Engine, SamplingParams
+from hf_async_cb.engine.data_parallel import balance
+
+PROMPTS = random_prompts(9, 3, 40, seed=21)
+
+
+def _tokens(outputs):
+    return [o.output_token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_replicas_give_one_engines_tokens_in_prompt_order(mode):
+    model = tiny_model("llama")
+    expected = _tokens(Engine(model, BatchingConfig(mode=mode)).generate(PROMPTS, max_new_tokens=8))
+    with DataParallel(model, devices=["cpu", "cpu"], config=BatchingConfig(mode=mode)) as dp:
+        assert dp.engines[0].model is model and dp.engines[1].model is not model
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=8)) == expected
+        assert all(dp.last_assignment) and sorted(sum(dp.last_assignment, [])) == list(range(len(PROMPTS)))
+
+
+def test_sampled_tokens_do_not_depend_on_the_replica():
+    """With an engine seed: one Engine, two replicas and three replicas draw the same tokens;
+    without one, torch's generator decides, as for one Engine."""
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.3, top_k=50)
+    config = BatchingConfig(seed=7)
+    single = _tokens(Engine(model, config).generate(PROMPTS, params))
+    for devices in (["cpu"] * 2, ["cpu"] * 3):
+        with DataParallel(model, devices=devices, config=config) as dp:
+            assert _tokens(dp.generate(PROMPTS, params)) == single
+    torch.manual_seed(3)
+    unseeded_single = _tokens(Engine(model).generate(PROMPTS, params))
+    torch.manual_seed(3)
+    with DataParallel(model, devices=["cpu"] * 2) as dp:
+        assert _tokens(dp.generate(PROMPTS, params)) == unseeded_single
+
+
+def test_balance_puts_the_longest_first_onto_the_least_loaded():
+    costs = [10, 1, 1, 1, 9]
+    chosen = balance(costs, 2)
+    assert sorted(sum(chosen, [])) == list(range(5)) and 0 in chosen[0] and 4 in chosen[1]
+    assert [sum(costs[i] for i in c) for c in chosen] == [11, 11]
+    assert balance([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert balance([3], 3) == [[0], [], []]
+    costs = list(range(1, 40))
+    loads = [sum(costs[i] for i in c) for c in balance(costs, 4)]
+    assert max(loads) - min(loads) <= max(costs)
+
+
+def test_bad_arguments_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="at least one device"):
+        DataParallel(model, devices=[])
+    with DataParallel(model, devices=["cpu"]) as dp:
+        with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+            dp.generate(PROMPTS[:3], [SamplingParams(), SamplingParams()])
