@@ -51,11 +51,11 @@ def test_kernels_compile_for_sm90():
     merge = {"max_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64",
              "logprobs_ptr": "*fp64", "vocab": "i32"}
     store = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
-    store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_pool_t "
-                                                              "stride_pool_h".split()})
+    store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_kpool_t "
+                                                              "stride_kpool_h stride_vpool_t stride_vpool_h".split()})
     assert_compiles_for_sm90([
         ("hf_async_cb.kernels.draw_greedy", "_greedy_parts_kernel", parts, dict(NUM_PARTS=8, BLOCK=BLOCK)),
         ("hf_async_cb.kernels.draw_greedy", "_greedy_merge_kernel", merge, dict(NUM_PARTS=8)),
-        ("hf_async_cb.kernels.store_kv", "_store_kv_kernel", store, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8,
-                                                                            BLOCK_D=128)),
+        ("hf_async_cb.kernels.store_kv", "_store_kv_kernel", store,
+         dict(K_HEADS=8, K_DIM=128, V_HEADS=8, V_DIM=128, BLOCK_KH=8, BLOCK_KD=128, BLOCK_VH=8, BLOCK_VD=128)),
     ])
