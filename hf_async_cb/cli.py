@@ -115,15 +115,7 @@ def bench(args: argparse.Namespace) -> int:
         paths = tuple(args.compare.split(","))
     else:  # the mixed workload runs our paths only
         paths = ("sync", "async") if args.mixed else b.PATHS
-    try:
-        b.check_paths(paths, args.mixed)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    paths, notes = b.runnable_paths(paths, device)
-    for note in notes:
-        print(note)
-    if not paths:
-        raise SystemExit(f"no path to run on {device}")
+    paths = _runnable(paths, device, lambda p: b.check_paths(p, args.mixed), b.runnable_paths)
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress)
@@ -132,6 +124,21 @@ def bench(args: argparse.Namespace) -> int:
     print(b.format_table(report))
     _write_json(args.json, report)
     return 0
+
+
+def _runnable(paths: tuple, device: torch.device, check, runnable) -> tuple:
+    """The paths asked for, checked (a bad name ends the command) and cut to those `device` can run,
+    each one left out said why."""
+    try:
+        check(paths)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    paths, notes = runnable(paths, device)
+    for note in notes:
+        print(note)
+    if not paths:
+        raise SystemExit(f"no path to run on {device}")
+    return paths
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -147,15 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else b.default_device()
     shape, requests, prompt, new = _bench_workload(args, device)
     paths = tuple(args.compare.split(",")) if args.compare is not None else s.PATHS
-    try:
-        s.check_paths(paths)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    paths, notes = s.runnable_paths(paths, device)
-    for note in notes:
-        print(note)
-    if not paths:
-        raise SystemExit(f"no path to run on {device}")
+    paths = _runnable(paths, device, s.check_paths, s.runnable_paths)
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs)
     report = s.run(shape, requests, math.inf if args.rate is None else args.rate,

@@ -29,11 +29,16 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A deterministic fp32 CPU model; weights scaled up so that greedy picks are far from ties."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return scaled(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+def scaled(model: torch.nn.Module, factor: float = 4.0) -> torch.nn.Module:
+    """`model` with its matrices scaled up (in place): attention far from uniform, greedy picks far
+    from ties."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.mul_(4.0)
+                p.mul_(factor)
     return model
 
 

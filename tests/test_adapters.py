@@ -4,7 +4,7 @@ forward kwargs on the way to it (StableLM): exact against stock, and stock betwe
 import pytest
 import torch
 import transformers
-from models import left_pad, random_prompts
+from models import left_pad, random_prompts, scaled
 
 import hf_async_cb
 
@@ -13,12 +13,7 @@ def _falcon(**overrides):
     config = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
     torch.manual_seed(0)
-    model = transformers.FalconForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
-    return model
+    return scaled(transformers.FalconForCausalLM(config).eval())
 
 
 def _greedy(model, batching):
@@ -67,11 +62,7 @@ def test_bloom_alibi_is_exact_and_stock_between_calls(mode):
     config = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
                                       eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = transformers.BloomForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
+    model = scaled(transformers.BloomForCausalLM(config).eval())
     expected = _greedy(model, "off")
     assert torch.equal(_greedy(model, mode), expected)
     attention = [m for m in model.modules() if type(m).__name__ == "BloomAttention"]

@@ -17,6 +17,8 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
+from models import left_pad, scaled
+
 import hf_async_cb
 from hf_async_cb import BatchingConfig
 
@@ -38,7 +40,6 @@ def _free_port() -> int:
 
 
 def _inputs():
-    from models import left_pad
 
     return left_pad(PROMPTS)
 
@@ -86,11 +87,7 @@ def runs(tmp_path_factory):
                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
                                       eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
+    model = scaled(transformers.LlamaForCausalLM(config).eval())
     model.save_pretrained(path)
     single = {"stock": _generate(model, dict(batching="off", do_sample=False))}
     single.update((name, _generate(model, options)) for name, options in CASES.items())

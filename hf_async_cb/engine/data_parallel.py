@@ -29,7 +29,7 @@ import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine, _random_seed
-from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists
+from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
 from hf_async_cb.sampling.sampler import derive_seed
 
 
@@ -63,13 +63,7 @@ class DataParallel:
                  *, mode: str | None = None, **param_kwargs) -> list[RequestOutput]:
         """Engine.generate over the replicas: outputs in prompt order."""
         prompts = as_token_lists(prompts)
-        if params is None:
-            params = SamplingParams(**param_kwargs)
-        elif param_kwargs:
-            raise ValueError("pass either params or keyword sampling arguments, not both.")
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
+        per_prompt = params_per_prompt(prompts, params, param_kwargs)
         per_prompt = self._seeded(per_prompt)
         assignment = balance([len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)], len(self.engines))
         self.last_assignment = assignment

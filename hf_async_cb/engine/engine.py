@@ -27,6 +27,7 @@ from hf_async_cb.engine.requests import (
     RequestStatus,
     SamplingParams,
     as_token_lists,
+    params_per_prompt,
 )
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
@@ -292,13 +293,7 @@ class Engine:
         them); the copies share the first copy's cached prompt pages instead of recomputing them.
         """
         prompts = as_token_lists(prompts)
-        if params is None:
-            params = SamplingParams(**param_kwargs)
-        elif param_kwargs:
-            raise ValueError("pass either params or keyword sampling arguments, not both.")
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
+        per_prompt = params_per_prompt(prompts, params, param_kwargs)
         if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
                 or num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")

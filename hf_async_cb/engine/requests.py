@@ -368,3 +368,16 @@ def _prompt_ids(i: int, prompt: Any) -> list[int]:
     if not ids:
         raise ValueError(f"prompt {i} is empty: every prompt needs at least one token.")
     return ids
+
+
+def params_per_prompt(prompts: Sequence, params, param_kwargs: dict) -> list:
+    """One SamplingParams per prompt, from generate()'s `params` (one for all, one per prompt, or
+    None: built from the keyword arguments)."""
+    if params is None:
+        params = SamplingParams(**param_kwargs)
+    elif param_kwargs:
+        raise ValueError("pass either params or keyword sampling arguments, not both.")
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
+    return per_prompt
