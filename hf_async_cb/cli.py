@@ -118,7 +118,7 @@ def bench(args: argparse.Namespace) -> int:
     paths = _runnable(paths, device, lambda p: b.check_paths(p, args.mixed), b.runnable_paths)
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
-                            progress=args.progress)
+                            progress=args.progress, mixed_prefill_tokens=args.mixed_prefill_tokens)
     report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
                    sample=args.sample)
     print(b.format_table(report))
@@ -156,7 +156,8 @@ def serve(args: argparse.Namespace) -> int:
     paths = tuple(args.compare.split(",")) if args.compare is not None else s.PATHS
     paths = _runnable(paths, device, s.check_paths, s.runnable_paths)
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                            max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs)
+                            max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
+                            mixed_prefill_tokens=args.mixed_prefill_tokens)
     report = s.run(shape, requests, math.inf if args.rate is None else args.rate,
                    args.lengths or s.default_lengths(device), prompt, new, paths, device, config=config,
                    sample=args.sample, warmup=args.warmup or "replay", seed=args.seed or 0)
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="token budget of a step of our paths (and of HF CB's on the CPU); default: the device's "
                         "(BatchingConfig.for_device: 8192 on a GPU of 70 GiB or more, 512 on the CPU)")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                   help="at most this many prompt tokens in a step that also decodes (BatchingConfig."
+                        "mixed_prefill_tokens); default: no cap, the whole step budget")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.add_argument("--serve", action="store_true",

@@ -28,6 +28,9 @@ class BatchingConfig:
         512 on the CPU.
     kv_memory_fraction: the share of free GPU memory the KV pool may take. None: 0.9 (the pool
         always leaves room for the activations of the widest step, see Engine).
+    mixed_prefill_tokens: at most this many prompt tokens in a step that also decodes (None: the
+        whole budget). Lower values keep decoding requests' inter-token latency steady while long
+        prompts arrive, at the cost of their time to first token.
     max_running_requests: requests that hold KV pages at once.
     seed: the engine seed: a sampled request without a seed of its own gets one derived from it and
         from its index in the generate call (or its submission order online), so that its tokens
@@ -58,6 +61,7 @@ class BatchingConfig:
     num_pages: int | None = None
     max_batch_tokens: int | None = None
     max_running_requests: int = 256
+    mixed_prefill_tokens: int | None = None
     kv_memory_fraction: float | None = None
     cpu_kv_cache_bytes: int = 512 * 1024**2
     seed: int | None = None
@@ -80,7 +84,7 @@ class BatchingConfig:
             raise ValueError(f"BatchingConfig.mode must be one of {MODES}, got {self.mode!r}.")
         for name in ("page_size", "max_running_requests", "cpu_kv_cache_bytes"):
             setattr(self, name, _positive_int(name, getattr(self, name)))
-        for name in ("num_pages", "max_batch_tokens"):
+        for name in ("num_pages", "max_batch_tokens", "mixed_prefill_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, _positive_int(name, getattr(self, name)))
         fraction = self.kv_memory_fraction

@@ -485,3 +485,42 @@ def test_finish_of_waiting_request_removes_it():
     assert not sched.has_work
     assert req.status is RequestStatus.ABORTED
     assert alloc.num_free == 4
+
+
+def test_mixed_prefill_tokens_caps_prompts_only_in_steps_that_decode():
+    """With mixed_prefill_tokens, a step that decodes takes at most that many prompt tokens; a step
+    with nothing to decode still fills its whole budget; no request loses a token."""
+    sched = Scheduler(PageAllocator(64), 4, max_batch_tokens=32, max_running_requests=8, mixed_prefill_tokens=5)
+    first = Request(list(range(3, 23)), SamplingParams(max_new_tokens=4))
+    sched.add(first)
+    plan = sched.schedule()  # nothing decodes yet: the whole prompt in one step
+    assert sum(c.num_tokens for c in plan.chunks) == 20
+    first.num_computed = 20
+    first.output_token_ids.append(7)
+    sched.add(Request(list(range(3, 43)), SamplingParams(max_new_tokens=4)))
+    seen = []
+    for _ in range(3):
+        plan = sched.schedule()
+        decodes = [c for c in plan.chunks if c.num_tokens == 1 and c.request is first]
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.request is not first)
+        assert decodes and prompt_tokens <= 5
+        seen.append(prompt_tokens)
+        for c in plan.chunks:
+            c.request.num_computed = c.start + c.num_tokens
+        if len(first.output_token_ids) < 3:
+            first.output_token_ids.append(7)
+    assert seen == [5, 5, 5]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_generate_with_a_prefill_cap_equals_stock(mode):
+    from models import random_prompts, stock_generate, tiny_model
+
+    from hf_async_cb import BatchingConfig, Engine
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 60, seed=13)
+    engine = Engine(model, BatchingConfig(mode=mode, max_batch_tokens=64, mixed_prefill_tokens=8, page_size=4))
+    outs = engine.generate(prompts, max_new_tokens=6)
+    expected = stock_generate(model, prompts, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    assert [o.output_token_ids for o in outs] == expected[:, max(map(len, prompts)):].tolist()

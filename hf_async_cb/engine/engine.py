@@ -177,7 +177,7 @@ class Engine:
         self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
-                                   self.config.max_running_requests)
+                                   self.config.max_running_requests, self.config.mixed_prefill_tokens)
         self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
                                     attention_backend=self.attention_backend)

@@ -2,7 +2,9 @@
 
 Every step gets a token budget (max_batch_tokens). Running requests that decode (one token each)
 come first, oldest first; then running requests still prefilling continue their prompt in chunks;
-then waiting requests are admitted while budget, pages and running slots last. When a running
+then waiting requests are admitted while budget, pages and running slots last. A step that
+decodes gives prompts at most `mixed_prefill_tokens` of its budget (when set), so that a long
+prompt arriving does not stretch the step every decoding request waits on. When a running
 request needs a page and none is free, the newest running request is preempted: its pages are
 freed and it goes back to the front of the queue, to be recomputed from its tokens later.
 """
@@ -81,10 +83,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_batch_tokens: int,
-                 max_running_requests: int) -> None:
+                 max_running_requests: int, mixed_prefill_tokens: int | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.max_running_requests = max_running_requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -145,6 +148,8 @@ class Scheduler:
                         continue
             chunks.append(ScheduledChunk(req, start, 1, True))
             budget -= 1
+        if chunks and self.mixed_prefill_tokens is not None:  # decodes wait on this step: keep it short
+            budget = min(budget, self.mixed_prefill_tokens)
         for req, left in prefilling:
             if budget == 0:
                 break
