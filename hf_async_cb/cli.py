@@ -111,6 +111,8 @@ def bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"{', '.join(given)}: only with --serve")
     device = torch.device(args.device) if args.device else b.default_device()
     shape, requests, prompt, new = _bench_workload(args, device)
+    if args.breakdown:
+        return breakdown(args, device, shape, requests, prompt, new)
     if args.compare is not None:
         paths = tuple(args.compare.split(","))
     else:  # the mixed workload runs our paths only
@@ -122,6 +124,26 @@ def bench(args: argparse.Namespace) -> int:
     report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
                    sample=args.sample)
     print(b.format_table(report))
+    _write_json(args.json, report)
+    return 0
+
+
+def breakdown(args: argparse.Namespace, device: torch.device, shape: str, requests: int, prompt: int,
+              new: int) -> int:
+    """`bench --breakdown`: our async loop's step, by kernel kind and GEMM shape (tools/breakdown.py)."""
+    from hf_async_cb.config import BatchingConfig
+    from hf_async_cb.tools import bench as b
+    from hf_async_cb.tools.breakdown import format_breakdown, step_breakdown
+
+    if args.compare is not None or args.mixed or args.sample:
+        raise SystemExit("--breakdown profiles our async loop on the fixed workload: no --compare, --mixed or --sample")
+    model = b.build_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = BatchingConfig(mode="async", page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                            max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
+                            mixed_prefill_tokens=args.mixed_prefill_tokens)
+    report = step_breakdown(model, b._prompts(requests, prompt, model.config.vocab_size), new, config)
+    report["shape"] = shape
+    print(f"{shape}: " + format_breakdown(report))
     _write_json(args.json, report)
     return 0
 
@@ -255,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-prefill-tokens", type=int, default=None,
                    help="at most this many prompt tokens in a step that also decodes (BatchingConfig."
                         "mixed_prefill_tokens); default: no cap, the whole step budget")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile our async loop instead: kernel time per step by kind (GEMMs, attention, the rest) "
+                        "and each GEMM shape's achieved TB/s")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.add_argument("--json", default=None, help="also write the full report here")
     p.add_argument("--serve", action="store_true",
