@@ -1,0 +1,470 @@
+"""Skinny GEMMs for decode steps: y = x @ weight.T (+ bias) for a few rows x (M <= 256).
+
+Why: a decode step multiplies one row per running request by every weight matrix. At such M the
+work is bound by streaming the weight [N, K] from memory once, not by arithmetic (M = 32 in bf16
+is 32 flop per weight byte, against the H200's ~200 at its ridge), so the step is as fast as the
+weights stream. On the H200 (docs/benchmarks.md) the Llama-3-8B shape at 32 rows spends 5.18 ms
+of a 5.96 ms step in GEMMs against a 4.38 ms floor for the whole step: cuBLAS streams a lone
+4096 x 4096 projection at ~1.1 TB/s and the fused gate/up at ~3.9 TB/s, of a 4.27 TB/s copy
+bandwidth. A kernel made for few rows can aim at the copy bandwidth for every shape.
+
+How: one program per BLOCK_N rows of the weight (and per K range with split-K). Each program
+loads its weight tile once, as [BLOCK_N, BLOCK_K] blocks walked along K, and multiplies it with
+all M rows of x at once (BLOCK_M = M rounded up to a power of two, at least 16 for tl.dot), with
+an fp32 accumulator. The weight is read exactly once over the grid; x (M x K, small) is re-read by
+every N tile, from L2. With few N tiles (N = 4096 at BLOCK_N = 64 is 64 programs for 132 SMs) the
+K dimension is split over SPLIT_K programs as well, so that every SM streams: each writes an fp32
+partial sum to a [SPLIT_K, M, N] buffer and a small second kernel adds the partials in a fixed
+order, adds the bias and casts to the output dtype. That reduction is deterministic (the same
+inputs give the same bits, every run), which fp32 atomics into a workspace would not be (their
+order of arrival varies), and it needs no zeroed workspace, so it costs no extra memset launch;
+the partials (SPLIT_K x M x N x 4 bytes, capped by default_config to a quarter of the weight's
+bytes) stay mostly in L2. Towards M = 256 the picture changes: x is as large as a weight tile,
+every N tile re-reads it, and arithmetic starts to count, so cuBLAS may well win there (GemmChoice
+measures which does).
+
+SWAP_AB (a config option) computes the transposed product weight_tile @ x_tile.T, so that the
+weight's BLOCK_N rows, not the few rows of x, fill the MMA's M dimension (on Hopper, Triton can
+then use wgmma for tiles of 64 rows or more); whether that streams faster is the H200's to say
+(benchmarks/tune_gemm.py sweeps both).
+
+M is a `do_not_specialize` argument: one compiled variant serves every M of a BLOCK_M bucket, so
+the engine's CUDA-graph buckets compile a bounded number of variants. N and K are the weight's,
+fixed per layer, and are specialised as usual (divisibility by 16 lets loads vectorise).
+
+GemmChoice decides per shape between this kernel and cuBLAS (F.linear) from measurements taken at
+warm-up (`tune`), remembered in memory and on disk; `choose` never times anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hf_async_cb.devices import num_sms
+
+MAX_M = 256
+H200_SMS = 132  # the SM count assumed off CUDA (the heuristic's target machine)
+SHARED_MEMORY_BUDGET = 128 * 1024  # the defaults' share of the H200's ~227 KB a block may take
+MAX_SHARED_MEMORY = 200 * 1024  # the most a candidate config may take, with room for Triton's scratch
+CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "SWAP_AB")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
+    """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+    m_ok = offs_m < M
+    n_ok = (n0 + offs_n) < N
+    # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
+    w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + k + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP_AB:
+            if IEEE:
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+        else:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    mask = m_ok[:, None] & n_ok[None, :]
+    cols = n0 + offs_n
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = out_ptr + (pid_k * M).to(tl.int64) * N
+        tl.store(part + offs_m[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, total, N,
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[i] = sum over splits, in order, of partial[split, i] (+ bias[i % N]), over the flat M x N."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * total.to(tl.int64) + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK = 1024
+
+
+def block_m(m: int) -> int:
+    """The rows of a program's x tile: M rounded up to a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(max(1, m)))
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two: the engine's CUDA-graph batch buckets, and GemmChoice's key."""
+    return triton.next_power_of_2(max(1, m))
+
+
+def shared_memory_estimate(block_m_: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
+    """Bytes of shared memory the pipelined x and weight tiles take (every stage buffered)."""
+    return max(1, num_stages) * (block_m_ + block_n) * block_k * itemsize
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, num_sms: int | None = None) -> dict:
+    """Launch parameters for an [M, K] x [N, K].T product, not measured yet (the H200 decides later).
+    They depend on M only through its BLOCK_M bucket (M rounded up to a power of two, at least 16),
+    so every M of a bucket launches the same compiled variant.
+
+    - BLOCK_N 64 for M <= 64 (small tiles: many programs for a bandwidth-bound stream), 128 above
+      (more reuse of each x tile once arithmetic starts to count); BLOCK_K 128 in 16-bit, 64 in
+      fp32 or above 64 rows (keeping a stage of x and weight tiles to 16-48 KB).
+    - num_warps 4, or 8 once the fp32 accumulator (BLOCK_M x BLOCK_N) passes 64 x 64, which keeps
+      it at <= 128 registers a thread.
+    - num_stages: the deepest of 4, 3, 2 whose tiles fit SHARED_MEMORY_BUDGET (128 KB), to keep
+      many weight bytes in flight per SM (what a stream at copy bandwidth needs).
+    - SPLIT_K: the smallest power of two with (N / BLOCK_N) x SPLIT_K >= 2 x SMs, i.e. at least two
+      waves of programs over the SMs (132 on the H200, assumed when `num_sms` is None), so no SM
+      idles while others stream and the tail of the last wave is short. Capped so that every split
+      still walks at least two K blocks, at 16, and so that the fp32 partials
+      (SPLIT_K x M x N x 4 bytes, written then read back) stay under a quarter of the weight's bytes.
+      The Llama-3-8B projections at M = 32 get 4 (q/k/v, 96 tiles), 8 (o and down, 64 tiles) and 1
+      (gate/up, 448 tiles; lm_head, 2004)."""
+    sms = num_sms or H200_SMS
+    itemsize = dtype.itemsize
+    bm = block_m(M)
+    M = bm
+    bn = 64 if bm <= 64 else 128
+    bk = 128 if itemsize <= 2 and bm <= 64 else 64
+    bn = min(bn, max(16, triton.next_power_of_2(N)))
+    bk = min(bk, max(16, triton.next_power_of_2(K)))
+    warps = 4 if bm * bn <= 64 * 64 else 8
+    stages = next((s for s in (4, 3, 2) if shared_memory_estimate(bm, bn, bk, s, itemsize) <= SHARED_MEMORY_BUDGET), 1)
+    tiles = -(-N // bn)
+    cap = min(16, max(1, K // (2 * bk)), max(1, K * itemsize // (16 * M)))
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= cap:
+        split *= 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages, SWAP_AB=False)
+
+
+def candidate_configs(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
+                      num_sms: int | None = None) -> list[dict]:
+    """A few configs around the default to time (GemmChoice.tune, benchmarks/tune_gemm.py): the
+    default, then one knob at a time: SPLIT_K halved/doubled, BLOCK_N and BLOCK_K halved/doubled,
+    the other warp count, one stage fewer, SWAP_AB. Duplicates, tiles under 16, splits with no K
+    block of their own and tiles over MAX_SHARED_MEMORY are dropped."""
+    base = default_config(M, N, K, dtype, num_sms)
+    variants = [base]
+    for key, values in (("SPLIT_K", (base["SPLIT_K"] // 2, base["SPLIT_K"] * 2)),
+                        ("BLOCK_N", (base["BLOCK_N"] // 2, base["BLOCK_N"] * 2)),
+                        ("BLOCK_K", (base["BLOCK_K"] // 2, base["BLOCK_K"] * 2)),
+                        ("num_warps", (12 - base["num_warps"],)),
+                        ("num_stages", (base["num_stages"] - 1,)),
+                        ("SWAP_AB", (not base["SWAP_AB"],))):
+        for value in values:
+            variants.append({**base, key: value})
+    out: list[dict] = []
+    for config in variants:
+        if config["SPLIT_K"] < 1 or config["BLOCK_N"] < 16 or config["BLOCK_K"] < 16 or config["num_stages"] < 1:
+            continue
+        if config["SPLIT_K"] > 1 and K < config["SPLIT_K"] * config["BLOCK_K"]:
+            continue  # some split would have nothing to do
+        if shared_memory_estimate(block_m(M), config["BLOCK_N"], config["BLOCK_K"], config["num_stages"],
+                                  dtype.itemsize) > MAX_SHARED_MEMORY:
+            continue
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def _check_config(config: dict) -> dict:
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"skinny_linear config: unknown keys {sorted(unknown)} (known: {', '.join(CONFIG_KEYS)})")
+    for key in ("BLOCK_N", "BLOCK_K"):
+        v = config[key]
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"skinny_linear config: {key} must be a power of two >= 16, got {v!r}")
+    for key in ("SPLIT_K", "num_warps", "num_stages"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise ValueError(f"skinny_linear config: {key} must be a positive int, got {config[key]!r}")
+    return config
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on `device` (the CPU only under the interpreter)."""
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: dict | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias), the contract of torch.nn.functional.linear for x [..., K] with at
+    most MAX_M (256) rows once the leading dims are flattened, weight [N, K] contiguous (nn.Linear's
+    layout), bias [N] or None, all of one dtype (bf16, fp16 or fp32); fp32 accumulation, output in
+    x's dtype. `config` overrides default_config's keys (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages, SWAP_AB). Raises ValueError for what it does not take, so that a caller can fall
+    back to F.linear."""
+    if x.dim() < 1 or weight.dim() != 2:
+        raise ValueError(f"skinny_linear needs x [..., K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"skinny_linear: x has {x.shape[-1]} features, weight [N, K] = {tuple(weight.shape)} "
+                         f"expects {K}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"skinny_linear takes one dtype of {_DTYPES} for x, weight and bias, got {x.dtype}, "
+                         f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError("skinny_linear: x, weight and bias must be on one device")
+    if not runs_on(x.device):
+        raise ValueError(f"skinny_linear runs on CUDA (or in Triton's interpreter), not on {x.device}")
+    if not weight.is_contiguous():
+        raise ValueError("skinny_linear needs a contiguous weight [N, K] (nn.Linear's layout)")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"skinny_linear: bias has shape {tuple(bias.shape)}, expected ({N},)")
+    if K == 0 or N == 0:
+        raise ValueError(f"skinny_linear needs K and N > 0, got weight {tuple(weight.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got {M} (use F.linear)")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    cfg = _check_config({**default_config(M, N, K, x.dtype, num_sms(x.device)), **(config or {})})
+    bm, bn, bk, split = block_m(M), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
+    even_k = split * k_per_split == K
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(N, bn), split)](
+        # One row's stride is never read: K keeps it from specialising a variant of its own (a stride of 1).
+        x2, weight, bias if bias is not None else weight, target, M, N, K, k_per_split, x2.stride(0) if M > 1 else K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % bn == 0,
+        HAS_BIAS=bias is not None and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]), IEEE=x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        total = M * N
+        _splitk_reduce_kernel[(triton.cdiv(total, REDUCE_BLOCK),)](
+            target, bias if bias is not None else target, out, total, N,
+            SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
+        )
+    return out.reshape(*lead, N)
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |y - reference| / max |reference| (in fp32): the correctness gate of the tuner and benchmark."""
+    ref = reference.float()
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# --- measured choice between the kernel and cuBLAS ----------------------------------------------------------
+
+# timer(M, N, K, dtype, config) -> milliseconds per call, or None when the config failed (did not
+# compile, or gave a wrong result); config None times F.linear (cuBLAS).
+Timer = Callable[[int, int, int, torch.dtype, "dict | None"], "float | None"]
+
+L2_BYTES = 50 * 1024 * 1024  # the H200's L2
+WIN_MARGIN = 0.03  # the kernel must beat cuBLAS by 3% to be chosen: a tie is noise, cuBLAS the safe side
+
+
+def cache_path() -> Path:
+    """$HF_ASYNC_CB_CACHE (the package's cache directory, as for the demo model) or ~/.cache/hf_async_cb,
+    then gemm_choices.json."""
+    root = os.environ.get("HF_ASYNC_CB_CACHE") or Path.home() / ".cache" / "hf_async_cb"
+    return Path(root) / "gemm_choices.json"
+
+
+@functools.lru_cache(maxsize=8)
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def weight_copies(weight_bytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many copies of a weight to rotate through when timing so that none is still in L2 from
+    its last call (a decode step reads each weight once, cold): one if the weight is larger than
+    L2, else enough to fill twice L2, at most 16."""
+    return 1 if weight_bytes > l2_bytes else min(16, -(-2 * l2_bytes // max(1, weight_bytes)))
+
+
+def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, iters: int = 20,
+               repeats: int = 5) -> Timer:
+    """The default timer: CUDA events around `iters` calls (rotating weight copies when the weight
+    fits in L2), median of `repeats`. A Triton config is first checked against F.linear (relative
+    error < 1e-2) and answers None if wrong or if it does not compile."""
+
+    def timer(M: int, N: int, K: int, dtype: torch.dtype, config: dict | None) -> float | None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(M, K, generator=gen, device=device, dtype=dtype)
+        if weight is not None and tuple(weight.shape) == (N, K) and weight.dtype == dtype:
+            base = weight.contiguous()
+        else:
+            base = (torch.randn(N, K, generator=gen, device=device, dtype=dtype) / math.sqrt(K)).to(dtype)
+        weights = [base] + [base.clone() for _ in range(weight_copies(base.numel() * base.element_size()) - 1)]
+        if config is None:
+            def fn(w):
+                return F.linear(x, w)
+        else:
+            def fn(w):
+                return skinny_linear(x, w, config=config)
+            try:
+                y = fn(base)
+                torch.cuda.synchronize(device)
+            except Exception:  # noqa: BLE001 (a config that does not compile or launch: not a candidate)
+                return None
+            if relative_error(y, F.linear(x.float(), base.float())) >= 1e-2:
+                return None
+        for w in weights:  # warm-up
+            fn(w)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(iters):
+                fn(weights[i % len(weights)])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        return sorted(times)[len(times) // 2]
+
+    return timer
+
+
+class GemmChoice:
+    """Per shape (M bucket, N, K, dtype, device name, Triton version), the skinny kernel's config
+    that beat cuBLAS when measured, or None (cuBLAS). `tune` measures at warm-up and records;
+    `choose` only looks up (no timing on the hot path; a shape never tuned answers None). Choices
+    persist as JSON at cache_path(), so a process re-measures only shapes it has not seen; the
+    Triton version is part of the key because a compiler upgrade can change the winner."""
+
+    VERSION = 1
+
+    def __init__(self, path: str | os.PathLike | None = None, timer: Timer | None = None) -> None:
+        self.path = Path(path) if path is not None else cache_path()
+        self._timer = timer
+        self._choices: dict[str, dict | None] = self._load()
+
+    @staticmethod
+    def key(M: int, N: int, K: int, dtype: torch.dtype, device_name_: str) -> str:
+        dtype_name = str(dtype).removeprefix("torch.")
+        return f"{device_name_}|triton {triton.__version__}|{dtype_name}|m{m_bucket(M)}|n{N}|k{K}"
+
+    def _load(self, quiet: bool = False) -> dict[str, dict | None]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            if not quiet:
+                warnings.warn(f"ignoring unreadable GEMM choices at {self.path}: {e}", stacklevel=3)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != self.VERSION:
+            return {}
+        return dict(data.get("choices", {}))
+
+    def _save(self) -> None:
+        """Merge into what is on disk (another process may have tuned other shapes), atomically."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._load(quiet=True), **self._choices}
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".gemm_choices.", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": self.VERSION, "choices": merged}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            warnings.warn(f"could not save GEMM choices to {self.path}: {e}", stacklevel=3)
+
+    def lookup(self, M: int, N: int, K: int, dtype: torch.dtype, device_name_: str) -> dict | None:
+        return self._choices.get(self.key(M, N, K, dtype, device_name_))
+
+    def known(self, M: int, N: int, K: int, dtype: torch.dtype, device_name_: str) -> bool:
+        return self.key(M, N, K, dtype, device_name_) in self._choices
+
+    def choose(self, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str) -> dict | None:
+        """The recorded config for this shape, or None: cuBLAS (not CUDA, M > 256, or never tuned)."""
+        device = torch.device(device)
+        if device.type != "cuda" or M > MAX_M:
+            return None
+        return self.lookup(M, N, K, dtype, device_name(device))
+
+    def tune(self, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
+             configs: list[dict] | None = None, weight: torch.Tensor | None = None) -> dict | None:
+        """Measure cuBLAS and a few kernel configs at M's bucket (the padded size a CUDA graph runs)
+        on `device`, record the winner and return it (None: cuBLAS). Off CUDA: nothing, None.
+        `weight` (the layer's own) spares allocating a random one of its size."""
+        device = torch.device(device)
+        if device.type != "cuda" or M > MAX_M:
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        timer = self._timer or cuda_timer(device, weight)
+        if configs is None:
+            configs = candidate_configs(m_bucket(M), N, K, dtype, num_sms(device))
+        return self.tune_named(M, N, K, dtype, device_name(device), timer, configs)
+
+    def tune_named(self, M: int, N: int, K: int, dtype: torch.dtype, device_name_: str, timer: Timer,
+                   configs: list[dict]) -> dict | None:
+        """tune's decision with the device given by name and the timer given: time F.linear and each
+        config at M's bucket, keep the fastest config if it beats cuBLAS by WIN_MARGIN, record, save."""
+        bucket = m_bucket(M)
+        cublas = timer(bucket, N, K, dtype, None)
+        best, best_ms = None, math.inf
+        for config in configs:
+            ms = timer(bucket, N, K, dtype, config)
+            if ms is not None and ms < best_ms:
+                best, best_ms = dict(config), ms
+        winner = best if best is not None and (cublas is None or best_ms < cublas * (1 - WIN_MARGIN)) else None
+        self.record(M, N, K, dtype, device_name_, winner)
+        return winner
+
+    def record(self, M: int, N: int, K: int, dtype: torch.dtype, device_name_: str, config: dict | None) -> None:
+        """Remember `config` (None: cuBLAS) for this shape, in memory and on disk."""
+        self._choices[self.key(M, N, K, dtype, device_name_)] = None if config is None else dict(config)
+        self._save()
