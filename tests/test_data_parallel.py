@@ -62,3 +62,29 @@ def test_bad_arguments_are_refused():
     with DataParallel(model, devices=["cpu"]) as dp:
         with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
             dp.generate(PROMPTS[:3], [SamplingParams(), SamplingParams()])
+
+
+def test_copies_processors_and_stopping_criteria_pass_through():
+    """num_return_sequences copies come back next to each other, in prompt order, and do not depend
+    on the replica count; a stopping criterion applies on every replica."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=6, do_sample=True, temperature=1.3)
+    config = BatchingConfig(seed=11)
+    runs = []
+    for devices in (["cpu"], ["cpu"] * 3):
+        with DataParallel(model, devices=devices, config=config) as dp:
+            outs = dp.generate(PROMPTS[:5], params, num_return_sequences=2)
+            assert [o.prompt_token_ids for o in outs] == [p for p in PROMPTS[:5] for _ in range(2)]
+            runs.append(_tokens(outs))
+    assert runs[0] == runs[1]
+
+    class HistoryOf42(StoppingCriteria):  # stops a request once its history (prompt + output) has 42 tokens
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 42, dtype=torch.bool)
+
+    with DataParallel(model, devices=["cpu"] * 2) as dp:
+        outs = dp.generate(PROMPTS[:4], max_new_tokens=8, stopping_criteria=StoppingCriteriaList([HistoryOf42()]))
+        for prompt, out in zip(PROMPTS[:4], outs):
+            assert len(out.output_token_ids) == max(1, min(8, 42 - len(prompt)))

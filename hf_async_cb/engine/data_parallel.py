@@ -9,7 +9,8 @@ prompt order.
 A request's tokens do not depend on the replica it lands on: sampled requests without a seed of
 their own get theirs here, from the engine seed and their index in the call, exactly as one Engine
 would give them (engine.seed_requests), so a DataParallel call and one Engine's call with the same
-BatchingConfig.seed draw the same tokens.
+BatchingConfig.seed draw the same tokens. (With num_return_sequences > 1 the copies of a prompt
+derive their seeds from the prompt's: still the same on any replica, but not one Engine's.)
 
 Threads, not processes: each replica's loop launches its GPU work asynchronously and waits on
 events with the GIL released, so replicas of a model whose steps are GPU-bound overlap; a small
@@ -60,8 +61,10 @@ class DataParallel:
         self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, mode: str | None = None, **param_kwargs) -> list[RequestOutput]:
-        """Engine.generate over the replicas: outputs in prompt order."""
+                 *, mode: str | None = None, logits_processor=None, stopping_criteria=None,
+                 num_return_sequences: int = 1, **param_kwargs) -> list[RequestOutput]:
+        """Engine.generate over the replicas, same arguments: outputs in prompt order (a prompt's
+        `num_return_sequences` copies next to each other, all on one replica, sharing its prompt)."""
         prompts = as_token_lists(prompts)
         per_prompt = params_per_prompt(prompts, params, param_kwargs)
         per_prompt = self._seeded(per_prompt)
@@ -73,14 +76,17 @@ class DataParallel:
             if not chosen:
                 return []
             return self.engines[replica].generate([prompts[i] for i in chosen], [per_prompt[i] for i in chosen],
-                                                  mode=mode)
+                                                  mode=mode, logits_processor=logits_processor,
+                                                  stopping_criteria=stopping_criteria,
+                                                  num_return_sequences=num_return_sequences)
 
         with ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="hf_async_cb-dp") as pool:
             results = list(pool.map(run, range(len(self.engines))))  # raises the first replica's error
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        n = num_return_sequences
+        outputs: list[RequestOutput | None] = [None] * (len(prompts) * n)
         for chosen, outs in zip(assignment, results):
-            for i, out in zip(chosen, outs):
-                outputs[i] = out
+            for position, i in enumerate(chosen):
+                outputs[i * n:(i + 1) * n] = outs[position * n:(position + 1) * n]
         return outputs
 
     def _seeded(self, per_prompt: list[SamplingParams]) -> list[SamplingParams]:
