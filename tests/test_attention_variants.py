@@ -316,24 +316,19 @@ def test_bf16_sinks(window):
 
 
 @needs_cuda
-def test_bf16_mla_value_head_size():
-    """DeepSeek MLA expanded: 16 heads, 16 KV heads, Dk 192, Dv 128."""
-    decode = make_step([1] * len(RAGGED), RAGGED, 16, 16, 192, 16, torch.bfloat16, "cuda", head_dim_v=128)
-    prefill = make_step(*PREFILL, 16, 16, 192, 16, torch.bfloat16, "cuda", head_dim_v=128)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, head_dim_v, splits", [
+    (16, 16, 192, 128, 4),  # DeepSeek MLA expanded: keys of 192, values of 128
+    (71, 1, 64, 64, 1),  # Falcon-7B: 71 query heads on one KV head
+], ids=["mla", "mqa-71"])
+def test_bf16_head_layouts(heads, kv_heads, head_dim, head_dim_v, splits):
+    decode = make_step([1] * len(RAGGED), RAGGED, heads, kv_heads, head_dim, 16, torch.bfloat16, "cuda",
+                       seed=heads, head_dim_v=head_dim_v)
+    prefill = make_step(*PREFILL, heads, kv_heads, head_dim, 16, torch.bfloat16, "cuda", seed=heads + 1,
+                        head_dim_v=head_dim_v)
     assert bf16_error(decode) < 1e-2
-    assert bf16_error(decode, splits=4) < 1e-2
+    assert bf16_error(decode, splits=splits) < 1e-2
     assert bf16_error(prefill) < 1e-2
     assert bf16_error(prefill, 256) < 1e-2
-
-
-@needs_cuda
-def test_bf16_mqa_71_heads():
-    """Falcon-7B: 71 query heads on one KV head of 64."""
-    decode = make_step([1] * len(RAGGED), RAGGED, 71, 1, 64, 16, torch.bfloat16, "cuda", seed=71)
-    prefill = make_step(*PREFILL, 71, 1, 64, 16, torch.bfloat16, "cuda", seed=72)
-    assert bf16_error(decode) < 1e-2
-    assert bf16_error(decode, splits=1) < 1e-2
-    assert bf16_error(prefill) < 1e-2
 
 
 @needs_cuda

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.checks import tensor_parallel_size
+
 
 class TensorParallel:
     """The model's tensor-parallel process group, or None for a model on one device."""
@@ -30,7 +32,7 @@ class TensorParallel:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "TensorParallel | None":
         mesh = getattr(model, "_device_mesh", None)
-        size = getattr(model, "_tp_size", None) or 1
+        size = tensor_parallel_size(model)
         if mesh is None or size <= 1 or not torch.distributed.is_initialized():
             return None
         try:

@@ -63,7 +63,6 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         options["alibi_slopes"] = kwargs["alibi_slopes"]
     key_pool, value_pool = PagedKVCache.pool_of(key), PagedKVCache.pool_of(value)
     if meta.kv_gathered:
-        meta.kv_gathered = False
         meta = meta.gathered_view()["meta"]
     if meta.backend == "triton":
         from hf_async_cb.kernels.paged_attention import paged_attention_triton

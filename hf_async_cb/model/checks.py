@@ -40,6 +40,11 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
 
 
+def tensor_parallel_size(model: torch.nn.Module) -> int:
+    """How many ranks share the model's layers (transformers' tp_plan sets it); 1 for a plain model."""
+    return getattr(model, "_tp_size", None) or 1
+
+
 def text_config_of(config):
     """The config of the language model: the config itself, or a composite config's text part."""
     get = getattr(config, "get_text_config", None)

@@ -79,12 +79,11 @@ class PagedKVCache(Cache):
         else:
             k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
             v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
-        if self.layout.layers[layer_idx].gathered:
-            # The layer transforms its states before attending (MLA latents): only the step's contexts.
+        # A layer that transforms its states before attending (MLA latents) gets only the step's contexts.
+        self.step.kv_gathered = self.layout.layers[layer_idx].gathered
+        if self.step.kv_gathered:
             index = self.step.gathered_view()["index"]
-            self.step.kv_gathered = True
             return k_pool[index].transpose(0, 1)[None], v_pool[index].transpose(0, 1)[None]
-        self.step.kv_gathered = False
         return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
 
     @staticmethod

@@ -65,8 +65,10 @@ def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
 
     Raises ValueError naming the reason when the layout cannot be measured: the forward fails, or
     some layers write no cache of their own (layers that share another layer's K/V)."""
+    from hf_async_cb.model.checks import tensor_parallel_size
+
     key = (type(model), model.config.to_json_string(use_diff=False), dtype, device.type,
-           getattr(model, "_tp_size", None))  # a tensor-parallel rank holds its own heads
+           tensor_parallel_size(model))  # a tensor-parallel rank holds its own heads
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _measure(model, device)
     return _LAYOUTS[key]

@@ -23,7 +23,7 @@ import torch
 
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
-from hf_async_cb.model.checks import check_model_supported
+from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class PreparedModel:
         self.fusion: FusedProjections | None = None
         self.elementwise = None
         self.adapters = AttentionAdapters(model)
-        if (getattr(model, "_tp_size", None) or 1) > 1:
+        if tensor_parallel_size(model) > 1:
             # Tensor-parallel layers carry transformers' sharding hooks, which fused modules would lose.
             fuse_projections_ = fuse_elementwise = False
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -83,8 +84,8 @@ class StepMetadata:
         if "gathered" not in self._derived:
             batch, width = self.num_requests, self.max_context
             table = torch.arange(batch * width, device=self.block_table.device).view(batch, width)
-            meta = StepMetadata(self.slot_mapping, table, self.query_start, self.context_lens, 1,
-                                self.max_query_len, self.max_context, self.backend)
+            meta = dataclasses.replace(self, block_table=table, page_size=1, attention_calls=0, kv_gathered=False,
+                                       _derived={})
             self._derived["gathered"] = {"index": self.padded_view()["kv_index"].reshape(-1), "meta": meta}
         return self._derived["gathered"]
 

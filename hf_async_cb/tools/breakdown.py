@@ -16,6 +16,7 @@ anything): a smoke test of the code, not a measurement.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,6 @@ def _profiled(engine, prompts, new: int, record_shapes: bool):
 
 def step_breakdown(model, prompts: list[list[int]], new: int, config) -> dict:
     """Both profiled runs (see the module docstring) on `model`; the report `format_breakdown` prints."""
-    import dataclasses
-
     from hf_async_cb.engine.engine import Engine
 
     on_cuda = next(model.parameters()).device.type == "cuda"
