@@ -7,12 +7,18 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   echo "commit ${GIT_COMMIT:-unknown}"; } 2>&1 | tee "$OUT/gpu.txt"
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_gpu.py tests/test_triton_attention.py tests/test_attention_variants.py tests/test_skinny_gemm.py tests/test_fusion.py tests/test_greedy.py tests/test_sampled.py tests/test_store_kv.py tests/test_gpu_reliability.py -p no:cacheprovider --tb=line \
+TEST_FILES=${TEST_FILES:-tests/test_gpu.py tests/test_triton_attention.py tests/test_attention_variants.py tests/test_skinny_gemm.py tests/test_fusion.py tests/test_greedy.py tests/test_sampled.py tests/test_store_kv.py tests/test_gpu_reliability.py}
+[ "$TEST_FILES" != none ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $TEST_FILES -p no:cacheprovider --tb=line \
   -k "${TEST_FILTER:-}" 2>&1 | tail -120 > "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
 if [ -n "${FAMILIES:-}" ]; then  # model families on the fast path (benchmarks/gpu_families.py)
   PYTHONPATH=.:tests timeout ${FAMILY_TIMEOUT:-150} python3 benchmarks/gpu_families.py --types "$FAMILIES" 2>&1 \
     | grep -v -i warn | tee "$OUT/families.txt"
 fi
+if [ -n "${GEMM_TUNE:-}" ]; then  # skinny GEMM vs cuBLAS per decode shape; winners stored for GemmChoice
+  export HF_ASYNC_CB_CACHE=${HF_ASYNC_CB_CACHE:-$OUT/cache}
+  timeout ${GEMM_TIMEOUT:-240} python3 benchmarks/tune_gemm.py --record $GEMM_TUNE 2>&1 | grep -v -i warn | tee "$OUT/gemm.txt"
+fi
+[ -n "${SAMPLING:-}" ] && timeout 90 python3 benchmarks/gpu_sampling.py 2>&1 | grep -v -i warn | tee "$OUT/sampling.txt"
 [ -n "${TUNE:-}" ] && timeout 300 python3 benchmarks/tune_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/tune.txt"
 for b in ${BREAKDOWNS:-}; do
   IFS=: read -r shape req new <<< "$b"
