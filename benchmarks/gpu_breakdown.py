@@ -16,13 +16,18 @@ import collections
 import torch
 
 from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.kernels.graph_timing import graph_ms
 from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 from hf_async_cb.model.step_metadata import StepMetadata, block_table
 from hf_async_cb.tools.bench import SHAPES, _prompts, build_model
 
 
-def time_ms(fn, iters=20) -> float:
+def time_ms(fn, graph: bool = True, iters: int = 20) -> float:
+    """ms per call of fn(): replayed from a CUDA graph (as the engine runs it: no launch cost), or
+    eagerly between CUDA events (graph=False: for the reference, which syncs with the host)."""
+    if graph:
+        return graph_ms(lambda i: fn())
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,7 +59,7 @@ def attention_table(shape: str, requests: int, contexts: list[int], page: int = 
                             max_query_len=1, max_context=-(-ctx // 64) * 64)
         q = torch.randn(1, heads, requests, head_dim, device="cuda", dtype=torch.bfloat16)
         t_tri = time_ms(lambda: paged_attention_triton(q, kp, vp, meta, None))
-        t_ref = time_ms(lambda: (meta.begin_forward(), paged_attention_reference(q, kp, vp, meta, None)))
+        t_ref = time_ms(lambda: (meta.begin_forward(), paged_attention_reference(q, kp, vp, meta, None)), graph=False)
         kv_bytes = 2 * requests * ctx * kv_heads * head_dim * 2
         print(f"| {ctx} | {t_tri:.3f} | {choose_splits(meta, kv_heads, q.device)} | {kv_bytes / t_tri / 1e6:,.0f} | "
               f"{t_ref:.3f} | {t_ref / t_tri:.1f}x |")

@@ -17,8 +17,10 @@ of GEMMs per step, if the kernel streams at 3.5-4.0 TB/s; the per-model sums at 
 output say what this machine gives (layers x the four projections + lm_head, each shape at
 the faster of cuBLAS and the best config).
 
-Timing: triton.testing.do_bench, median, which clears L2 before each call; the weight is also
-rotated over copies when it would fit in the 50 MB L2 (a decode step finds no weight in L2).
+Timing: 20 calls replayed from a CUDA graph (graph_timing.graph_ms), median of 7 replays, as the
+engine's decode graphs run them: eager timing (do_bench) measured Triton's ~50 us launch path,
+not the kernel. The weight is rotated over copies when it would fit in the 50 MB L2 (a decode
+step finds no weight in L2).
 Every config is checked first (relative error < 1e-2 against an fp32 product); a wrong one is
 reported and the script exits non-zero. A config that does not compile is skipped, with its error.
 """
@@ -32,9 +34,9 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 from hf_async_cb.devices import num_sms
+from hf_async_cb.kernels.graph_timing import graph_ms
 from hf_async_cb.kernels.skinny_gemm import (MAX_SHARED_MEMORY, WIN_MARGIN, GemmChoice, block_m, candidate_configs,
                                              default_config, device_name, relative_error, shared_memory_estimate,
                                              skinny_linear, weight_copies)
@@ -64,9 +66,8 @@ def wide_configs(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> list[d
     return out
 
 
-def median_ms(fn, weights: list[torch.Tensor], warmup: int, rep: int) -> float:
-    cycle = itertools.cycle(weights)
-    return triton.testing.do_bench(lambda: fn(next(cycle)), warmup=warmup, rep=rep, return_mode="median")
+def median_ms(fn, weights: list[torch.Tensor]) -> float:
+    return graph_ms(lambda i: fn(weights[i % len(weights)]))
 
 
 def short(config: dict) -> str:
@@ -75,7 +76,7 @@ def short(config: dict) -> str:
 
 
 def bench_shape(proj: str, N: int, K: int, ms: list[int], device: torch.device, dtype: torch.dtype, sms: int,
-                wide: bool, warmup: int, rep: int, timer=median_ms) -> list[tuple]:
+                wide: bool, timer=median_ms) -> list[tuple]:
     """Each M: (M, bytes moved, cuBLAS ms, best config or None, its ms, wrong configs); prints the table rows."""
     gen = torch.Generator(device=device).manual_seed(N + K)
     w = (torch.randn(N, K, generator=gen, device=device, dtype=torch.float32) / K ** 0.5).to(dtype)
@@ -86,7 +87,7 @@ def bench_shape(proj: str, N: int, K: int, ms: list[int], device: torch.device, 
         x = torch.randn(M, K, generator=gen, device=device, dtype=dtype)
         ref = F.linear(x.float(), w_ref)
         moved = (N * K + M * K + M * N) * dtype.itemsize
-        cublas = timer(lambda wt, x=x: F.linear(x, wt), weights, warmup, rep)
+        cublas = timer(lambda wt, x=x: F.linear(x, wt), weights)
         best, best_ms, wrong = None, float("inf"), 0
         for config in (wide_configs if wide else candidate_configs)(M, N, K, dtype, sms):
             try:
@@ -101,7 +102,7 @@ def bench_shape(proj: str, N: int, K: int, ms: list[int], device: torch.device, 
                 wrong += 1
                 print(f"  WRONG {proj} M={M} {short(config)}: relative error {err:.3g}", file=sys.stderr)
                 continue
-            ms_ = timer(lambda wt, x=x, c=config: skinny_linear(x, wt, config=c), weights, warmup, rep)
+            ms_ = timer(lambda wt, x=x, c=config: skinny_linear(x, wt, config=c), weights)
             if ms_ < best_ms:
                 best, best_ms = config, ms_
         cells = f"| {proj} {N}x{K} | {M} | {cublas * 1e3:.1f} | {moved / cublas / 1e9:.2f} |"
@@ -120,8 +121,6 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", help="only these projections (qkv o gate_up down lm_head)")
     parser.add_argument("--m", nargs="+", type=int, default=list(MS))
     parser.add_argument("--wide", action="store_true", help="a product sweep instead of candidate_configs")
-    parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
-    parser.add_argument("--rep", type=int, default=40, help="do_bench repetitions, ms")
     parser.add_argument("--record", action="store_true", help="store each shape's winner for GemmChoice")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -142,8 +141,7 @@ def main() -> int:
         for proj, (N, K) in shapes.items():
             if args.shapes and proj not in args.shapes:
                 continue
-            for M, _, cublas, best, best_ms, wrong in bench_shape(proj, N, K, args.m, device, dtype, sms, args.wide,
-                                                                  args.warmup, args.rep):
+            for M, _, cublas, best, best_ms, wrong in bench_shape(proj, N, K, args.m, device, dtype, sms, args.wide):
                 failures += wrong
                 count = 1 if proj == "lm_head" else layers
                 total = totals.setdefault((model, M), [0.0, 0.0])

@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+from hf_async_cb.kernels import graph_timing
 from hf_async_cb.kernels.draw_greedy import greedy_packed
 from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
 from hf_async_cb.kernels.store_kv import store_kv
@@ -18,26 +19,9 @@ from hf_async_cb.model.step_metadata import StepMetadata, block_table
 from hf_async_cb.sampling.sampler import pack
 
 
-def graph_ms(fn, iters: int = 50) -> float:
-    """Mean time of fn() replayed from a CUDA graph of `iters` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (5 * iters)
+def graph_ms(fn) -> float:
+    """ms per call of fn(), replayed from a CUDA graph (as the engine runs it)."""
+    return graph_timing.graph_ms(lambda i: fn(), calls=50)
 
 
 def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page: int = 16):

@@ -47,6 +47,12 @@ class BatchingConfig:
         twice). None: on CUDA only. Engine.close() restores the model.
     fuse_elementwise: run RMSNorm, rotary embeddings and the MLP's SiLU-mul as one Triton kernel
         each, rounding as torch does (kernels/elementwise.py). None: on CUDA only. Engine.close() restores.
+    skinny_gemm: run decode-step projections (at most 256 rows) through the skinny GEMM kernel
+        (kernels/skinny_gemm.py) for each shape where the GPU measured it faster than cuBLAS
+        (model/decode_gemm.py). None: on CUDA, with the choices already recorded (on disk, at
+        $HF_ASYNC_CB_CACHE or ~/.cache/hf_async_cb/gemm_choices.json); shapes never measured run
+        cuBLAS. True: also measure the model's shapes not yet recorded, at warm-up (seconds per
+        shape, once per GPU and Triton version). False: cuBLAS only.
     progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
     cuda_graphs: replay decode steps (greedy or seeded sampling, the engine's own logits processors
         included; user processors run eagerly) from CUDA graphs, one per (batch, context) bucket,
@@ -71,6 +77,7 @@ class BatchingConfig:
     prefill_graphs: bool = True
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
+    skinny_gemm: bool | None = None
     progress: bool = False
     profile: bool = False
 
@@ -103,7 +110,7 @@ class BatchingConfig:
             )
         for name in ("trust_untested_model", "prefill_graphs", "progress", "profile"):
             _bool(name, getattr(self, name), optional=False)
-        for name in ("cuda_graphs", "fuse_projections", "fuse_elementwise"):
+        for name in ("cuda_graphs", "fuse_projections", "fuse_elementwise", "skinny_gemm"):
             _bool(name, getattr(self, name), optional=True)
 
     def with_mode(self, mode: str) -> "BatchingConfig":

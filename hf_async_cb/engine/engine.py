@@ -141,10 +141,15 @@ class Engine:
         self._owns_preparation = prepared is None
         if prepared is None:
             prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
-                                     self.config.fuse_elementwise)
+                                     self.config.fuse_elementwise, self.config.skinny_gemm)
         self.prepared_model = prepared
         try:
             self._build(model, max_pages_needed)
+            if self.config.skinny_gemm and prepared.decode_gemms is not None:
+                measured = prepared.decode_gemms.tune(self.config.max_running_requests)
+                if measured:
+                    logger.info("hf_async_cb: measured %d decode GEMM shapes; %s", measured,
+                                prepared.decode_gemms.summary())
             if not self.config.trust_untested_model:
                 check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
         except BaseException:  # give the model back as it was found

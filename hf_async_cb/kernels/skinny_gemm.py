@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.devices import num_sms
+from hf_async_cb.kernels.graph_timing import graph_ms
 
 MAX_M = 256
 H200_SMS = 132  # the SM count assumed off CUDA (the heuristic's target machine)
@@ -334,11 +335,11 @@ def weight_copies(weight_bytes: int, l2_bytes: int = L2_BYTES) -> int:
     return 1 if weight_bytes > l2_bytes else min(16, -(-2 * l2_bytes // max(1, weight_bytes)))
 
 
-def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, iters: int = 20,
-               repeats: int = 5) -> Timer:
-    """The default timer: CUDA events around `iters` calls (rotating weight copies when the weight
-    fits in L2), median of `repeats`. A Triton config is first checked against F.linear (relative
-    error < 1e-2) and answers None if wrong or if it does not compile."""
+def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, calls: int = 20) -> Timer:
+    """The default timer: `calls` calls replayed from a CUDA graph (graph_timing.graph_ms, as the
+    engine's decode graphs run them; eager timing would measure Triton's launch path), rotating
+    weight copies when the weight fits in L2. A Triton config is first checked against F.linear
+    (relative error < 1e-2) and answers None if wrong or if it does not compile or capture."""
 
     def timer(M: int, N: int, K: int, dtype: torch.dtype, config: dict | None) -> float | None:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -349,30 +350,23 @@ def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, iter
             base = (torch.randn(N, K, generator=gen, device=device, dtype=dtype) / math.sqrt(K)).to(dtype)
         weights = [base] + [base.clone() for _ in range(weight_copies(base.numel() * base.element_size()) - 1)]
         if config is None:
-            def fn(w):
-                return F.linear(x, w)
+            def fn(i):
+                return F.linear(x, weights[i % len(weights)])
         else:
-            def fn(w):
-                return skinny_linear(x, w, config=config)
+            def fn(i):
+                return skinny_linear(x, weights[i % len(weights)], config=config)
             try:
-                y = fn(base)
+                y = fn(0)
                 torch.cuda.synchronize(device)
             except Exception:  # noqa: BLE001 (a config that does not compile or launch: not a candidate)
                 return None
             if relative_error(y, F.linear(x.float(), base.float())) >= 1e-2:
                 return None
-        for w in weights:  # warm-up
-            fn(w)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(iters):
-                fn(weights[i % len(weights)])
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        return sorted(times)[len(times) // 2]
+        try:
+            return graph_ms(fn, calls=calls, device=device)
+        except Exception:  # noqa: BLE001 (a config that cannot be captured: not a candidate)
+            torch.cuda.synchronize(device)
+            return None
 
     return timer
 

@@ -21,7 +21,6 @@ import sys
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.elementwise import rms_norm, rotary, silu_mul
@@ -48,7 +47,7 @@ def _mlp_forward(self, x, *args, **kwargs):
     group = getattr(self.gate_proj, "group", None)  # None once the projections are restored
     if group is None or args or kwargs or not _usable(x, self.gate_proj.weight):
         return type(self).forward(self, x, *args, **kwargs)
-    return self.down_proj(silu_mul(F.linear(x, group.weight, group.bias)))
+    return self.down_proj(silu_mul(group.project(x)))
 
 
 def _gate_up_forward(self, x, *args, **kwargs):  # Phi3-style MLP: one gate_up_proj Linear

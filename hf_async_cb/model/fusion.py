@@ -40,10 +40,15 @@ class _Group:
                 if has_bias:
                     m.bias.data = self.bias[start:start + size]
                 start += size
+        self.linear = None  # a replacement for F.linear(x, weight, bias) (model/decode_gemm.py), or None
         self._drop()
 
     def _drop(self) -> None:
         self._x, self._version, self._outputs, self._pending = None, None, None, ()
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole group's output for x (every member's, concatenated)."""
+        return F.linear(x, self.weight, self.bias) if self.linear is None else self.linear(x)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s projection of x: from the cache if a sibling just computed it for x."""
@@ -52,7 +57,7 @@ class _Group:
             bias = None if self.bias is None else self.bias[start:start + self.sizes[index]]
             return F.linear(x, self.weight[start:start + self.sizes[index]], bias)
         if not (x is self._x and x._version == self._version and index in self._pending):
-            outputs = torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+            outputs = torch.split(self.project(x), self.sizes, dim=-1)
             self._x, self._version, self._outputs = x, x._version, outputs
             self._pending = set(range(len(self.sizes)))
         out = self._outputs[index]
@@ -94,6 +99,14 @@ class FusedProjections:
     def summary(self) -> str:
         """One line for logging, e.g. "fused 2 qkv and 2 gate_up groups"."""
         return "fused " + " and ".join(f"{n} {kind}" for kind, n in self.counts.items()) + " groups"
+
+    def members(self) -> list[nn.Linear]:
+        """The original Linears the fused parts stand in for."""
+        return [linear for _, _, linear in self._members]
+
+    def groups(self) -> list[_Group]:
+        """The fused groups, each once."""
+        return list({id(part.group): part.group for part in self._parts}.values())
 
     def attach(self) -> None:
         """Swap the fused parts in (the engine's forward)."""

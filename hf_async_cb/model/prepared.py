@@ -104,16 +104,18 @@ class PreparedModel:
     """A model checked and fused for the engine; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, trust_untested_model: bool = False,
-                 fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None) -> None:
+                 fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
+                 skinny_gemm: bool | None = None) -> None:
         check_model_supported(model, trust_untested_model)
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         self.fusion: FusedProjections | None = None
         self.elementwise = None
+        self.decode_gemms = None
         self.adapters = AttentionAdapters(model)
         if tensor_parallel_size(model) > 1:
             # Tensor-parallel layers carry transformers' sharding hooks, which fused modules would lose.
-            fuse_projections_ = fuse_elementwise = False
+            fuse_projections_ = fuse_elementwise = skinny_gemm = False
         try:
             if on_cuda if fuse_projections_ is None else fuse_projections_:
                 self.fusion = fuse_projections(model)
@@ -121,7 +123,11 @@ class PreparedModel:
                 from hf_async_cb.model.elementwise_fusion import fuse_elementwise as fuse  # imports Triton
 
                 self.elementwise = fuse(model)
-            for prepared in (self.fusion, self.elementwise):
+            if on_cuda if skinny_gemm is None else skinny_gemm:
+                from hf_async_cb.model.decode_gemm import DecodeGemms  # imports Triton
+
+                self.decode_gemms = DecodeGemms(model, self.fusion)
+            for prepared in (self.fusion, self.elementwise, self.decode_gemms):
                 if prepared is not None:
                     logger.info("hf_async_cb: %s", prepared.summary())
             self._detach()
@@ -147,6 +153,8 @@ class PreparedModel:
                     self.fusion.attach()
                 if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
                     self.elementwise.attach()
+                if self.decode_gemms is not None:  # after the projections: it routes their groups' GEMMs
+                    self.decode_gemms.attach()
                 self.adapters.attach()
                 attention.register()
                 config._attn_implementation = attention.ATTENTION_NAME
@@ -157,6 +165,8 @@ class PreparedModel:
 
     def _detach(self) -> None:
         self.adapters.detach()
+        if self.decode_gemms is not None:
+            self.decode_gemms.detach()
         if self.elementwise is not None:
             self.elementwise.detach()
         if self.fusion is not None:
@@ -166,10 +176,13 @@ class PreparedModel:
         """Drop the preparation and leave the model as it is between calls (stock modules, weights
         views of the fused tensors, which live on only through those views): nothing is copied."""
         self._detach()
-        self.fusion = self.elementwise = None
+        self.fusion = self.elementwise = self.decode_gemms = None
 
     def restore(self) -> None:
         """Give the model back with every weight in its own storage (idempotent)."""
+        if self.decode_gemms is not None:
+            self.decode_gemms.detach()
+            self.decode_gemms = None
         if self.elementwise is not None:
             self.elementwise.restore()
             self.elementwise = None

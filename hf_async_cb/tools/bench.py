@@ -52,7 +52,7 @@ WORKLOADS = {"cuda": dict(shape="llama3.2-1b", requests=64, prompt=128, new=256)
 HF_ASYNC_DEVICES = ("cuda", "xpu")  # transformers' async batching refuses other devices
 ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
              "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False},
-             "noprefill": {"prefill_graphs": False}}
+             "noprefill": {"prefill_graphs": False}, "cublas": {"skinny_gemm": False}}
 
 
 def our_path(path: str) -> tuple[str, dict] | None:
@@ -67,7 +67,7 @@ def check_paths(paths, mixed: bool = False) -> None:
     for path in paths:
         if path not in PATHS and path not in GENERATE_PATHS and our_path(path) is None:
             raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} "
-                             "(ours with -ref/-unfused/-noew/-eager/-noprefill)")
+                             "(ours with -ref/-unfused/-noew/-eager/-noprefill/-cublas)")
         if mixed and (path in PATHS[:3] or path in GENERATE_PATHS):
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
 

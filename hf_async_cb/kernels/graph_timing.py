@@ -1,0 +1,47 @@
+"""Time GPU work as the engine runs it: replayed from a CUDA graph, with no Python launch cost.
+
+Why: a decode step's kernels run from CUDA graphs, back to back. Timing a 10-20 us kernel from
+Python (CUDA events around eager calls, or triton.testing.do_bench) measures its launch path
+instead: a Triton launch costs ~20-50 us of CPU, so every small kernel looks that slow, and
+cuBLAS, launched from C++, looks faster than it is beside it. Capturing `calls` calls in one
+graph and timing its replays measures what a graph replay will cost, inter-kernel gaps included.
+
+`fn(i)` is called with the call's index, so that the caller can rotate inputs (e.g. weight
+copies that do not all fit in L2, as a decode step finds no weight in L2).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def graph_ms(fn: Callable[[int], object], calls: int = 20, replays: int = 7,
+             device: torch.device | None = None) -> float:
+    """Milliseconds per call of fn(i): `calls` calls captured in one CUDA graph (after a warm-up
+    that compiles and allocates on a side stream), the median of `replays` timed replays."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for i in range(min(calls, 3)):
+            fn(i)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fn(i)
+    graph.replay()  # the first replay uploads the graph
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[len(times) // 2]

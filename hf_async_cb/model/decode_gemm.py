@@ -1,0 +1,124 @@
+"""Decode-step projections through the skinny GEMM kernel, where the GPU measured it faster.
+
+A decode step multiplies a few rows (one per running request) by every weight matrix, and its
+time is the time those weights take to stream. cuBLAS streams some decode shapes well below the
+copy bandwidth (kernels/skinny_gemm.py says which and why); the skinny kernel is a measured
+alternative, never a guess: each (rows bucket, N, K, dtype, GPU, Triton version) takes the kernel
+only if `GemmChoice` recorded that it beat cuBLAS there. A shape never measured runs cuBLAS.
+
+`DecodeGemms` covers every nn.Linear of the model (lm_head included) and the fused q/k/v and
+gate/up groups (model/fusion.py). attach() routes their products through `_project`, which picks
+per call by row count: more than 256 rows (prefill), or a bucket without a recorded win, goes to
+F.linear as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
+pay nothing for it. detach() puts everything back. `tune()` measures the shapes not yet known, at
+warm-up (BatchingConfig.skinny_gemm=True); the choices persist on disk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_async_cb.kernels.skinny_gemm import MAX_M, GemmChoice, m_bucket, runs_on, skinny_linear
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Projection:
+    """One weight's pick between the kernel and F.linear, by rows bucket."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, configs: dict[int, dict]) -> None:
+        self.weight, self.bias, self.configs = weight, bias, configs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        config = self.configs.get(m_bucket(rows)) if 0 < rows <= MAX_M else None
+        if config is None or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias, config=config)
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous() and runs_on(weight.device)
+
+
+class DecodeGemms:
+    """The model's projections and their recorded kernel choices; see the module docstring."""
+
+    def __init__(self, model: nn.Module, fusion=None, choice: GemmChoice | None = None) -> None:
+        self.choice = choice or GemmChoice()
+        fused = set() if fusion is None else {id(m) for m in fusion.members()}  # their groups' GEMMs stand in
+        self._linears = [m for m in model.modules()
+                         if type(m) is nn.Linear and id(m) not in fused and _eligible(m.weight)]
+        self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
+        self._attached: list = []
+
+    def shapes(self) -> set[tuple[int, int, torch.dtype, torch.device]]:
+        """(N, K, dtype, device) of every covered weight."""
+        weights = [m.weight for m in self._linears] + [g.weight for g in self._groups]
+        return {(w.shape[0], w.shape[1], w.dtype, w.device) for w in weights}
+
+    def _configs(self, weight: torch.Tensor) -> dict[int, dict]:
+        N, K = weight.shape
+        out = {}
+        for bucket in (1 << i for i in range(MAX_M.bit_length())):
+            config = self.choice.choose(bucket, N, K, weight.dtype, weight.device)
+            if config is not None:
+                out[bucket] = config
+        return out
+
+    def tune(self, max_rows: int) -> int:
+        """Measure every covered shape at each rows bucket up to `max_rows` (at most 256) that has
+        no recorded choice yet (compiles and times a few configs each: seconds per shape); returns
+        how many were measured. Nothing off CUDA."""
+        measured = 0
+        top = m_bucket(min(max_rows, MAX_M))
+        for N, K, dtype, device in sorted(self.shapes(), key=str):
+            if device.type != "cuda":
+                continue
+            bucket = 1
+            while bucket <= top:
+                if not self.choice.known(bucket, N, K, dtype, _name(device)):
+                    self.choice.tune(bucket, N, K, dtype, device)
+                    measured += 1
+                bucket *= 2
+        return measured
+
+    def wins(self) -> int:
+        """How many (weight, rows bucket) pairs run the kernel."""
+        return sum(len(self._configs(m.weight)) for m in self._linears) + \
+            sum(len(self._configs(g.weight)) for g in self._groups)
+
+    def attach(self) -> None:
+        """Route the covered projections through their picks (after the fused groups are attached)."""
+        self.detach()
+        for module in self._linears:
+            configs = self._configs(module.weight)
+            if configs:
+                module.forward = _Projection(module.weight, module.bias, configs)
+                self._attached.append(module)
+        for group in self._groups:
+            configs = self._configs(group.weight)
+            if configs:
+                group.linear = _Projection(group.weight, group.bias, configs)
+                self._attached.append(group)
+
+    def detach(self) -> None:
+        for item in self._attached:
+            if isinstance(item, nn.Module):
+                item.__dict__.pop("forward", None)
+            else:
+                item.linear = None
+        self._attached.clear()
+
+    def summary(self) -> str:
+        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs"
+
+
+def _name(device: torch.device) -> str:
+    from hf_async_cb.kernels.skinny_gemm import device_name
+
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device_name(device)
