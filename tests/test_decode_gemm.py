@@ -15,6 +15,7 @@ from hf_async_cb import BatchingConfig
 from hf_async_cb.model.decode_gemm import DecodeGemms
 from hf_async_cb.model.fusion import fuse_projections
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernel runs in Triton's interpreter
 SMALL = dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2, SWAP_AB=False)
 
 
@@ -43,12 +44,12 @@ def kernel_calls(monkeypatch):
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model(ids).logits
+        return model(ids.to(DEVICE)).logits
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_routed_forward_matches_stock(fused, kernel_calls):
-    model = copy.deepcopy(tiny_model("llama"))
+    model = copy.deepcopy(tiny_model("llama")).to(DEVICE)
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     expected = _logits(model, ids)
     fusion = fuse_projections(model) if fused else None
@@ -77,7 +78,7 @@ def test_routed_forward_matches_stock(fused, kernel_calls):
 
 
 def test_more_than_256_rows_use_linear(kernel_calls):
-    model = copy.deepcopy(tiny_model("llama"))
+    model = copy.deepcopy(tiny_model("llama")).to(DEVICE)
     ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(2))
     expected = _logits(model, ids)
     gemms = DecodeGemms(model, None, EveryShape())
@@ -99,7 +100,7 @@ def test_nothing_recorded_attaches_nothing():
     gemms = DecodeGemms(model, None, Nothing())
     gemms.attach()
     assert gemms.wins() == 0 and not any("forward" in vars(m) for m in model.modules())
-    assert gemms.tune(64) == 0  # off CUDA nothing is measured
+    assert gemms.tune(64) == 0  # off CUDA nothing is measured (the model is on the CPU)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -108,10 +109,11 @@ def test_engine_greedy_matches_stock(mode, monkeypatch, kernel_calls):
     model = copy.deepcopy(tiny_model("qwen3"))
     prompts = random_prompts(6, 1, 40, seed=5)
     expected = stock_generate(model, prompts, max_new_tokens=6)
-    ids, mask = left_pad(prompts)
+    model = model.to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
     config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, fuse_projections=True)
     got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
-    assert torch.equal(got, expected)
+    assert torch.equal(got.cpu(), expected)
     assert kernel_calls and max(rows for rows, _ in kernel_calls) <= 64
     assert not any("forward" in vars(m) for m in model.modules())  # detached after the call
 

@@ -9,7 +9,8 @@ across programs and merge the partial results in a second small kernel.
 
 Programs are laid out as (query blocks of all requests, KV heads x group chunks, splits): request
 i owns the blocks from query_start[i] // BLOCK_Q + i on, found by binary search, so the grid
-depends only on the step's token and request counts (fixed inside a CUDA graph). A group of more
+depends only on the step's token and request counts (fixed inside a CUDA graph). A decode step
+(one query token per request) compiles a variant with one block per request and no search. A group of more
 than 128 query heads per KV head (64 when a head size exceeds 128) is split evenly over several
 programs (tile_shape); smaller groups, Falcon's 71 heads on one KV head included, take one.
 
@@ -65,26 +66,33 @@ def _paged_attention_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
     split = tl.program_id(2)
 
-    # The request whose query blocks include qb: the last i with query_start[i] // BLOCK_Q + i <= qb.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
-        go_right = first_block <= qb
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    seq = lo - 1
-    q_begin = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
-    local = qb - (q_begin // BLOCK_Q + seq)
+    if DECODE:  # one query token per request: program qb is request qb's
+        seq = qb
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = 1
+        local = 0
+    else:
+        # The request whose query blocks include qb: the last i with query_start[i] // BLOCK_Q + i <= qb
+        # (a binary search of dependent loads, which a decode step is spared).
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            first_block = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+            go_right = first_block <= qb
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq = lo - 1
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+        local = qb - (q_begin // BLOCK_Q + seq)
     if local * BLOCK_Q < q_len:
         ctx = tl.load(context_lens_ptr + seq)
 
@@ -367,7 +375,8 @@ def paged_attention_triton(
         m = l = out  # unused
         target, part_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0)
     num_seqs = meta.num_requests
-    grid = (total // block_q + num_seqs, num_kv_heads * chunks, splits)
+    decode = meta.is_decode and total == num_seqs
+    grid = (num_seqs if decode else total // block_q + num_seqs, num_kv_heads * chunks, splits)
     _paged_attention_kernel[grid](
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         alibi_slopes if alibi_slopes is not None else q,
@@ -379,7 +388,7 @@ def paged_attention_triton(
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-        **launch,
+        DECODE=decode, **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](
