@@ -23,7 +23,7 @@ import types
 import torch
 from torch import nn
 
-from hf_async_cb.kernels.elementwise import rms_norm, rotary, silu_mul
+from hf_async_cb.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu_mul  # noqa: F401 (add_rms_norm: residual_fusion)
 from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model.fusion import FusedPart
 
