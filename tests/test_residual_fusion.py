@@ -80,8 +80,8 @@ MODIFIED = {
     "residual-named-as-a-parameter": ("residual", "attention_mask"),
     "norm-after-mlp": ("hidden_states = self.post_attention_layernorm(hidden_states)\n        hidden_states = self.mlp",
                        "hidden_states = self.mlp(hidden_states)\n        hidden_states = self.post_attention_layernorm"),
-    "extra-statement": ("        return hidden_states", "        hidden_states = hidden_states.clone()\n"
-                                                        "        return hidden_states"),
+    "extra-statement": ("        return hidden_states",
+                        "        hidden_states = hidden_states.clone()\n        return hidden_states"),
     "tuple-return": ("return hidden_states", "return (hidden_states,)"),
     "other-decorator": ("    @deprecate_kwarg", "    @torch.no_grad()\n    @deprecate_kwarg"),
     "other-norm": ("self.post_attention_layernorm(", "self.input_layernorm("),

@@ -92,7 +92,7 @@ def plain_prenorm(cls: type) -> LayerForm | None:
     return _FORMS[cls]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wrapper_codes() -> dict:
     """code object -> kind, for the transformers wrappers a layer forward may carry (each wrapper a
     decorator makes shares its code object)."""
@@ -198,7 +198,7 @@ def _attention_call(stmt, this, hidden, residual, params, var_kw):
 class _Stash:
     """A normed sum a layer computed for the norm that follows it, for that norm's next call only."""
 
-    __slots__ = ("_x", "_version", "_weight", "_weight_version", "_normed")
+    __slots__ = ("_normed", "_version", "_weight", "_weight_version", "_x")
 
     def __init__(self) -> None:
         self.clear()
