@@ -75,6 +75,32 @@ def test_rms_norm_kernel_mixed_dtypes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_kernel_is_add_then_rms_norm(dtype):
+    """add_rms_norm(x, r) == (r + x, rms_norm(r + x)) bit for bit: the sum rounded as torch's add
+    rounds it, the norm the rms_norm kernel's own result for that sum."""
+    norm = rms_module(48, dtype)
+    cases = [
+        (randn(3, 5, 48, dtype=dtype, scale=3), randn(3, 5, 48, dtype=dtype, seed=7, scale=3)),
+        (randn(1, 1, 48, dtype=dtype, scale=50), randn(1, 1, 48, dtype=dtype, seed=7)),  # a decode row
+        # A transposed view against a contiguous residual, and a slice of a wider buffer.
+        (randn(2, 4, 3, 48, dtype=dtype).transpose(1, 2), randn(2, 3, 4, 48, dtype=dtype, seed=8)),
+        (randn(7, 100, dtype=dtype)[:, 20:68], randn(7, 48, dtype=dtype, seed=9)),
+        (randn(48, 6, dtype=dtype).t(), randn(6, 48, dtype=dtype, seed=10).t().contiguous().t()),
+    ]
+    for x, residual in cases:
+        total, normed = ew.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+        expected = residual + x
+        assert torch.equal(total, expected) and torch.equal(normed, ew.rms_norm(expected, norm.weight, 1e-5))
+        assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
+    wide = rms_module(32, torch.bfloat16, weight_dtype=torch.float32) if dtype == torch.bfloat16 else None
+    if wide is not None:  # an fp32 weight: the norm in fp32, the sum in the activations' dtype
+        x, residual = randn(4, 32, dtype=dtype, scale=2), randn(4, 32, dtype=dtype, seed=3)
+        total, normed = ew.add_rms_norm(x, residual, wide.weight, 1e-5)
+        assert total.dtype == dtype and normed.dtype == torch.float32
+        assert torch.equal(normed, ew.rms_norm(residual + x, wide.weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_kernel(dtype):
     batch, seq, dim = 2, 5, 16
     q = randn(batch, seq, 4, dim, dtype=dtype, seed=2).transpose(1, 2)  # the usual [B,T,H,D] view
@@ -256,6 +282,11 @@ def test_kernels_compile_for_sm90():
         (module, "_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32",
                                       "n_cols": "i32", "inner": "i32", "stride_outer": "i64", "stride_inner": "i64",
                                       "inv_n": "fp32", "eps": "fp32"},
+         dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True)),
+        (module, "_add_rms_norm_kernel", {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16",
+                                          "y_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32", "inner": "i32",
+                                          "stride_outer": "i64", "stride_inner": "i64", "r_outer": "i64",
+                                          "r_inner": "i64", "inv_n": "fp32", "eps": "fp32"},
          dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True)),
         (module, "_rotary_kernel", rotary, dict(HEADS=16, DIM=128, BF16=True)),
         (module, "_silu_mul_kernel", {"y_ptr": "*bf16", "o_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",

@@ -1,10 +1,14 @@
-"""Element-wise Triton kernels: RMSNorm, rotary embeddings and SiLU-mul, each rounding as torch does.
+"""Element-wise Triton kernels: RMSNorm (alone or after a residual add), rotary embeddings and SiLU-mul,
+each rounding as torch does.
 
 Each computes in fp32 and rounds every intermediate that torch rounds to the model dtype, so results
 match the torch code they replace bit for bit, or rarely by an ulp or two where a reduction order
 (RMSNorm's mean) or a transcendental's implementation (exp) differs. Their torch references are the
 model's own modules (LlamaRMSNorm, apply_rotary_pos_emb, the MLP's act_fn(gate) * up); the model
-patching that swaps them in is model/elementwise_fusion.py.
+patching that swaps them in is model/elementwise_fusion.py. add_rms_norm writes a decoder layer's
+`residual + x` (rounded as torch's add) and the RMSNorm of that sum, computed exactly as rms_norm
+computes it (same arithmetic, same launch shape, so the same reduction): one kernel where the layer
+ran two; model/residual_fusion.py patches it in.
 """
 
 from __future__ import annotations
@@ -46,6 +50,42 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, s
         bits = y.to(tl.uint32, bitcast=True)
         y = tl.where(y != y, y, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner,
+                         r_outer, r_inner, inv_n, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr,
+                         Y_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """s = x + residual rounded to x's dtype (torch's add), then y = _rms_norm_kernel's result for s."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    src_r = (rows // inner).to(tl.int64) * r_outer + (rows % inner).to(tl.int64) * r_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(r_ptr + src_r[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if X_BF16:  # (x + residual).to(dtype)
+        bits = x.to(tl.uint32, bitcast=True)
+        x = tl.where(x != x, x, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    x = x.to(x_ptr.dtype.element_ty)
+    dst = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    tl.store(s_ptr + dst, x, mask=mask)
+    x = x.to(tl.float32)
+    # From here on, _rms_norm_kernel's arithmetic on the rounded sum.
+    var = tl.sum(x * x, axis=1) * inv_n + eps
+    if LIBDEVICE:
+        h = x * libdevice.rsqrt(var)[:, None]
+    else:
+        h = x * tl.math.rsqrt(var)[:, None]
+    if X_BF16:  # h.to(input dtype)
+        bits = h.to(tl.uint32, bitcast=True)
+        h = tl.where(h != h, h, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :] * h
+    if Y_BF16:  # weight * h
+        bits = y.to(tl.uint32, bitcast=True)
+        y = tl.where(y != y, y, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+    tl.store(y_ptr + dst, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -133,6 +173,14 @@ def _row_layout(x: torch.Tensor):
     return n, 1, stride, 0
 
 
+def _rms_launch(rows: int, n: int) -> tuple[int, int, int]:
+    """(rows per program, BLOCK, num_warps) of an RMSNorm over `rows` rows of width n (add_rms_norm uses
+    rms_norm's, so that their reductions, and so their results, are the same)."""
+    block = triton.next_power_of_2(n)
+    per = max(1, min(triton.next_power_of_2(rows), 4096 // block))
+    return per, block, min(16, max(1, per * block // 512))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)` in one kernel."""
     if x.stride(-1) != 1 or _row_layout(x) is None:
@@ -141,13 +189,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, inner, stride_outer, stride_inner = _row_layout(x)
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    block = triton.next_power_of_2(n)
-    per = max(1, min(triton.next_power_of_2(rows), 4096 // block))
+    per, block, warps = _rms_launch(rows, n)
     _rms_norm_kernel[(triton.cdiv(rows, per),)](
         x, weight, out, rows, n, inner, stride_outer, stride_inner, 1.0 / n, eps,
         ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
-        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=min(16, max(1, per * block // 512)), **_LAUNCH)
+        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=warps, **_LAUNCH)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """`s = residual + x; (s, rms_norm(s, weight, eps))` in one kernel: the sum rounded to the dtype as
+    torch's add rounds it, the norm bit for bit rms_norm's of that sum. x and residual: one shape and
+    dtype. Returns (s, normed), both contiguous."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype and x.device == residual.device
+    if x.stride(-1) != 1 or _row_layout(x) is None:
+        x = x.contiguous()
+    if residual.stride(-1) != 1 or _row_layout(residual) is None:
+        residual = residual.contiguous()
+    if _row_layout(x)[:2] != _row_layout(residual)[:2]:  # rows grouped differently: one layout for both
+        x, residual = x.contiguous(), residual.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    (rows, inner, stride_outer, stride_inner), (_, _, r_outer, r_inner) = _row_layout(x), _row_layout(residual)
+    n = x.shape[-1]
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    per, block, warps = _rms_launch(rows, n)
+    _add_rms_norm_kernel[(triton.cdiv(rows, per),)](
+        x, residual, weight, total, out, rows, n, inner, stride_outer, stride_inner, r_outer, r_inner, 1.0 / n, eps,
+        ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
+        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=warps, **_LAUNCH)
+    return total, out
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -13,6 +13,11 @@ RMSNorm and MLP forwards are replaced on the instances; apply_rotary_pos_emb is 
 modeling module, which every model of that family shares, so those patches are reference counted.
 The SiLU-mul needs the gate/up GEMM fused by fusion.fuse_projections() first. Undo in reverse
 order: restore the elementwise fusion, then the projections.
+
+Decoder layers whose forward is proven to be the plain pre-norm pattern (Llama, Mistral, Qwen2,
+Qwen3) also get their forward replaced on the instance (model/residual_fusion.py): each residual
+add runs in one kernel with the RMSNorm that follows it (add_rms_norm), inside the layer and, through
+a stash keyed by the layer's output tensor, across layers: two kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from hf_async_cb.kernels.elementwise import rms_norm, rotary, silu_mul
+from hf_async_cb.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu_mul  # noqa: F401 (add_rms_norm: residual_fusion)
 from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model.fusion import FusedPart
 
@@ -163,13 +168,15 @@ class FusedElementwise:
     def __init__(self):
         self._modules: list[tuple[nn.Module, types.MethodType]] = []
         self._rotary: list[str] = []
+        self._stashes: list = []  # residual_fusion's stashes, emptied on detach
         self._attached = False
-        self.rms_norms = self.rotary_modules = self.silu_muls = 0
+        self.rms_norms = self.rotary_modules = self.silu_muls = self.add_norms = 0
 
     def summary(self) -> str:
-        """One line for logging, e.g. "fused 5 RMSNorm, rotary in 1 module, 2 SiLU-mul"."""
+        """One line for logging, e.g. "fused 5 RMSNorm, rotary in 1 module, 2 SiLU-mul, 4 add+RMSNorm"."""
         s = "" if self.rotary_modules == 1 else "s"
-        return f"fused {self.rms_norms} RMSNorm, rotary in {self.rotary_modules} module{s}, {self.silu_muls} SiLU-mul"
+        return (f"fused {self.rms_norms} RMSNorm, rotary in {self.rotary_modules} module{s}, {self.silu_muls} SiLU-mul, "
+                f"{self.add_norms} add+RMSNorm")
 
     def attach(self) -> None:
         if self._attached:
@@ -190,12 +197,15 @@ class FusedElementwise:
                 del m.forward
         for name in self._rotary:
             _unpatch_rotary(name)
+        for stash in self._stashes:  # hold no activations between calls
+            stash.clear()
 
     def restore(self) -> None:
         """Detach and forget the fusions (idempotent)."""
         self.detach()
         self._modules.clear()
         self._rotary.clear()
+        self._stashes.clear()
 
     def __enter__(self) -> "FusedElementwise":
         return self
@@ -206,7 +216,9 @@ class FusedElementwise:
 
 def fuse_elementwise(model: nn.Module) -> FusedElementwise:
     """Point `model`'s RMSNorms, SiLU MLPs (whose gate/up fuse_projections() has fused, or Phi3's
-    gate_up_proj) and its families' apply_rotary_pos_emb at the Triton kernels, in place.
+    gate_up_proj) and its families' apply_rotary_pos_emb at the Triton kernels, in place, and fold
+    the residual adds of its plain pre-norm decoder layers into the norms after them
+    (residual_fusion.py).
 
     Each kind (class, dtype, device) is first checked against the original on random inputs and
     left alone if it disagrees; nothing is patched on devices Triton cannot run on. Returns the
@@ -233,6 +245,9 @@ def fuse_elementwise(model: nn.Module) -> FusedElementwise:
             if params and name in names and _rotary_agrees(name, params[0].dtype, params[0].device):
                 fused._rotary.append(name)
                 fused.rotary_modules += 1
+        from hf_async_cb.model.residual_fusion import fuse_residuals  # (it imports this module)
+
+        fuse_residuals(model, fused)
         fused.attach()
     except BaseException:
         fused.restore()
