@@ -24,8 +24,8 @@ GATHER = 16384  # scores gathered per row at most: a row with more is searched i
 CPU_GATHER = 256  # the interpreter's
 # The per-row search over the gathered scores (and the fallback over the row): one program per
 # row, wide steps and many warps keep enough loads in flight (benchmarks/gpu_sampling.py --sweep).
-CUT_BLOCK, CUT_WARPS = 4096, 16
-CAP = 2048  # the search stops once this few scores are left around the edge, and sorts them
+CUT_BLOCK, CUT_WARPS = 1024, 8
+CAP = 512  # the search stops once this few scores are left around the edge, and sorts them
 CPU_CAP = 32  # the interpreter's (its sort is slow; more search rounds over a small vocabulary are not)
 
 
@@ -287,41 +287,175 @@ def _top_kernel(logits_ptr, stride_row, vocab, chunk, top_k_ptr, top_p_ptr, min_
     tl.store(nan_ptr + row * NUM_PARTS + part, tl.min(nan_at, 0))
 
 
+@triton.jit
+def _x_floor(score, temperature):
+    """The smallest float32 x with div_rn(x, temperature) >= score (-inf for -inf), so that
+    x >= _x_floor(score) exactly when x's scaled score is >= score: the passes over the logits
+    compare them unscaled. Division by t > 0 is monotone and score * t is within two ulps."""
+    finite = tl.where(score == float("-inf"), 0.0, score)
+    near = _score_key(finite * temperature)
+    below = tl.zeros_like(near)
+    for i in tl.static_range(9):
+        below += (tl.math.div_rn(_key_score(near - 4 + i), temperature) < finite).to(tl.int32)
+    return tl.where(score == float("-inf"), float("-inf"), _key_score(near - 4 + below))
+
+
+@triton.jit
+def _pick(vector, j, i):
+    return tl.max(tl.where(j == i, vector, float("-inf")), 0)
+
+
+@triton.jit
+def _at_least(x, valid, floor, count, mass, weight, WEIGHTED: tl.constexpr):
+    """count += (x >= floor) and, when WEIGHTED, mass += weight there."""
+    at_least = valid & (x >= floor)
+    count += at_least.to(tl.int32)
+    if WEIGHTED:
+        mass += tl.where(at_least, weight, 0.0)
+    return count, mass
+
+
+@triton.jit
+def _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15,
+                 WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over a part: for each floor fi, count(x >= fi) and (WEIGHTED) the mass there."""
+    lanes = tl.arange(0, BLOCK)
+    reciprocal = 1.0 / temperature  # the weights only (rounding-level): the counts compare unscaled
+    c0 = tl.zeros([BLOCK], tl.int32)
+    c1 = tl.zeros([BLOCK], tl.int32)
+    c2 = tl.zeros([BLOCK], tl.int32)
+    c3 = tl.zeros([BLOCK], tl.int32)
+    c4 = tl.zeros([BLOCK], tl.int32)
+    c5 = tl.zeros([BLOCK], tl.int32)
+    c6 = tl.zeros([BLOCK], tl.int32)
+    c7 = tl.zeros([BLOCK], tl.int32)
+    c8 = tl.zeros([BLOCK], tl.int32)
+    c9 = tl.zeros([BLOCK], tl.int32)
+    c10 = tl.zeros([BLOCK], tl.int32)
+    c11 = tl.zeros([BLOCK], tl.int32)
+    c12 = tl.zeros([BLOCK], tl.int32)
+    c13 = tl.zeros([BLOCK], tl.int32)
+    c14 = tl.zeros([BLOCK], tl.int32)
+    c15 = tl.zeros([BLOCK], tl.int32)
+    m0 = tl.zeros([BLOCK], tl.float32)
+    m1 = tl.zeros([BLOCK], tl.float32)
+    m2 = tl.zeros([BLOCK], tl.float32)
+    m3 = tl.zeros([BLOCK], tl.float32)
+    m4 = tl.zeros([BLOCK], tl.float32)
+    m5 = tl.zeros([BLOCK], tl.float32)
+    m6 = tl.zeros([BLOCK], tl.float32)
+    m7 = tl.zeros([BLOCK], tl.float32)
+    m8 = tl.zeros([BLOCK], tl.float32)
+    m9 = tl.zeros([BLOCK], tl.float32)
+    m10 = tl.zeros([BLOCK], tl.float32)
+    m11 = tl.zeros([BLOCK], tl.float32)
+    m12 = tl.zeros([BLOCK], tl.float32)
+    m13 = tl.zeros([BLOCK], tl.float32)
+    m14 = tl.zeros([BLOCK], tl.float32)
+    m15 = tl.zeros([BLOCK], tl.float32)
+    for off in range(start, stop, BLOCK):
+        cols = off + lanes
+        valid = cols < stop
+        x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        weight = tl.exp(x * reciprocal - top) if WEIGHTED else x
+        c0, m0 = _at_least(x, valid, f0, c0, m0, weight, WEIGHTED)
+        c1, m1 = _at_least(x, valid, f1, c1, m1, weight, WEIGHTED)
+        c2, m2 = _at_least(x, valid, f2, c2, m2, weight, WEIGHTED)
+        c3, m3 = _at_least(x, valid, f3, c3, m3, weight, WEIGHTED)
+        c4, m4 = _at_least(x, valid, f4, c4, m4, weight, WEIGHTED)
+        c5, m5 = _at_least(x, valid, f5, c5, m5, weight, WEIGHTED)
+        c6, m6 = _at_least(x, valid, f6, c6, m6, weight, WEIGHTED)
+        c7, m7 = _at_least(x, valid, f7, c7, m7, weight, WEIGHTED)
+        c8, m8 = _at_least(x, valid, f8, c8, m8, weight, WEIGHTED)
+        c9, m9 = _at_least(x, valid, f9, c9, m9, weight, WEIGHTED)
+        c10, m10 = _at_least(x, valid, f10, c10, m10, weight, WEIGHTED)
+        c11, m11 = _at_least(x, valid, f11, c11, m11, weight, WEIGHTED)
+        c12, m12 = _at_least(x, valid, f12, c12, m12, weight, WEIGHTED)
+        c13, m13 = _at_least(x, valid, f13, c13, m13, weight, WEIGHTED)
+        c14, m14 = _at_least(x, valid, f14, c14, m14, weight, WEIGHTED)
+        c15, m15 = _at_least(x, valid, f15, c15, m15, weight, WEIGHTED)
+    j = tl.arange(0, 16)
+    count = tl.zeros([16], tl.int32)
+    mass = tl.zeros([16], tl.float32)
+    count = tl.where(j == 0, tl.sum(c0, 0), count)
+    count = tl.where(j == 1, tl.sum(c1, 0), count)
+    count = tl.where(j == 2, tl.sum(c2, 0), count)
+    count = tl.where(j == 3, tl.sum(c3, 0), count)
+    count = tl.where(j == 4, tl.sum(c4, 0), count)
+    count = tl.where(j == 5, tl.sum(c5, 0), count)
+    count = tl.where(j == 6, tl.sum(c6, 0), count)
+    count = tl.where(j == 7, tl.sum(c7, 0), count)
+    count = tl.where(j == 8, tl.sum(c8, 0), count)
+    count = tl.where(j == 9, tl.sum(c9, 0), count)
+    count = tl.where(j == 10, tl.sum(c10, 0), count)
+    count = tl.where(j == 11, tl.sum(c11, 0), count)
+    count = tl.where(j == 12, tl.sum(c12, 0), count)
+    count = tl.where(j == 13, tl.sum(c13, 0), count)
+    count = tl.where(j == 14, tl.sum(c14, 0), count)
+    count = tl.where(j == 15, tl.sum(c15, 0), count)
+    mass = tl.where(j == 0, tl.sum(m0, 0), mass)
+    mass = tl.where(j == 1, tl.sum(m1, 0), mass)
+    mass = tl.where(j == 2, tl.sum(m2, 0), mass)
+    mass = tl.where(j == 3, tl.sum(m3, 0), mass)
+    mass = tl.where(j == 4, tl.sum(m4, 0), mass)
+    mass = tl.where(j == 5, tl.sum(m5, 0), mass)
+    mass = tl.where(j == 6, tl.sum(m6, 0), mass)
+    mass = tl.where(j == 7, tl.sum(m7, 0), mass)
+    mass = tl.where(j == 8, tl.sum(m8, 0), mass)
+    mass = tl.where(j == 9, tl.sum(m9, 0), mass)
+    mass = tl.where(j == 10, tl.sum(m10, 0), mass)
+    mass = tl.where(j == 11, tl.sum(m11, 0), mass)
+    mass = tl.where(j == 12, tl.sum(m12, 0), mass)
+    mass = tl.where(j == 13, tl.sum(m13, 0), mass)
+    mass = tl.where(j == 14, tl.sum(m14, 0), mass)
+    mass = tl.where(j == 15, tl.sum(m15, 0), mass)
+    return count, mass
+
+
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr", "do_sample_ptr"])
 def _ladder_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr,
                    top_ptr, nan_ptr, cnt_ptr, mass_ptr, NUM_PARTS: tl.constexpr, L: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Per part of a searched row, for each ladder threshold: the number of scores at or above it and
-    (top-p) their mass, sum(exp(score - top))."""
+    (top-p) their mass, sum(exp(score - top)). Sixteen counters per lane, unrolled (L is 16)."""
+    tl.static_assert(L == 16)
     row = tl.program_id(0)
     part = tl.program_id(1)
     temperature, top_k, top_p, use_k, use_p, top, clean, searched = _row_setup(
         temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, NUM_PARTS)
-    count = tl.zeros([BLOCK, L], tl.int32)
-    mass = tl.zeros([BLOCK, L], tl.float32)
+    count = tl.zeros([L], tl.int32)
+    mass = tl.zeros([L], tl.float32)
     if searched:
-        ladder = _ladder(top, L)
+        floors = _x_floor(_ladder(top, L), temperature)
+        j = tl.arange(0, L)
+        f0 = _pick(floors, j, 0)
+        f1 = _pick(floors, j, 1)
+        f2 = _pick(floors, j, 2)
+        f3 = _pick(floors, j, 3)
+        f4 = _pick(floors, j, 4)
+        f5 = _pick(floors, j, 5)
+        f6 = _pick(floors, j, 6)
+        f7 = _pick(floors, j, 7)
+        f8 = _pick(floors, j, 8)
+        f9 = _pick(floors, j, 9)
+        f10 = _pick(floors, j, 10)
+        f11 = _pick(floors, j, 11)
+        f12 = _pick(floors, j, 12)
+        f13 = _pick(floors, j, 13)
+        f14 = _pick(floors, j, 14)
+        f15 = _pick(floors, j, 15)
         start = part * chunk
         stop = tl.minimum(start + chunk, vocab)
-        lanes = tl.arange(0, BLOCK)
         base = logits_ptr + row.to(tl.int64) * stride_row
         if use_p:
-            for off in range(start, stop, BLOCK):
-                cols = off + lanes
-                valid = cols < stop
-                s = _scaled(base, cols, valid, temperature)
-                at_least = (s[:, None] >= ladder[None, :]) & valid[:, None]
-                count += at_least.to(tl.int32)
-                mass += tl.where(at_least, tl.exp(s - top)[:, None], 0.0)
+            count, mass = _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15,
+                                       True, BLOCK)
         else:
-            for off in range(start, stop, BLOCK):
-                cols = off + lanes
-                valid = cols < stop
-                s = _scaled(base, cols, valid, temperature)
-                count += ((s[:, None] >= ladder[None, :]) & valid[:, None]).to(tl.int32)
+            count, mass = _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15,
+                                       False, BLOCK)
     at = (row * NUM_PARTS + part) * L + tl.arange(0, L)
-    tl.store(cnt_ptr + at, tl.sum(count, 0))
-    tl.store(mass_ptr + at, tl.sum(mass, 0))
+    tl.store(cnt_ptr + at, count)
+    tl.store(mass_ptr + at, mass)
 
 
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr", "do_sample_ptr"])
@@ -345,10 +479,11 @@ def _gather_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, top_k_
             lanes = tl.arange(0, BLOCK)
             base = logits_ptr + row.to(tl.int64) * stride_row
             out = row.to(tl.int64) * GATHER
+            floor = _x_floor(floor, temperature)
             for off in range(start, stop, BLOCK):
                 cols = off + lanes
                 valid = cols < stop
-                s = _scaled(base, cols, valid, temperature)
+                s = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)  # unscaled
                 take = (valid & (s >= floor)).to(tl.int32)
                 at = taken + tl.cumsum(take, 0) - take
                 keep = (take != 0) & (at < GATHER)
@@ -386,7 +521,7 @@ def _resolve_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, t
     if searched:
         jlo, n, floor, total = _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, NUM_PARTS, L)
         if n <= GATHER:  # every score the row keeps is gathered, with the ones around its edge
-            cut = _search(score_ptr, n, 1.0, top_k, top_p, use_k, use_p, tl.where(use_k, -1.0, total), cand_ptr,
+            cut = _search(score_ptr, n, temperature, top_k, top_p, use_k, use_p, tl.where(use_k, -1.0, total), cand_ptr,
                           CAP, BLOCK)
             done = tl.full([], 1, tl.int32)
         elif jlo == 0:  # the k-th largest or the top-p edge is the top score
@@ -412,7 +547,7 @@ def _resolve_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, t
         for off in range(0, n, BLOCK):
             at = off + lanes
             valid = at < n
-            s = tl.load(score_ptr + at, mask=valid, other=float("-inf"))
+            s = _scaled(score_ptr, at, valid, temperature)
             cols = tl.load(col_ptr + at, mask=valid, other=0)
             s = tl.where(valid & (_score_key(s) >= cut32), s, float("-inf"))
             value = s + _gumbel(cols, k1, k2)
