@@ -8,9 +8,11 @@ score as the edge, and the search over the whole row."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from hf_async_cb.engine.requests import SamplingParams
-from hf_async_cb.kernels.draw_sampled import _sampled_packed
+from hf_async_cb.kernels.draw_sampled import _sampled_packed, _x_floor
 from hf_async_cb.sampling.sampler import SamplingTensors, keep_threshold, sample
 from tests.test_sampled import DEVICE, _kept_by_kernels
 
@@ -104,11 +106,6 @@ def test_nan_and_infinite_rows_are_flagged_as_before():
 
 def test_unscaled_floors_are_exact():
     """x >= _x_floor(score, t) exactly when div_rn(x, t) >= score: the passes compare unscaled logits."""
-    import triton
-    import triton.language as tl
-
-    from hf_async_cb.kernels.draw_sampled import _x_floor
-
     @triton.jit
     def floors(score_ptr, t_ptr, out_ptr, N: tl.constexpr):
         at = tl.arange(0, N)

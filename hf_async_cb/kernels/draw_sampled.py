@@ -357,6 +357,7 @@ def _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6
                  WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     """One pass over a part: for each floor fi, count(x >= fi) and (WEIGHTED) the mass there."""
     lanes = tl.arange(0, BLOCK)
+    reciprocal = 1.0 / temperature  # the weights only (rounding-level): the counts compare unscaled
     c0 = tl.zeros([BLOCK], tl.int32)
     c1 = tl.zeros([BLOCK], tl.int32)
     c2 = tl.zeros([BLOCK], tl.int32)
@@ -393,7 +394,7 @@ def _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6
         cols = off + lanes
         valid = cols < stop
         x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        weight = tl.exp(tl.math.div_rn(x, tl.zeros_like(x) + temperature) - top) if WEIGHTED else x
+        weight = tl.exp(x * reciprocal - top) if WEIGHTED else x
         c0, m0 = _at_least(x, valid, f0, c0, m0, weight, WEIGHTED)
         c1, m1 = _at_least(x, valid, f1, c1, m1, weight, WEIGHTED)
         c2, m2 = _at_least(x, valid, f2, c2, m2, weight, WEIGHTED)
