@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[64, 256])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the threshold search's launch (CUT_BLOCK x CUT_WARPS) for the top-p cases")
+                        help="also time the search's launch parameters (ladder, gather, per-row resolve) for the top-p cases")
     args = parser.parse_args()
     device = torch.device("cuda")
     print("| rows | case | torch sampler ms | sampling kernels ms | greedy kernel ms | tokens differing |")
@@ -78,25 +78,36 @@ def main() -> None:
             sweep(logits, device)
 
 
+SWEEP = {  # each group swept with the others at their defaults
+    ("LADDER_BLOCK", "LADDER_WARPS"): [(256, 4), (512, 4), (512, 8), (1024, 8)],
+    ("GATHER_BLOCK", "GATHER_WARPS"): [(512, 4), (1024, 4), (1024, 8), (2048, 8)],
+    ("CAP", "CUT_BLOCK", "CUT_WARPS"): [(256, 1024, 8), (512, 1024, 8), (512, 2048, 8), (1024, 1024, 8),
+                                        (512, 1024, 4)],
+    ("GATHER",): [(8192,), (16384,), (32768,)],
+}
+
+
 def sweep(logits: torch.Tensor, device: torch.device) -> None:
     """The kernels' time per launch configuration of the threshold search (the top-p cases)."""
     import hf_async_cb.kernels.draw_sampled as sampled
 
-    default = sampled.CUT_BLOCK, sampled.CUT_WARPS
     rows = logits.shape[0]
     for name in ("T=0.8 top-p 0.95", "T=0.8 top-k 50 top-p 0.95"):
         params = [SamplingParams(max_new_tokens=8, do_sample=True, seed=i, **CASES[name]) for i in range(rows)]
         tensors = SamplingTensors.build(params, device, token_index=list(range(rows)))
         expected = sample(logits.float(), tensors)[0]
-        cells = []
-        for block in (2048, 4096, 8192):
-            for warps in (8, 16, 32):
-                sampled.CUT_BLOCK, sampled.CUT_WARPS = block, warps
+        for names, values in SWEEP.items():
+            default = tuple(getattr(sampled, n) for n in names)
+            cells = []
+            for value in values:
+                for n, v in zip(names, value):
+                    setattr(sampled, n, v)
                 ms = graph_ms(lambda: sampled_packed(logits, tensors))
                 differ = int((sampled_packed(logits, tensors)[0] != expected).sum())
-                cells.append(f"{block}x{warps}: {ms:.3f}" + (f" ({differ} differ)" if differ else ""))
-        print(f"| {rows} | sweep {name} | {'; '.join(cells)} | | | |")
-    sampled.CUT_BLOCK, sampled.CUT_WARPS = default
+                cells.append("x".join(map(str, value)) + f": {ms:.3f}" + (f" ({differ} differ)" if differ else ""))
+            for n, v in zip(names, default):
+                setattr(sampled, n, v)
+            print(f"| {rows} | sweep {name} {'x'.join(names)} | {'; '.join(cells)} | | | |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
-from hf_async_cb.kernels.draw_sampled import BLOCK, CAP, CUT_BLOCK, sampled_packed
+from hf_async_cb.kernels.draw_sampled import BLOCK, CAP, CUT_BLOCK, GATHER, GATHER_BLOCK, LADDER, LADDER_BLOCK, sampled_packed
 from hf_async_cb.sampling.sampler import SamplingTensors, keep_threshold, pack, sample
 from tests.sm90 import assert_compiles_for_sm90
 
@@ -34,15 +34,15 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return logits.to(DEVICE)
 
 
-def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int) -> torch.Tensor:
+def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int, gather: int | None = None
+                     ) -> torch.Tensor:
     """What the kernels keep, read back through their threshold keys."""
-    from hf_async_cb.kernels.draw_sampled import _cut_kernel
+    from hf_async_cb.kernels.draw_greedy import split_rows
+    from hf_async_cb.kernels.draw_sampled import _cut
 
     rows, vocab = logits.shape
-    cut = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    candidates = torch.empty(rows, cap, dtype=torch.float32, device=logits.device)
-    _cut_kernel[(rows,)](logits, logits.stride(0), vocab, params.temperature, params.top_k, params.top_p,
-                         params.min_p, params.do_sample, cut, candidates, BLOCK=CUT_BLOCK, CAP=cap)
+    parts, chunk = split_rows(rows, vocab, logits.device)
+    cut = _cut(logits, params, parts, chunk, gather, cap)[0]
     scores = logits / params.temperature[:, None]
     bits = scores.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -50,14 +50,15 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int) ->
     return key >= cut[:, None]
 
 
-@pytest.mark.parametrize("vocab, cap", [(300, 16), (300, 512), (2 * CUT_BLOCK + 37, 64)])
-def test_kernels_keep_the_reference_set(vocab, cap):
-    """Small caps make the searches narrow the bracket before they sort it; the default sorts at once."""
+@pytest.mark.parametrize("vocab, cap, gather", [(300, 16, 512), (300, 512, 16), (2 * BLOCK + 37, 64, None)])
+def test_kernels_keep_the_reference_set(vocab, cap, gather):
+    """Small caps make the searches narrow the bracket before they sort it; the default sorts at once.
+    A small gather sends rows to the search over the whole row; a large one searches the gathered scores."""
     rows = len(CASES) * 2
     logits, params = _logits(rows, vocab), _params(rows)
     scores = logits / params.temperature[:, None]
     expected = scores >= keep_threshold(scores, params)[:, None]
-    got = _kept_by_kernels(logits, params, cap)
+    got = _kept_by_kernels(logits, params, cap, gather)
     assert torch.equal(got, expected), [r for r in range(rows) if not torch.equal(got[r], expected[r])]
     # The filters did filter, and kept whole runs of ties.
     assert not expected[3].all() and not expected[6].all() and expected[1, : vocab // 4].all() == expected[1, 0]
@@ -98,21 +99,35 @@ def test_rows_without_a_seed_are_refused():
 
 def test_kernels_compile_for_sm90():
     ptr = {"logits_ptr": "*bf16"}
+    rows = {"stride_row": "i32", "vocab": "i32"}
+    params = {"temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "do_sample_ptr": "*fp32"}
+    ladder = {"top_ptr": "*fp32", "nan_ptr": "*i32", "cnt_ptr": "*i32", "mass_ptr": "*fp32"}
+    module = "hf_async_cb.kernels.draw_sampled"
     assert_compiles_for_sm90([
-        ("hf_async_cb.kernels.draw_sampled", "_cut_kernel",
-         {**ptr, "stride_row": "i32", "vocab": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
-          "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "do_sample_ptr": "*fp32", "cut_ptr": "*i32", "cand_ptr": "*fp32"},
-         {"BLOCK": CUT_BLOCK, "CAP": CAP}),
-        ("hf_async_cb.kernels.draw_sampled", "_draw_parts_kernel",
-         {**ptr, "stride_row": "i32", "vocab": "i32", "chunk": "i32", "temperature_ptr": "*fp32",
-          "do_sample_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "cut_ptr": "*i32", "value_ptr": "*fp32",
-          "token_ptr": "*i32", "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
+        (module, "_top_kernel",
+         {**ptr, **rows, "chunk": "i32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
+          "do_sample_ptr": "*fp32", "top_ptr": "*fp32", "nan_ptr": "*i32"}, {"NUM_PARTS": 4, "BLOCK": BLOCK}),
+        (module, "_ladder_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder},
+         {"NUM_PARTS": 4, "L": LADDER, "BLOCK": LADDER_BLOCK}, {"num_warps": 8}),
+        (module, "_gather_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder, "score_ptr": "*fp32",
+                                    "col_ptr": "*i32"},
+         {"NUM_PARTS": 4, "L": LADDER, "GATHER": GATHER, "BLOCK": GATHER_BLOCK}),
+        (module, "_resolve_kernel",
+         {**ptr, **rows, **params, "min_p_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", **ladder,
+          "score_ptr": "*fp32", "col_ptr": "*i32", "cand_ptr": "*fp32", "cut_ptr": "*i32", "done_ptr": "*i32",
+          "done_token_ptr": "*i32", "done_logprob_ptr": "*fp32"},
+         {"NUM_PARTS": 4, "L": LADDER, "GATHER": GATHER, "CAP": CAP, "BLOCK": CUT_BLOCK}, {"num_warps": 8}),
+        (module, "_draw_parts_kernel",
+         {**ptr, **rows, "chunk": "i32", "temperature_ptr": "*fp32", "do_sample_ptr": "*fp32", "seed_ptr": "*i64",
+          "index_ptr": "*i64", "cut_ptr": "*i32", "done_ptr": "*i32", "value_ptr": "*fp32", "token_ptr": "*i32",
+          "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
          {"NUM_PARTS": 4, "BLOCK": BLOCK}),
-        ("hf_async_cb.kernels.draw_sampled", "_draw_merge_kernel",
+        (module, "_draw_merge_kernel",
          {"value_ptr": "*fp32", "token_ptr": "*i32", "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32",
-          "sum_ptr": "*fp32", "do_sample_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"},
+          "sum_ptr": "*fp32", "do_sample_ptr": "*fp32", "done_ptr": "*i32", "done_token_ptr": "*i32",
+          "done_logprob_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"},
          {"INVALID": -1, "NUM_PARTS": 4}),
-    ], options={"num_warps": 16})
+    ], options={"num_warps": 4})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
