@@ -9,8 +9,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from models import left_pad, random_prompts, stock_generate, tiny_model
 from sm90 import assert_compiles_for_sm90
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -272,6 +274,62 @@ def test_a_different_formula_is_left_alone():
         assert "forward" not in model[0].__dict__ and "forward" in model[1].__dict__
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unit_offset_rms_norm_kernel(dtype):
+    """Gemma's RMSNorm: (x * rsqrt(mean(x**2) + eps) * (1 + weight)) in fp32, rounded once."""
+    norm = modeling_gemma3.Gemma3RMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(48, seed=2))
+    x = randn(3, 5, 48, dtype=dtype, scale=3)
+    got = ew.rms_norm(x, norm.weight, norm.eps, unit_offset=True)
+    assert_matches(got, norm(x))
+    assert not torch.equal(got, ew.rms_norm(x, norm.weight, norm.eps))  # the forms differ
+    xt = randn(2, 4, 3, 48, dtype=dtype).transpose(1, 2)  # q/k norms see head views
+    assert_matches(ew.rms_norm(xt, norm.weight, norm.eps, unit_offset=True), norm(xt))
+
+
+def _tiny(model_type, **overrides):
+    config = transformers.AutoConfig.for_model(model_type, **{**SMALL_CONFIG, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # Gemma's norms start at zero (1 + weight = 1): make the weights count
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.normal_(0, 0.5)
+    return model
+
+
+SMALL_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("model_type,norm_form,rotary", [
+    ("gemma3_text", "unit", True),  # Gemma's RMSNorm (q/k norms too), Llama's rotary
+    ("gemma", "unit", True),
+    ("mixtral", "llama", True),  # a family outside the old fixed list
+    ("cohere", None, False),  # LayerNorm, and an interleaved rotary: both left alone
+])
+def test_other_families_fuse_what_agrees(model_type, norm_form, rotary):
+    original = _tiny(model_type)
+    model = copy.deepcopy(original)
+    ids = input_ids(seed=4)
+    with torch.no_grad():
+        expected = original(ids).logits
+    with fuse_elementwise(model) as fused:
+        norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+        assert fused.rms_norms == len(norms) and (norm_form is None) == (not norms)
+        forms = {getattr(m.__dict__["forward"], "__func__", "stash") for m in norms}  # (residual fusion's)
+        if norm_form:
+            assert forms == ({ew._unit_offset_rms_forward} if norm_form == "unit" else {ew._rms_forward, "stash"})
+        assert fused.rotary_modules == int(rotary)
+        with torch.no_grad():
+            got = model(ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(greedy(model, ids, new=4), greedy(original, ids, new=4))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_kernels_compile_for_sm90():
     """The kernels compile for an H200 (no GPU needed), without the interpreter."""
     rotary = {n: "*bf16" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")}
@@ -282,7 +340,11 @@ def test_kernels_compile_for_sm90():
         (module, "_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32",
                                       "n_cols": "i32", "inner": "i32", "stride_outer": "i64", "stride_inner": "i64",
                                       "inv_n": "fp32", "eps": "fp32"},
-         dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True)),
+         dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True, UNIT_OFFSET=False)),
+        (module, "_rms_norm_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32",
+                                      "n_cols": "i32", "inner": "i32", "stride_outer": "i64", "stride_inner": "i64",
+                                      "inv_n": "fp32", "eps": "fp32"},
+         dict(ROWS=4, BLOCK=256, X_BF16=True, Y_BF16=True, LIBDEVICE=True, UNIT_OFFSET=True)),
         (module, "_add_rms_norm_kernel", {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16",
                                           "y_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32", "inner": "i32",
                                           "stride_outer": "i64", "stride_inner": "i64", "r_outer": "i64",

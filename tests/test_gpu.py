@@ -157,6 +157,9 @@ def test_elementwise_kernels_round_like_torch_in_bf16():
     y = torch.randn(37, 2 * 14336, device="cuda", generator=g).to(torch.bfloat16)
     gate, up = y.chunk(2, dim=-1)
     assert _ulps(ew.silu_mul(y), torch.nn.functional.silu(gate) * up) <= 1
+    r = torch.randn(37, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    total, normed = ew.add_rms_norm(x, r, w, 1e-5)  # bit for bit: torch's add, then the rms_norm kernel
+    assert torch.equal(total, r + x) and torch.equal(normed, ew.rms_norm(r + x, w, 1e-5))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "phi3"])
@@ -170,6 +173,7 @@ def test_fused_model_logits_match_the_original_in_bf16(family):
         expected = model(ids).logits.float()
         with fuse_projections(model) as projections, fuse_elementwise(model) as elementwise:
             assert elementwise.rms_norms > 0
+            assert (elementwise.add_norms > 0) == (family != "phi3")  # plain pre-norm layers only
             got = model(ids).logits.float()
             elementwise.restore()
             projections.restore()

@@ -6,8 +6,10 @@
     elementwise.py                RMSNorm, rotary, SiLU-mul (reference: the model's own modules)
     draw_greedy.py                greedy picks + log-probs in one pass (reference: sampling/sampler.py)
     draw_sampled.py               filtered, seeded sampling without a sort (reference: sampling/sampler.py)
+    sampling_threshold.py         its threshold search (the kept scores' edge), spread over the GPU
     skinny_gemm.py                x @ weight.T for decode's few rows, and the measured choice against
-                                  cuBLAS (reference: F.linear; not wired into the model yet)
+                                  cuBLAS (reference: F.linear; model/decode_gemm.py routes to it)
+    graph_timing.py               how the tuners time kernels: replayed from a CUDA graph
 
 Kernels never take a per-call count (rows, tokens, requests) as a specialised value: such
 arguments are `do_not_specialize`, and constexprs derived from them are powers of two from a short
@@ -32,7 +34,8 @@ def compiled_keys() -> dict[str, list[str]]:
         return {}
     keys: dict[str, list[str]] = {}
     seen: set[int] = set()  # helpers imported into another kernel module count once
-    for name in ("paged_attention", "store_kv", "elementwise", "draw_greedy", "draw_sampled", "skinny_gemm"):
+    for name in ("paged_attention", "store_kv", "elementwise", "draw_greedy", "sampling_threshold", "draw_sampled",
+                 "skinny_gemm"):
         module = importlib.import_module(f"hf_async_cb.kernels.{name}")
         for attr, fn in vars(module).items():
             if isinstance(fn, JITFunction) and id(fn) not in seen:

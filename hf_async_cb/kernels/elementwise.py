@@ -30,7 +30,7 @@ _LAUNCH = dict(enable_fp_fusion=False)  # no FMA contraction: torch rounds each 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner, inv_n, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+                     LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -41,11 +41,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, s
         h = x * libdevice.rsqrt(var)[:, None]
     else:
         h = x * tl.math.rsqrt(var)[:, None]
-    if X_BF16:  # h.to(input dtype)
-        bits = h.to(tl.uint32, bitcast=True)
-        h = tl.where(h != h, h, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
-    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :] * h
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    if UNIT_OFFSET:  # Gemma: h * (1 + weight), all in fp32, rounded once at the end
+        y = h * (1.0 + w)
+    else:
+        if X_BF16:  # h.to(input dtype)
+            bits = h.to(tl.uint32, bitcast=True)
+            h = tl.where(h != h, h, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = w * h
     if Y_BF16:  # weight * h
         bits = y.to(tl.uint32, bitcast=True)
         y = tl.where(y != y, y, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
@@ -181,19 +185,21 @@ def _rms_launch(rows: int, n: int) -> tuple[int, int, int]:
     return per, block, min(16, max(1, per * block // 512))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)` in one kernel."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """`weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)` in one kernel (Llama's
+    RMSNorm), or with `unit_offset` Gemma's: `(x.float() * rsqrt(...) * (1 + weight.float())).to(x.dtype)`."""
     if x.stride(-1) != 1 or _row_layout(x) is None:
         x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     rows, inner, stride_outer, stride_inner = _row_layout(x)
     n = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     per, block, warps = _rms_launch(rows, n)
     _rms_norm_kernel[(triton.cdiv(rows, per),)](
         x, weight, out, rows, n, inner, stride_outer, stride_inner, 1.0 / n, eps,
         ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
-        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=warps, **_LAUNCH)
+        LIBDEVICE=not triton.knobs.runtime.interpret, UNIT_OFFSET=unit_offset, num_warps=warps, **_LAUNCH)
     return out
 
 

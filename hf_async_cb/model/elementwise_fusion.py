@@ -9,8 +9,11 @@ mean) or a transcendental's implementation (exp) differs. Each patch is checked 
 original before it is applied, and falls back to the original code where a kernel cannot run
 (CPU without Triton's interpreter, autograd, unexpected shapes or dtypes).
 
-RMSNorm and MLP forwards are replaced on the instances; apply_rotary_pos_emb is replaced in its
-modeling module, which every model of that family shares, so those patches are reference counted.
+RMSNorm and MLP forwards are replaced on the instances, RMSNorms in Llama's form (weight times the
+normed input rounded to its dtype) or Gemma's ((1 + weight) times it, in fp32, rounded once).
+apply_rotary_pos_emb is replaced in its modeling module, which every model of that family shares,
+so those patches are reference counted; any family whose function gives the kernel's results bit
+for bit on random inputs qualifies (Llama's rotate-half form, copied by most families).
 The SiLU-mul needs the gate/up GEMM fused by fusion.fuse_projections() first. Undo in reverse
 order: restore the elementwise fusion, then the projections.
 
@@ -32,7 +35,6 @@ from hf_async_cb.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu
 from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model.fusion import FusedPart
 
-ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # phi3: full rotary only (else fallback)
 
 
 def _usable(x, *params) -> bool:
@@ -46,6 +48,13 @@ def _rms_forward(self, x, *args, **kwargs):
     if args or kwargs or not _usable(x, w) or x.shape[-1] != w.shape[0] or x.device != w.device:
         return type(self).forward(self, x, *args, **kwargs)
     return rms_norm(x, w, self.variance_epsilon)
+
+
+def _unit_offset_rms_forward(self, x, *args, **kwargs):  # Gemma's: (x * rsqrt(...) * (1 + w)) in fp32
+    w = self.weight
+    if args or kwargs or not _usable(x, w) or x.shape[-1] != w.shape[0] or x.device != w.device:
+        return type(self).forward(self, x, *args, **kwargs)
+    return rms_norm(x, w, self.eps, unit_offset=True)
 
 
 def _mlp_forward(self, x, *args, **kwargs):
@@ -100,8 +109,17 @@ _ROTARY: dict[str, list] = {}  # modeling module -> [original function, fused fu
 _ROTARY_CHECKED: dict[tuple, bool] = {}  # (modeling module, dtype, device) -> the fused function agrees
 
 
+def rotary_candidates(model: nn.Module) -> list[str]:
+    """The transformers modeling modules of `model`'s classes that define apply_rotary_pos_emb."""
+    names = {type(m).__module__ for m in model.modules()}
+    return sorted(n for n in names if n.startswith("transformers.models.") and n in sys.modules
+                  and callable(getattr(sys.modules[n], "apply_rotary_pos_emb", None)))
+
+
 def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the fused rotary reproduces the module's own on random inputs (checked once per kind)."""
+    """Whether the fused rotary reproduces the module's own bit for bit on random inputs (checked
+    once per kind): Llama's rotate-half form, which most families copy; an interleaved or otherwise
+    different one (Cohere, GLM, ...) disagrees and keeps its own."""
     key = (name, dtype, device)
     if key not in _ROTARY_CHECKED:
         original = getattr(sys.modules[name], "apply_rotary_pos_emb", None)
@@ -110,7 +128,12 @@ def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device) -> bool:
         fused, g = _fused_rotary(original), torch.Generator().manual_seed(0)
         q, k = (torch.randn(2, 3, h, 8, generator=g).to(device, dtype).transpose(1, 2) for h in (4, 2))
         cos, sin = (torch.randn(2, 3, 8, generator=g).to(device, dtype) for _ in range(2))
-        _ROTARY_CHECKED[key] = _agrees(fused, original, q, k, cos, sin)
+        try:
+            with torch.no_grad():
+                got, expected = fused(q, k, cos, sin), original(q, k, cos, sin)
+            _ROTARY_CHECKED[key] = all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        except Exception:
+            _ROTARY_CHECKED[key] = False
     return _ROTARY_CHECKED[key]
 
 
@@ -145,9 +168,12 @@ def _patchable(m: nn.Module):
     name, w = type(m).__name__, getattr(m, "weight", None)
     if "forward" in m.__dict__:  # already patched, by us or by someone else
         return None
-    if (name.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1 and w.is_floating_point()
-            and isinstance(getattr(m, "variance_epsilon", None), float)):
-        return _rms_forward, w, "rms_norms"
+    if name.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1 and w.is_floating_point():
+        if isinstance(getattr(m, "variance_epsilon", None), float):  # Llama's form
+            return _rms_forward, w, "rms_norms"
+        if isinstance(getattr(m, "eps", None), float):  # Gemma's form, if the check agrees
+            return _unit_offset_rms_forward, w, "rms_norms"
+        return None
     if not name.endswith("MLP") or not hasattr(m, "down_proj"):
         return None
     gate, up, gate_up = (getattr(m, a, None) for a in ("gate_proj", "up_proj", "gate_up_proj"))
@@ -239,10 +265,8 @@ def fuse_elementwise(model: nn.Module) -> FusedElementwise:
                 fused._modules.append((m, types.MethodType(forward, m)))
                 setattr(fused, counter, getattr(fused, counter) + 1)
         params = [p for p in model.parameters() if p.is_floating_point()]
-        names = {type(m).__module__ for m in model.modules()}
-        for family in ROTARY_FAMILIES:
-            name = f"transformers.models.{family}.modeling_{family}"
-            if params and name in names and _rotary_agrees(name, params[0].dtype, params[0].device):
+        for name in rotary_candidates(model):
+            if params and _rotary_agrees(name, params[0].dtype, params[0].device):
                 fused._rotary.append(name)
                 fused.rotary_modules += 1
         from hf_async_cb.model.residual_fusion import fuse_residuals  # (it imports this module)
