@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.kernels import graph_timing
 from hf_async_cb.kernels.draw_greedy import greedy_packed
 from hf_async_cb.kernels.draw_sampled import sampled_packed
 from hf_async_cb.sampling.sampler import SamplingTensors, gumbel_noise, pack, sample
@@ -28,25 +29,9 @@ CASES = {
 }
 
 
-def graph_ms(fn, replays: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def graph_ms(fn) -> float:
+    """ms of one fn() replayed from a CUDA graph, median of 50 replays (as the decode loop runs it)."""
+    return graph_timing.graph_ms(lambda i: fn(), calls=1, replays=50)
 
 
 def main() -> None:

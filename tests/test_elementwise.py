@@ -157,7 +157,7 @@ def greedy(model, ids, new=8):
 
 def count_kernel_calls(monkeypatch):
     calls = {}
-    for name in ("rms_norm", "rotary", "silu_mul"):
+    for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
         def counted(*args, _name=name, _fn=getattr(ew, name)):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args)
@@ -357,14 +357,16 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_engine_with_every_fusion_matches_stock_and_restores(mode):
-    """BatchingConfig(fuse_projections=True, fuse_elementwise=True): stock's tokens, and close()
-    gives every module and the rotary function back."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_with_every_fusion_matches_stock_and_restores(family, mode, monkeypatch):
+    """BatchingConfig(fuse_projections=True, fuse_elementwise=True): stock's tokens, the residual adds
+    folded into the norms (two per layer), and close() gives every module and the rotary function back."""
     from models import generated_rows, random_prompts, stock_generate
 
     from hf_async_cb import BatchingConfig, Engine
 
-    model = copy.deepcopy(tiny_model("qwen3"))
+    calls = count_kernel_calls(monkeypatch)
+    model = copy.deepcopy(tiny_model(family))
     modeling = sys.modules[type(model).__module__]
     rotary = modeling.apply_rotary_pos_emb
     prompts = random_prompts(4, 3, 30, seed=5)
@@ -372,8 +374,10 @@ def test_engine_with_every_fusion_matches_stock_and_restores(mode):
                               max(map(len, prompts)), 0, (2,))
     config = BatchingConfig(mode=mode, fuse_projections=True, fuse_elementwise=True, max_batch_tokens=32)
     with Engine(model, config) as engine:
-        assert engine.prepared_model.elementwise.rms_norms > 0 and engine.prepared_model.elementwise.silu_muls > 0
+        fused = engine.prepared_model.elementwise
+        assert fused.rms_norms > 0 and fused.silu_muls > 0 and fused.add_norms == 2 * len(model.model.layers)
         outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected
+    assert calls["add_rms_norm"] > 0
     assert modeling.apply_rotary_pos_emb is rotary
     assert not any("forward" in vars(m) for m in model.modules())

@@ -4,12 +4,11 @@ stale stash, falls back to the original forward where it must, and restores clea
 
 import copy
 import importlib.util
-import sys
 
 import pytest
 import torch
 import transformers
-from models import COMMON, generated_rows, random_prompts, stock_generate, tiny_model
+from models import COMMON, tiny_model
 from transformers.models.cohere import modeling_cohere
 from transformers.models.gemma import modeling_gemma
 from transformers.models.gemma2 import modeling_gemma2
@@ -317,25 +316,3 @@ def test_detach_attach_restore():
     projections.restore()
     assert not any("forward" in vars(m) for m in model.modules())
     assert type(layers[0]).forward is modeling_qwen3.Qwen3DecoderLayer.forward
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_engine_with_residual_fusion_matches_stock(family, mode, monkeypatch):
-    from hf_async_cb import BatchingConfig, Engine
-
-    calls = count_kernel_calls(monkeypatch)
-    model = copy.deepcopy(tiny_model(family))
-    modeling = sys.modules[type(model).__module__]
-    rotary = modeling.apply_rotary_pos_emb
-    prompts = random_prompts(3, 3, 20, seed=8)
-    expected = generated_rows(stock_generate(model, prompts, max_new_tokens=5, eos_token_id=[2], pad_token_id=0),
-                              max(map(len, prompts)), 0, (2,))
-    config = BatchingConfig(mode=mode, fuse_projections=True, fuse_elementwise=True, max_batch_tokens=32)
-    with Engine(model, config) as engine:
-        assert engine.prepared_model.elementwise.add_norms == 2 * len(model.model.layers)
-        outs = engine.generate(prompts, max_new_tokens=5, eos_token_ids=(2,))
-    assert [o.output_token_ids for o in outs] == expected
-    assert calls["add_rms_norm"] > 0
-    assert modeling.apply_rotary_pos_emb is rotary
-    assert not any("forward" in vars(m) for m in model.modules())
