@@ -122,3 +122,27 @@ def test_config_field():
     assert BatchingConfig(skinny_gemm=False).skinny_gemm is False
     with pytest.raises(ValueError, match="skinny_gemm"):
         BatchingConfig(skinny_gemm="yes")
+
+
+def test_a_config_that_does_not_build_falls_back_to_linear(monkeypatch):
+    """A recorded config this machine cannot build (here a shared-memory overflow) warns once and
+    leaves that shape to F.linear, with the right result."""
+    from triton.runtime.errors import OutOfResources
+
+    def fails(*args, **kwargs):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(decode_gemm, "skinny_linear", fails)
+    model = copy.deepcopy(tiny_model("llama")).to(DEVICE)
+    ids = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected = _logits(model, ids)
+    gemms = DecodeGemms(model, None, EveryShape())
+    gemms.attach()
+    try:
+        with pytest.warns(UserWarning, match="does not build here"):
+            got = _logits(model, ids)
+        again = _logits(model, ids)  # the failed config is dropped: no second warning, no retry
+    finally:
+        gemms.detach()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)

@@ -16,9 +16,13 @@ warm-up (BatchingConfig.skinny_gemm=True); the choices persist on disk.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from hf_async_cb.kernels.skinny_gemm import MAX_M, GemmChoice, m_bucket, runs_on, skinny_linear
 
@@ -33,10 +37,17 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        config = self.configs.get(m_bucket(rows)) if 0 < rows <= MAX_M else None
-        if config is None or x.dtype != self.weight.dtype:
+        bucket = m_bucket(rows)
+        config = self.configs.get(bucket) if 0 < rows <= MAX_M else None
+        if config is None or x.dtype != self.weight.dtype or x.device != self.weight.device:
             return F.linear(x, self.weight, self.bias)
-        return skinny_linear(x, self.weight, self.bias, config=config)
+        try:
+            return skinny_linear(x, self.weight, self.bias, config=config)
+        except (CompilationError, OutOfResources) as e:  # a recorded config this machine cannot build
+            del self.configs[bucket]
+            warnings.warn(f"hf_async_cb: the skinny GEMM config {config} for {tuple(self.weight.shape)} does not "
+                          f"build here ({type(e).__name__}); cuBLAS runs that shape", stacklevel=2)
+            return F.linear(x, self.weight, self.bias)
 
 
 def _eligible(weight: torch.Tensor) -> bool:
