@@ -88,3 +88,48 @@ def test_copies_processors_and_stopping_criteria_pass_through():
         outs = dp.generate(PROMPTS[:4], max_new_tokens=8, stopping_criteria=StoppingCriteriaList([HistoryOf42()]))
         for prompt, out in zip(PROMPTS[:4], outs):
             assert len(out.output_token_ids) == max(1, min(8, 42 - len(prompt)))
+
+
+class HistoryOf42(object):
+    """A stopping criterion defined at module level, so that it pickles to process replicas."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 42, dtype=torch.bool)
+
+
+def test_process_replicas_give_one_engines_tokens():
+    """workers="processes": an Engine per process, the model sent through shared memory; greedy and
+    seeded-sampled tokens equal one Engine's, a stopping criterion reaches the workers, an error in a
+    worker is raised here (and the next call still works), an argument that does not pickle is
+    refused with the remedy, and a dead worker is reported, never waited on."""
+    from transformers import StoppingCriteriaList
+
+    from hf_async_cb.engine.replica_process import ReplicaError
+
+    model = tiny_model("llama")
+    config = BatchingConfig(seed=5)
+    params = SamplingParams(max_new_tokens=6, do_sample=True, temperature=1.3, top_k=50)
+    engine = Engine(model, config)
+    greedy = _tokens(engine.generate(PROMPTS, max_new_tokens=8))
+    sampled = _tokens(engine.generate(PROMPTS, params))
+    stopped = _tokens(engine.generate(PROMPTS[:4], max_new_tokens=8,
+                                      stopping_criteria=StoppingCriteriaList([HistoryOf42()])))
+    engine.close()
+    with DataParallel(model, devices=["cpu", "cpu"], config=config, workers="processes") as dp:
+        assert dp.workers == "processes" and len(dp.replicas) == 2 and not dp.engines
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=8)) == greedy
+        assert all(dp.last_assignment)
+        assert _tokens(dp.generate(PROMPTS, params)) == sampled
+        assert _tokens(dp.generate(PROMPTS[:4], max_new_tokens=8,
+                                   stopping_criteria=StoppingCriteriaList([HistoryOf42()]))) == stopped
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # raised in a worker, sent back
+            dp.generate([[1, 2, 3], [5, 10**6]], max_new_tokens=2)
+        assert _tokens(dp.generate(PROMPTS[:2], max_new_tokens=8)) == greedy[:2]  # the pipes are in step
+        with pytest.raises(ValueError, match="does not pickle"):
+            dp.generate(PROMPTS[:2], max_new_tokens=2, stopping_criteria=[lambda ids, scores: False])
+        assert _tokens(dp.generate(PROMPTS[:2], max_new_tokens=8)) == greedy[:2]
+        dp.replicas[1]._process.kill()
+        with pytest.raises(ReplicaError, match="died"):
+            dp.generate(PROMPTS, max_new_tokens=2)
+    with pytest.raises(ValueError, match="workers must be"):
+        DataParallel(model, devices=["cpu"], workers="fibers")

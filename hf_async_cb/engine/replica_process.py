@@ -1,0 +1,139 @@
+"""A data-parallel replica in a process of its own: an Engine on one device, fed over a pipe.
+
+Why processes: a replica's host work per step (scheduling, building the step, reading back its
+tokens) is Python, under the interpreter's lock. Replicas in threads of one process share that
+lock, so the host work of all of them is serialised: with a small model whose GPU step is short
+(Llama-3.2-1B at 64 requests: ~1.5 ms of GPU against ~0.6 ms of host per step, docs/benchmarks.md)
+eight replicas need ~4.6 ms of host time per 1.5 ms step, and most GPUs idle. A process per
+replica has its own interpreter, so the host work runs in parallel, one core each.
+
+The model reaches the worker as a spawn argument, through torch.multiprocessing's pickler: CPU
+tensors through shared memory, CUDA tensors as IPC handles (no copy on their own device; the
+worker copies them to its device). The worker then builds its Engine, answers "ready", and serves
+Engine.generate calls until told to close. An exception in the worker comes back and is raised in
+the caller with the worker's traceback; a worker that dies (killed, out of memory) is reported,
+never waited on forever.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.multiprocessing as mp
+
+from hf_async_cb.config import BatchingConfig
+
+_POLL_S = 0.5  # how often a waiting caller checks that the worker is alive
+
+
+class ReplicaError(RuntimeError):
+    """A replica's worker process failed (died, or an error that could not be sent back as itself)."""
+
+
+def _serve(conn: Connection, model: torch.nn.Module, device: torch.device, config: BatchingConfig, tokenizer) -> None:
+    """The worker's main: build the engine, then serve ("generate", args, kwargs) until ("close",)."""
+    from hf_async_cb.engine.engine import Engine
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        engine = Engine(model.to(device), config, tokenizer=tokenizer)
+        del model
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 (sent back to the caller)
+        conn.send(("error", _portable(e)))
+        return
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "close":
+                break
+            _, args, kwargs = message
+            try:
+                conn.send(("ok", engine.generate(*args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001 (sent back to the caller)
+                conn.send(("error", _portable(e)))
+    except EOFError:  # the caller is gone
+        pass
+    finally:
+        engine.close()
+
+
+def _portable(error: BaseException):
+    """The exception itself if it pickles (with the worker's traceback attached), else a
+    ReplicaError carrying its text."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        error.worker_traceback = text
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001
+        return ReplicaError(f"{type(error).__name__}: {error}\n\nin the replica:\n{text}")
+
+
+class ProcessReplica:
+    """One worker process running an Engine on `device`; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, config: BatchingConfig, tokenizer=None) -> None:
+        self.device = device
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, model, device, config, tokenizer),
+                                        name=f"hf_async_cb-replica-{device}", daemon=True)
+        self._process.start()
+        child.close()
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the worker's Engine is built; raise its error if it failed."""
+        if not self._ready:
+            self._receive()
+            self._ready = True
+
+    def submit(self, *args, **kwargs) -> None:
+        """Send one Engine.generate call (its arguments must pickle: logits processors and stopping
+        criteria defined at a module's top level do; lambdas and local classes do not)."""
+        try:
+            self._conn.send(("generate", args, kwargs))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"DataParallel with process replicas sends each call's arguments to the replica "
+                             f"processes, and one of them does not pickle ({e}); define logits processors and "
+                             "stopping criteria at a module's top level, or use workers='threads'.") from e
+        except (BrokenPipeError, EOFError, OSError) as e:
+            raise self._died() from e
+
+    def result(self):
+        """The submitted call's outputs (its error raised here)."""
+        return self._receive()
+
+    def _receive(self):
+        while not self._conn.poll(_POLL_S):
+            if not self._process.is_alive():
+                raise self._died()
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died() from e
+        if kind == "error":
+            raise payload
+        return payload
+
+    def _died(self) -> ReplicaError:
+        self._process.join(timeout=1)
+        return ReplicaError(f"the replica process on {self.device} died (exit code {self._process.exitcode})")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the worker to close its Engine and exit; terminate it if it does not within `timeout`."""
+        if self._process.is_alive():
+            try:
+                self._conn.send(("close",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(5)
+        self._conn.close()
