@@ -183,7 +183,8 @@ def test_fused_model_matches_original(family, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=0, atol=1e-5)
     assert torch.equal(greedy(model, ids), greedy(original, ids))
-    assert set(calls) == (set() if family == "gpt2" else {"rms_norm", "rotary", "silu_mul"})  # the kernels ran
+    plain = {"add_rms_norm"} if family in ("llama", "qwen2", "qwen3", "mistral") else set()  # residual fusion
+    assert set(calls) == (set() if family == "gpt2" else {"rms_norm", "rotary", "silu_mul"} | plain)  # they ran
     rotary = module and sys.modules[module].apply_rotary_pos_emb
     fused.restore()
     fused.restore()  # idempotent
@@ -304,19 +305,21 @@ SMALL_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_h
                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.mark.parametrize("model_type,norm_form,rotary", [
-    ("gemma3_text", "unit", True),  # Gemma's RMSNorm (q/k norms too), Llama's rotary
-    ("gemma", "unit", True),
-    ("mixtral", "llama", True),  # a family outside the old fixed list
-    ("cohere", None, False),  # LayerNorm, and an interleaved rotary: both left alone
+@pytest.mark.parametrize("model_type,norm_form,rotary,gelu", [
+    ("gemma3_text", "unit", True, 2),  # Gemma's RMSNorm (q/k norms too), Llama's rotary, GELU-tanh MLPs
+    ("gemma", "unit", True, 2),
+    ("mixtral", "llama", True, 0),  # a family outside the old fixed list
+    ("cohere", None, False, 0),  # LayerNorm, and an interleaved rotary: both left alone
 ])
-def test_other_families_fuse_what_agrees(model_type, norm_form, rotary):
+def test_other_families_fuse_what_agrees(model_type, norm_form, rotary, gelu):
     original = _tiny(model_type)
     model = copy.deepcopy(original)
     ids = input_ids(seed=4)
     with torch.no_grad():
         expected = original(ids).logits
-    with fuse_elementwise(model) as fused:
+    projections = fuse_projections(model)
+    with projections, fuse_elementwise(model) as fused:
+        assert fused.gelu_muls == gelu
         norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
         assert fused.rms_norms == len(norms) and (norm_form is None) == (not norms)
         forms = {getattr(m.__dict__["forward"], "__func__", "stash") for m in norms}  # (residual fusion's)
@@ -328,6 +331,22 @@ def test_other_families_fuse_what_agrees(model_type, norm_form, rotary):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(greedy(model, ids, new=4), greedy(original, ids, new=4))
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_kernel(dtype):
+    y = randn(3, 5, 2 * 40, dtype=dtype, scale=3)
+    gate, up = y.chunk(2, dim=-1)
+    # torch's GPU kernel computes in fp32 and rounds once (its CPU bf16 kernel takes another path in the tails)
+    expected = F.gelu(gate.float(), approximate="tanh").to(dtype) * up
+    got = ew.silu_mul(y, gelu_tanh=True)
+    # Where gelu's tail is ~1e-7 (x < -4), 1 + tanh(u) is a few ulps of 1 and tanh implementations (this
+    # interpreter's, torch's CPU one, CUDA's) disagree by an ulp there: equal to 1e-5 absolute, elsewhere
+    # to rounding (one 16-bit ulp).
+    torch.testing.assert_close(got, expected, rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=1e-5)
+    if dtype != torch.float32:  # rounded to 16 bits, the body is torch's but for rare ulps
+        body = expected.float().abs() > 1e-3
+        assert (got[body] == expected[body]).float().mean() > 0.98
 
 
 def test_kernels_compile_for_sm90():
@@ -351,8 +370,9 @@ def test_kernels_compile_for_sm90():
                                           "r_inner": "i64", "inv_n": "fp32", "eps": "fp32"},
          dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True)),
         (module, "_rotary_kernel", rotary, dict(HEADS=16, DIM=128, BF16=True)),
-        (module, "_silu_mul_kernel", {"y_ptr": "*bf16", "o_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
-                                      "stride_y": "i64"}, dict(ROWS=1, BLOCK=1024, BF16=True, LIBDEVICE=True)),
+        *[(module, "_silu_mul_kernel", {"y_ptr": "*bf16", "o_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
+                                        "stride_y": "i64"},
+           dict(ROWS=1, BLOCK=1024, BF16=True, LIBDEVICE=True, GELU_TANH=gelu)) for gelu in (False, True)],
     ], options={"enable_fp_fusion": False})
 
 

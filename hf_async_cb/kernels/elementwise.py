@@ -1,4 +1,5 @@
-"""Element-wise Triton kernels: RMSNorm (alone or after a residual add), rotary embeddings and SiLU-mul,
+"""Element-wise Triton kernels: RMSNorm (alone or after a residual add), rotary embeddings and SiLU-mul
+(or GELU-tanh-mul),
 each rounding as torch does.
 
 Each computes in fp32 and rounds every intermediate that torch rounds to the model dtype, so results
@@ -135,14 +136,21 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q,
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _silu_mul_kernel(y_ptr, o_ptr, n_rows, n_cols, stride_y,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, LIBDEVICE: tl.constexpr,
+                     GELU_TANH: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     src = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + n_cols, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:  # torch's CUDA silu: x / (1 + expf(-x)) with IEEE division
+    if GELU_TANH:  # torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        if LIBDEVICE:  # torch's CUDA formula, with the same tanh
+            a = 0.5 * gate * (1.0 + libdevice.tanh(inner))
+        else:  # the interpreter has no tanh: 2 sigmoid(2u) - 1, whose fp32 rounding near -1 is tanh's
+            a = 0.5 * gate * (1.0 + (tl.math.div_rn(2.0, 1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    elif LIBDEVICE:  # torch's CUDA silu: x / (1 + expf(-x)) with IEEE division
         a = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
     else:
         a = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
@@ -248,8 +256,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return qo, ko
 
 
-def silu_mul(y: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for y = [..., gate | up] (last dim 2I), rounded like torch; returns [..., I]."""
+def silu_mul(y: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """`silu(gate) * up` for y = [..., gate | up] (last dim 2I), rounded like torch; returns [..., I].
+    With `gelu_tanh`, `gelu(gate, approximate="tanh") * up` (Gemma's MLP) instead."""
     n = y.shape[-1] // 2
     y2 = y.reshape(-1, 2 * n)
     y2 = y2 if y2.stride(-1) == 1 else y2.contiguous()
@@ -259,5 +268,5 @@ def silu_mul(y: torch.Tensor) -> torch.Tensor:
     per = max(1, min(triton.next_power_of_2(rows), 1024 // block))
     _silu_mul_kernel[(triton.cdiv(rows, per), triton.cdiv(n, block))](
         y2, out, rows, n, y2.stride(0), ROWS=per, BLOCK=block, BF16=y.dtype == torch.bfloat16,
-        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=4, **_LAUNCH)
+        LIBDEVICE=not triton.knobs.runtime.interpret, GELU_TANH=gelu_tanh, num_warps=4, **_LAUNCH)
     return out

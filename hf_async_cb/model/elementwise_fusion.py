@@ -1,4 +1,5 @@
-"""Fuse a model's small element-wise ops (RMSNorm, rotary embeddings, SiLU-mul) into Triton kernels.
+"""Fuse a model's small element-wise ops (RMSNorm, rotary embeddings, SiLU-mul or GELU-tanh-mul) into
+Triton kernels.
 
 A bf16 decode step of a Llama-shaped model spends about a third of its kernel time in some thirty
 tiny element-wise kernels per layer: RMSNorm (~7 kernels, twice), apply_rotary_pos_emb (~10) and
@@ -25,10 +26,12 @@ a stash keyed by the layer's output tensor, across layers: two kernels fewer per
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu_mul  # noqa: F401 (add_rms_norm: residual_fusion)
@@ -61,7 +64,7 @@ def _mlp_forward(self, x, *args, **kwargs):
     group = getattr(self.gate_proj, "group", None)  # None once the projections are restored
     if group is None or args or kwargs or not _usable(x, self.gate_proj.weight):
         return type(self).forward(self, x, *args, **kwargs)
-    return self.down_proj(silu_mul(group.project(x)))
+    return self.down_proj(silu_mul(group.project(x), _activation(self.act_fn) == "gelu_tanh"))
 
 
 def _gate_up_forward(self, x, *args, **kwargs):  # Phi3-style MLP: one gate_up_proj Linear
@@ -163,6 +166,20 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act) is SiLUActivation
 
 
+def _activation(act) -> str | None:
+    """"silu", "gelu_tanh" (torch's gelu with approximate="tanh", in one op: Gemma's
+    gelu_pytorch_tanh) or None (an activation the kernel does not compute)."""
+    if _is_silu(act):
+        return "silu"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    fn = getattr(act, "act", None)  # transformers' GELUTanh, unless it runs its python formula
+    if (type(act).__name__ == "GELUTanh" and isinstance(fn, functools.partial) and fn.func is F.gelu
+            and fn.keywords == {"approximate": "tanh"} and not fn.args):
+        return "gelu_tanh"
+    return None
+
+
 def _patchable(m: nn.Module):
     """(fused forward, the weight whose dtype/device/in-width it runs with, counter) for m, or None."""
     name, w = type(m).__name__, getattr(m, "weight", None)
@@ -179,8 +196,8 @@ def _patchable(m: nn.Module):
     gate, up, gate_up = (getattr(m, a, None) for a in ("gate_proj", "up_proj", "gate_up_proj"))
     if (isinstance(gate, FusedPart) and isinstance(up, FusedPart) and gate.group is up.group
             and (gate.index, up.index) == (0, 1) and len(gate.group.sizes) == 2
-            and gate.group.sizes[0] == gate.group.sizes[1] and _is_silu(getattr(m, "act_fn", None))):
-        return _mlp_forward, gate.weight, "silu_muls"
+            and gate.group.sizes[0] == gate.group.sizes[1] and _activation(getattr(m, "act_fn", None))):
+        return _mlp_forward, gate.weight, "silu_muls" if _is_silu(m.act_fn) else "gelu_muls"
     if type(gate_up) is nn.Linear and gate_up.out_features % 2 == 0 and _is_silu(getattr(m, "activation_fn", None)):
         return _gate_up_forward, gate_up.weight, "silu_muls"
     return None
@@ -196,13 +213,14 @@ class FusedElementwise:
         self._rotary: list[str] = []
         self._stashes: list = []  # residual_fusion's stashes, emptied on detach
         self._attached = False
-        self.rms_norms = self.rotary_modules = self.silu_muls = self.add_norms = 0
+        self.rms_norms = self.rotary_modules = self.silu_muls = self.gelu_muls = self.add_norms = 0
 
     def summary(self) -> str:
         """One line for logging, e.g. "fused 5 RMSNorm, rotary in 1 module, 2 SiLU-mul, 4 add+RMSNorm"."""
         s = "" if self.rotary_modules == 1 else "s"
+        gelu = f"{self.gelu_muls} GELU-tanh-mul, " if self.gelu_muls else ""
         return (f"fused {self.rms_norms} RMSNorm, rotary in {self.rotary_modules} module{s}, {self.silu_muls} SiLU-mul, "
-                f"{self.add_norms} add+RMSNorm")
+                f"{gelu}{self.add_norms} add+RMSNorm")
 
     def attach(self) -> None:
         if self._attached:
