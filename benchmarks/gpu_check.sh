@@ -8,8 +8,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   echo "commit ${GIT_COMMIT:-unknown}"; } 2>&1 | tee "$OUT/gpu.txt"
 TEST_FILES=${TEST_FILES:-tests/test_gpu.py tests/test_triton_attention.py tests/test_attention_variants.py tests/test_skinny_gemm.py tests/test_decode_gemm.py tests/test_fusion.py tests/test_elementwise.py tests/test_residual_fusion.py tests/test_greedy.py tests/test_sampled.py tests/test_sampled_search.py tests/test_store_kv.py tests/test_gpu_reliability.py}
-[ "$TEST_FILES" != none ] && timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $TEST_FILES -p no:cacheprovider --tb=line \
-  -k "${TEST_FILTER:-}" 2>&1 | tail -120 > "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
+if [ "$TEST_FILES" != none ]; then  # TEST_FILES=none: benchmarks only
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $TEST_FILES -p no:cacheprovider --tb=line \
+    -k "${TEST_FILTER:-}" 2>&1 | tail -120 > "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
+fi
 if [ -n "${FAMILIES:-}" ]; then  # model families on the fast path (benchmarks/gpu_families.py)
   PYTHONPATH=.:tests timeout ${FAMILY_TIMEOUT:-150} python3 benchmarks/gpu_families.py --types "$FAMILIES" 2>&1 \
     | grep -v -i warn | tee "$OUT/families.txt"
