@@ -17,6 +17,11 @@ of GEMMs per step, if the kernel streams at 3.5-4.0 TB/s; the per-model sums at 
 output say what this machine gives (layers x the four projections + lm_head, each shape at
 the faster of cuBLAS and the best config).
 
+Outcome (H200, 2026-12-01, docs/benchmarks.md): the 5.18 ms the prediction started from was an
+eager profile. Timed in graphs, cuBLAS takes 4.19 ms for the 8B step's GEMMs at 32 rows, streaming
+the large shapes at 3.3-4.0 TB/s. The kernel ties or loses everywhere but the lm_head (5-8%
+faster), so the per-shape choice keeps cuBLAS elsewhere.
+
 Timing: 20 calls replayed from a CUDA graph (graph_timing.graph_ms), median of 7 replays, as the
 engine's decode graphs run them: eager timing (do_bench) measured Triton's ~50 us launch path,
 not the kernel. The weight is rotated over copies when it would fit in the 50 MB L2 (a decode

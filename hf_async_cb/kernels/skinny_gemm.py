@@ -33,7 +33,10 @@ the engine's CUDA-graph buckets compile a bounded number of variants. N and K ar
 fixed per layer, and are specialised as usual (divisibility by 16 lets loads vectorise).
 
 GemmChoice decides per shape between this kernel and cuBLAS (F.linear) from measurements taken at
-warm-up (`tune`), remembered in memory and on disk; `choose` never times anything.
+warm-up (`tune`), remembered in memory and on disk; `choose` never times anything. Measured on the
+H200 in CUDA graphs (docs/benchmarks.md, 2026-12-01), cuBLAS streams the large decode shapes at
+3.3-4.0 TB/s already and this kernel wins only the lm_head, by 5-8%: the numbers quoted above for
+cuBLAS came from eager profiles, which count launch gaps.
 """
 
 from __future__ import annotations
