@@ -133,3 +133,21 @@ def test_process_replicas_give_one_engines_tokens():
             dp.generate(PROMPTS, max_new_tokens=2)
     with pytest.raises(ValueError, match="workers must be"):
         DataParallel(model, devices=["cpu"], workers="fibers")
+
+
+def test_process_replicas_refill_as_requests_finish():
+    """More requests than the replicas hold at once (max_running_requests=1 + the headroom): each
+    gets the next request when one of its own ends, with mixed lengths, and the outputs are one
+    Engine's, in prompt order."""
+    from hf_async_cb.engine.data_parallel import STREAM_HEADROOM
+
+    model = tiny_model("llama")
+    config = BatchingConfig(max_running_requests=1)
+    prompts = random_prompts(2 * (1 + STREAM_HEADROOM) + 6, 2, 12, seed=4)
+    params = [SamplingParams(max_new_tokens=1 + (i * 7) % 9) for i in range(len(prompts))]
+    with Engine(model, config) as engine:
+        expected = _tokens(engine.generate(prompts, params))
+    with DataParallel(model, devices=["cpu", "cpu"], config=config, workers="processes") as dp:
+        assert _tokens(dp.generate(prompts, params)) == expected
+        assert sorted(sum(dp.last_assignment, [])) == list(range(len(prompts)))
+        assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)  # both were refilled

@@ -1,9 +1,12 @@
 """Data-parallel replicas: one Engine per device for a model that fits on one, to fill several GPUs.
 
 `DataParallel(model, devices=["cuda:0", "cuda:1", ...])` runs an Engine on each device over a
-replica of the model. A call splits its prompts over the replicas by load (prompt plus new tokens,
+replica of the model. A call spreads its prompts over the replicas by load (prompt plus new tokens,
 the longest first onto the least loaded replica), runs the replicas at once and returns the outputs
-in prompt order.
+in prompt order. Process replicas are fed as they go: each holds at most its running-request limit
+(plus a little headroom) and gets the costliest request left whenever one of its own finishes, so
+early stops even out. Thread replicas, and calls with num_return_sequences > 1 (whose copies share
+their prompt's pages on one replica), split the prompts once, up front.
 
 A request's tokens do not depend on the replica it lands on: sampled requests without a seed of
 their own get theirs here, from the engine seed and their index in the call, exactly as one Engine
@@ -28,6 +31,7 @@ import copy
 import dataclasses
 import heapq
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import wait
 from typing import Sequence
 
 import torch
@@ -37,6 +41,10 @@ from hf_async_cb.engine.engine import Engine, _random_seed
 from hf_async_cb.engine.replica_process import ProcessReplica
 from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
 from hf_async_cb.sampling.sampler import derive_seed
+
+
+STREAM_HEADROOM = 16  # requests a process replica holds beyond what it runs, so that a freed slot refills at once
+STREAM_POLL_S = 0.5  # how often a waiting call checks that its replicas are alive
 
 
 class DataParallel:
@@ -90,6 +98,8 @@ class DataParallel:
         options = dict(mode=mode, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                        num_return_sequences=num_return_sequences)
         calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen]) for chosen in assignment]
+        if self.workers == "processes" and num_return_sequences == 1:
+            return self._stream(prompts, per_prompt, options)
         if self.workers == "processes":
             results = self._run_processes(calls, options)
         else:
@@ -104,6 +114,78 @@ class DataParallel:
             for position, i in enumerate(chosen):
                 outputs[i * n:(i + 1) * n] = outs[position * n:(position + 1) * n]
         return outputs
+
+    def _stream(self, prompts: list[list[int]], per_prompt: list[SamplingParams], options: dict) -> list[RequestOutput]:
+        """Process replicas, balanced as they go: each replica holds at most max_running_requests
+        (plus a little headroom) of the call's requests, and gets the next one, the costliest left,
+        whenever one of its own finishes. Early stops (EOS, stop strings) thus even out; a static split
+        would leave the replicas that drew short requests idle. Any failure cancels the call on every
+        replica and is raised once they have all stopped."""
+        costs = [len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)]
+        pending = sorted(range(len(prompts)), key=lambda i: -costs[i])
+        pending.reverse()  # pop() takes the costliest left
+        cap = self.config.max_running_requests + STREAM_HEADROOM
+        replicas = self.replicas
+        held = [0] * len(replicas)
+        load = [0] * len(replicas)
+        self.last_assignment = assignment = [[] for _ in replicas]
+
+        def take(r: int) -> tuple:
+            i = pending.pop()
+            held[r] += 1
+            load[r] += costs[i]
+            assignment[r].append(i)
+            return (i, prompts[i], per_prompt[i])
+
+        first: list[list] = [[] for _ in replicas]
+        while pending and min(held) < cap:  # the costliest first, each onto the least loaded replica with room
+            r = min((r for r in range(len(replicas)) if held[r] < cap), key=lambda r: (load[r], r))
+            first[r].append(take(r))
+        mode = options["mode"]
+        options = {k: options[k] for k in ("logits_processor", "stopping_criteria")}  # add_request's
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        error: BaseException | None = None
+        started = []
+        try:
+            for replica, batch in zip(replicas, first):
+                replica.send(("stream", mode, batch, options))
+                started.append(replica)
+            while sum(held) and error is None:
+                ready = wait([replicas[r].connection for r in range(len(replicas)) if held[r]], STREAM_POLL_S)
+                for r, replica in enumerate(replicas):
+                    if replica.connection not in ready and held[r]:
+                        replica.check_alive()
+                    if replica.connection not in ready:
+                        continue
+                    kind, key, payload = replica.receive()
+                    held[r] -= 1
+                    if kind == "failed":
+                        error = error or payload
+                    else:
+                        outputs[key] = payload
+                    if pending and error is None:
+                        replica.send(("add", [take(r)]))
+        except BaseException as e:  # a replica died, or the caller was interrupted
+            error = error or e
+        finally:
+            for replica in started:  # every started stream ends, cancelled if the call failed
+                self._end_stream(replica, cancel=error is not None)
+        if error is not None:
+            raise error
+        for r, chosen in enumerate(assignment):
+            chosen.sort()
+        return outputs
+
+    @staticmethod
+    def _end_stream(replica: ProcessReplica, cancel: bool) -> None:
+        """Send ("end",) or ("abort",), then read until the replica's ("ended", None): what it still
+        sends (outputs of cancelled requests) belongs to the failed call and is dropped."""
+        try:
+            replica.send(("abort",) if cancel else ("end",))
+            while replica.receive()[0] != "ended":
+                pass
+        except Exception:  # noqa: BLE001 (a dead replica: nothing left to read; its error is the call's)
+            pass
 
     def _run_processes(self, calls: list[tuple[list, list]], options: dict) -> list[list[RequestOutput]]:
         """Send each replica its share, then collect every answer before raising the first error, so

@@ -18,6 +18,8 @@ never waited on forever.
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -27,6 +29,7 @@ import torch.multiprocessing as mp
 from hf_async_cb.config import BatchingConfig
 
 _POLL_S = 0.5  # how often a waiting caller checks that the worker is alive
+_WATCH_S = 0.002  # how often a streaming worker looks for finished requests
 
 
 class ReplicaError(RuntimeError):
@@ -51,6 +54,9 @@ def _serve(conn: Connection, model: torch.nn.Module, device: torch.device, confi
             message = conn.recv()
             if message[0] == "close":
                 break
+            if message[0] == "stream":
+                _stream(conn, engine, *message[1:])
+                continue
             _, args, kwargs = message
             try:
                 conn.send(("ok", engine.generate(*args, **kwargs)))
@@ -60,6 +66,70 @@ def _serve(conn: Connection, model: torch.nn.Module, device: torch.device, confi
         pass
     finally:
         engine.close()
+
+
+def _stream(conn: Connection, engine, mode: str | None, batch: list, options: dict) -> None:
+    """A streamed call: the engine's background loop takes requests as ("add", [(key, prompt,
+    params), ...]) messages arrive, so the caller can keep every replica full while it has work;
+    each request's output goes back as ("done", key, output) the moment it finishes (("failed", key,
+    error) if it could not run). ("end",) waits for what is running and ends the call, ("abort",)
+    cancels it; either way ("ended", None) comes last."""
+    handles: dict = {}
+    lock = threading.Lock()  # over `handles`, and over the pipe's sending end
+    ending = threading.Event()
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    def add(items) -> None:
+        for key, prompt, params in items:
+            try:
+                handle = engine.add_request(prompt, params, **options)
+            except Exception as e:  # noqa: BLE001 (sent back to the caller)
+                send(("failed", key, _portable(e)))
+                continue
+            with lock:
+                handles[key] = handle
+
+    def watch() -> None:  # sends each finished request's output, until the call ends and none is left
+        while True:
+            with lock:
+                finished = [(key, h) for key, h in handles.items() if h.done]
+                for key, _ in finished:
+                    del handles[key]
+                idle = not handles
+            for key, handle in finished:
+                try:
+                    send(("done", key, handle.result()))
+                except Exception as e:  # noqa: BLE001 (a request whose processor or criterion raised)
+                    send(("failed", key, _portable(e)))
+            if idle and ending.is_set():
+                return
+            time.sleep(_WATCH_S)
+
+    engine.start(mode)
+    watcher = threading.Thread(target=watch, name="hf_async_cb-replica-watch", daemon=True)
+    watcher.start()
+    try:
+        add(batch)
+        while True:
+            message = conn.recv()
+            if message[0] == "add":
+                add(message[1])
+            elif message[0] == "abort":
+                engine.shutdown(cancel=True)  # what is queued or running ends ABORTED
+                break
+            else:  # "end": the caller sends it once nothing of its is outstanding here
+                break
+    finally:
+        ending.set()
+        watcher.join()
+        engine.shutdown(cancel=True)
+        try:
+            send(("ended", None))
+        except OSError:  # the caller is gone
+            pass
 
 
 def _portable(error: BaseException):
@@ -96,8 +166,15 @@ class ProcessReplica:
     def submit(self, *args, **kwargs) -> None:
         """Send one Engine.generate call (its arguments must pickle: logits processors and stopping
         criteria defined at a module's top level do; lambdas and local classes do not)."""
+        self.send(("generate", args, kwargs))
+
+    def result(self):
+        """The submitted call's outputs (its error raised here)."""
+        return self._receive()
+
+    def send(self, message) -> None:
         try:
-            self._conn.send(("generate", args, kwargs))
+            self._conn.send(message)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"DataParallel with process replicas sends each call's arguments to the replica "
                              f"processes, and one of them does not pickle ({e}); define logits processors and "
@@ -105,18 +182,28 @@ class ProcessReplica:
         except (BrokenPipeError, EOFError, OSError) as e:
             raise self._died() from e
 
-    def result(self):
-        """The submitted call's outputs (its error raised here)."""
-        return self._receive()
+    @property
+    def connection(self) -> Connection:
+        """The pipe's end, for multiprocessing.connection.wait over several replicas."""
+        return self._conn
 
-    def _receive(self):
+    def check_alive(self) -> None:
+        """Raise ReplicaError if the worker has died."""
+        if not self._process.is_alive():
+            raise self._died()
+
+    def receive(self) -> tuple:
+        """The next message, as (kind, ...); waits, checking that the worker is alive."""
         while not self._conn.poll(_POLL_S):
             if not self._process.is_alive():
                 raise self._died()
         try:
-            kind, payload = self._conn.recv()
+            return self._conn.recv()
         except (EOFError, OSError) as e:
             raise self._died() from e
+
+    def _receive(self):
+        kind, payload = self.receive()
         if kind == "error":
             raise payload
         return payload
