@@ -401,3 +401,24 @@ def test_engine_with_every_fusion_matches_stock_and_restores(family, mode, monke
     assert calls["add_rms_norm"] > 0
     assert modeling.apply_rotary_pos_emb is rotary
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mixtral"])
+def test_engine_with_other_families_fused_matches_stock(model_type):
+    """Gemma 3 (its RMSNorm form on hidden states and q/k heads, GELU-tanh-mul, rotary, sliding
+    layers) and Mixtral (experts, residual fusion) through the engine with every fusion on: stock's
+    greedy tokens."""
+    from models import generated_rows, random_prompts, stock_generate
+
+    from hf_async_cb import BatchingConfig, Engine
+
+    model = _tiny(model_type, sliding_window=8) if model_type == "gemma3_text" else _tiny(model_type)
+    prompts = random_prompts(3, 3, 20, seed=9)
+    expected = generated_rows(stock_generate(model, prompts, max_new_tokens=5, eos_token_id=[2], pad_token_id=0),
+                              max(map(len, prompts)), 0, (2,))
+    config = BatchingConfig(mode="async", fuse_projections=True, fuse_elementwise=True, max_batch_tokens=32)
+    with Engine(model, config) as engine:
+        fused = engine.prepared_model.elementwise
+        assert fused.rms_norms > 0 and fused.rotary_modules == 1
+        outs = engine.generate(prompts, max_new_tokens=5, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected
