@@ -384,16 +384,18 @@ def test_attention_variants_compile_for_sm90():
     bf16 tiles compile for an H200 without a GPU (CI has none)."""
     from sm90 import assert_compiles_for_sm90
 
-    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "new_k_ptr", "new_v_ptr")}
     pointers.update({n: "*fp32" for n in ("m_ptr", "l_ptr", "sinks_ptr", "slopes_ptr")})
-    pointers.update({n: "*i64" for n in ("block_table_ptr", "query_start_ptr", "context_lens_ptr")})
+    pointers.update({n: "*i64" for n in ("block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr")})
     scalars = {"qk_scale": "fp32", "cap_log2": "fp32", "window": "i32", "num_seqs": "i32"}
     strides = {n: "i64" for n in ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_os stride_ot "
-                                  "stride_oh stride_ms stride_mt stride_bt").split()}
+                                  "stride_oh stride_ms stride_mt stride_bt stride_nkt stride_nkh stride_nvt "
+                                  "stride_nvh").split()}
     signature = {**pointers, **scalars, **strides}
     variants = dict(PAGE=16, HEAD_DIM=192, BLOCK_D=256, HEAD_DIM_V=128, BLOCK_DV=128, GROUP=16, HEADS=16, CHUNKS=1,
                     BLOCK_Q=1, BLOCK_M=16, BLOCK_N=32, NUM_SPLITS=4, HAS_WINDOW=True, HAS_SOFTCAP=True,
                     HAS_SINKS=True, HAS_ALIBI=True, IEEE=False)
     assert_compiles_for_sm90([("hf_async_cb.kernels.paged_attention", "_paged_attention_kernel", signature,
-                               dict(variants, DECODE=decode)) for decode in (False, True)],
+                               dict(variants, DECODE=decode, NEW_KV=new))
+                              for decode, new in ((False, False), (True, False), (True, True))],
                              options={"num_warps": 4, "num_stages": 1})

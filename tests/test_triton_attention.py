@@ -106,6 +106,35 @@ def test_split_contexts_merge_exactly(splits):
     assert relative_error(*step, window=50, splits=splits) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (8, 1, 8)])
+def test_decode_stores_the_new_kv_and_attends_with_it(splits, heads, kv_heads, window):
+    """new_kv: the step's K/V, not in the pools yet (their slots hold garbage), are stored at the
+    step's slots by the kernel and used for the newest key: the reference's result over the pools
+    with them in, and those pools afterwards."""
+    device = "cuda" if CUDA else "cpu"
+    query, keys, values, meta = make_step([1, 1, 1], [5, 40, 17], heads, kv_heads, 16, 8, torch.float32, device,
+                                          seed=splits)
+    page = meta.page_size
+    ends = (meta.context_lens - 1).tolist()
+    slots = [int(meta.block_table[i, e // page]) * page + e % page for i, e in enumerate(ends)]
+    meta.slot_mapping = torch.tensor(slots, device=device)
+    g = torch.Generator().manual_seed(7)
+    new_k = torch.randn(1, kv_heads, 3, 16, generator=g).to(device)
+    new_v = torch.randn(1, kv_heads, 3, 16, generator=g).to(device)
+    full_k, full_v = keys.clone(), values.clone()
+    full_k[slots], full_v[slots] = new_k[0].transpose(0, 1), new_v[0].transpose(0, 1)
+    keys[slots], values[slots] = float("nan"), float("nan")  # what the pools hold before the store
+    expected = paged_attention_reference(query, full_k, full_v, meta, None, window)
+    got = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, num_splits=splits,
+                                              new_kv=(new_k, new_v))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(keys, full_k) and torch.equal(values, full_v)
+    prefill = make_step([2], [2], heads, kv_heads, 16, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="decode steps only"):
+        triton_paged.paged_attention_triton(*prefill, None, new_kv=(new_k[:, :, :2], new_v[:, :, :2]))
+
+
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), page_size=st.sampled_from([4, 16, 32]), group=st.sampled_from([1, 2, 4]))
 def test_random_steps_match_reference(data, page_size, group):
@@ -145,9 +174,19 @@ def test_engine_with_triton_attention_matches_stock(family, graphs, mode):
     expected = stock_generate(model, prompts, max_new_tokens=8, eos_token_id=[2], pad_token_id=0)
     engine = Engine(model, BatchingConfig(mode=mode, attention="triton", cuda_graphs=graphs, page_size=8,
                                           num_pages=40, max_batch_tokens=40))
-    outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
+    fused_stores = []
+    real = triton_paged.paged_attention_triton
+
+    def counted(*args, new_kv=None, **kwargs):
+        fused_stores.append(new_kv is not None)
+        return real(*args, new_kv=new_kv, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_paged, "paged_attention_triton", counted)
+        outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, (2,))
     assert engine.allocator.num_free == engine.allocator.num_pages
+    assert any(fused_stores) and not all(fused_stores)  # decode steps stored K/V in the kernel, prefill not
 
 
 # -- CUDA: real sizes in bf16 --------------------------------------------------------------------

@@ -64,6 +64,7 @@ class ModelRunner:
                 logits_to_keep=inputs.logits_indices,
                 **{self._cache_kw: self.cache, attention.METADATA_KWARG: meta},
             )
+        self.cache.store_pending()  # new K/V no attention call took (none, when every layer attends)
         if meta.attention_calls != self.num_layers:
             raise RuntimeError(
                 f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "

@@ -55,18 +55,19 @@ def _tanh(x):
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
-            do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr"])
+            do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr, slopes_ptr,
-    block_table_ptr, query_start_ptr, context_lens_ptr,
+    block_table_ptr, query_start_ptr, context_lens_ptr, new_k_ptr, new_v_ptr, slot_ptr,
     qk_scale, cap_log2, window, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_os, stride_ot, stride_oh, stride_ms, stride_mt, stride_bt,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1) // CHUNKS
@@ -136,6 +137,13 @@ def _paged_attention_kernel(
         # In 64 bits: a strided pool's head stride may be slots x D, and the pool 2**31 elements or more.
         k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+        if NEW_KV:  # (decode) this token's K/V come as inputs: stored here, used from registers below
+            new_k = tl.load(new_k_ptr + q_begin * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok, other=0.0)
+            new_v = tl.load(new_v_ptr + q_begin * stride_nvt + kv_head * stride_nvh + offs_dv, mask=dv_ok, other=0.0)
+            if (chunk == 0) & (split == 0):  # one program per (request, KV head) writes the pool
+                new_slot = tl.load(slot_ptr + q_begin).to(tl.int64)
+                tl.store(k_head + new_slot * stride_kt + offs_d, new_k, mask=d_ok)
+                tl.store(v_head + new_slot * stride_vt + offs_dv, new_v, mask=dv_ok)
         for blk in range(blk_lo, blk_hi):
             offs_n = kv_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_hi
@@ -143,6 +151,9 @@ def _paged_attention_kernel(
             slot = page * PAGE + offs_n % PAGE
             k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if NEW_KV:  # the newest key is not in the pool yet (no program reads what another writes)
+                is_new = offs_n == ctx - 1
+                k = tl.where(is_new[:, None], new_k[None, :].to(k.dtype), k)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -163,6 +174,8 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            if NEW_KV:
+                v = tl.where(is_new[:, None], new_v[None, :].to(v.dtype), v)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -322,13 +335,16 @@ def paged_attention_triton(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query [1, H, T, Dk] (packed), pools [slots, KVH, Dk] and [slots, KVH, Dv] -> output
     [1, T, H, Dv]; same contract as paged_attention_reference (softcap None or 0.0: none; sinks
     [H] of any float dtype on query's device, read as fp32). The pools' last dimension must be
     dense; their other strides are free (and may differ between keys and values). `num_splits`
     overrides the split heuristic (tests); `tuning` the launch parameters (block_n, num_warps,
-    num_stages: benchmarks/tune_kernels.py)."""
+    num_stages: benchmarks/tune_kernels.py). `new_kv` (decode steps only): the step's keys and
+    values, [1, KVH, T, D] as the model hands them to the cache, not yet in the pools: the kernel
+    stores them at meta.slot_mapping and attends with them, one kernel where the step ran two."""
     _, num_heads, total, head_dim = query.shape
     num_kv_heads = key_pool.shape[1]
     head_dim_v = value_pool.shape[-1]
@@ -351,7 +367,14 @@ def paged_attention_triton(
         q = q.contiguous()
     if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         raise ValueError("the KV pools must be contiguous in the head dimension")
-    key_pool, value_pool = _aligned_rows(key_pool), _aligned_rows(value_pool)
+    aligned_keys, aligned_values = _aligned_rows(key_pool), _aligned_rows(value_pool)
+    if new_kv is not None and (aligned_keys is not key_pool or aligned_values is not value_pool):
+        from hf_async_cb.kernels.store_kv import store_kv  # the kernel would store into the copies
+
+        store_kv(key_pool, value_pool, *new_kv, meta.slot_mapping)
+        aligned_keys, aligned_values = _aligned_rows(key_pool), _aligned_rows(value_pool)
+        new_kv = None
+    key_pool, value_pool = aligned_keys, aligned_values
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     if softcap is None:
         qk_scale, cap_log2 = scale * LOG2E.value, 1.0
@@ -376,19 +399,29 @@ def paged_attention_triton(
         target, part_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0)
     num_seqs = meta.num_requests
     decode = meta.is_decode and total == num_seqs
+    if new_kv is not None:
+        new_k, new_v = new_kv
+        if not decode or new_k.shape[-1] != head_dim or new_v.shape[-1] != head_dim_v \
+                or new_k.stride(-1) != 1 or new_v.stride(-1) != 1:
+            raise ValueError("paged_attention_triton takes new_kv in decode steps only, as [1, KVH, T, D] with a "
+                             "dense last dimension")
+        new_strides = (new_k.stride(2), new_k.stride(1), new_v.stride(2), new_v.stride(1))
+    else:
+        new_k = new_v = q  # unused
+        new_strides = (0, 0, 0, 0)
     grid = (num_seqs if decode else total // block_q + num_seqs, num_kv_heads * chunks, splits)
     _paged_attention_kernel[grid](
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         alibi_slopes if alibi_slopes is not None else q,
-        meta.block_table, meta.query_start, meta.context_lens,
+        meta.block_table, meta.query_start, meta.context_lens, new_k, new_v, meta.slot_mapping,
         qk_scale, cap_log2, sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
-        *part_strides[:3], *ml_strides, meta.block_table.stride(0),
+        *part_strides[:3], *ml_strides, meta.block_table.stride(0), *new_strides,
         PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-        DECODE=decode, **launch,
+        DECODE=decode, NEW_KV=new_kv is not None, **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](

@@ -62,13 +62,21 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if kwargs.get("alibi_slopes") is not None:  # model/adapters.py: Bloom, MPT
         options["alibi_slopes"] = kwargs["alibi_slopes"]
     key_pool, value_pool = PagedKVCache.pool_of(key), PagedKVCache.pool_of(value)
+    # This layer's new K/V, which PagedKVCache.update left to the attention kernel to store.
+    pending = meta.pending_kv.pop(key_pool.data_ptr(), None)
     if meta.kv_gathered:
         meta = meta.gathered_view()["meta"]
+    if pending is not None and (meta.backend != "triton" or pending[3].data_ptr() != value_pool.data_ptr()):
+        from hf_async_cb.kernels.store_kv import store_kv  # (not a pair of pools the kernel can take)
+
+        store_kv(pending[2], pending[3], pending[0], pending[1], meta.slot_mapping)
+        pending = None
     if meta.backend == "triton":
         from hf_async_cb.kernels.paged_attention import paged_attention_triton
 
+        new_kv = None if pending is None else pending[:2]
         out = paged_attention_triton(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
-                                     **options)
+                                     new_kv=new_kv, **options)
     else:
         out = paged_attention_reference(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
                                         **options)

@@ -72,7 +72,12 @@ class PagedKVCache(Cache):
             raise RuntimeError("PagedKVCache.update called outside an engine step")
         slots = self.step.slot_mapping
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
-        if self.step.backend == "triton" and key_states.stride(-1) == 1 and value_states.stride(-1) == 1:
+        dense = key_states.stride(-1) == 1 and value_states.stride(-1) == 1
+        if dense and self.step.attention_stores_kv and not self.layout.layers[layer_idx].gathered:
+            # The attention kernel stores them (the model attends over these very pools: a layer that
+            # transforms them first is a gathered one); store_pending() catches any it did not take.
+            self.step.pending_kv[k_pool.data_ptr()] = (key_states, value_states, k_pool, v_pool)
+        elif self.step.backend == "triton" and dense:
             from hf_async_cb.kernels.store_kv import store_kv
 
             store_kv(k_pool, v_pool, key_states, value_states, slots)
@@ -85,6 +90,16 @@ class PagedKVCache(Cache):
             index = self.step.gathered_view()["index"]
             return k_pool[index].transpose(0, 1)[None], v_pool[index].transpose(0, 1)[None]
         return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
+
+    def store_pending(self) -> None:
+        """Store the new K/V that no attention call took from the step (a safety net: each layer's
+        attention takes its own)."""
+        if self.step is not None and self.step.pending_kv:
+            from hf_async_cb.kernels.store_kv import store_kv
+
+            for key_states, value_states, k_pool, v_pool in self.step.pending_kv.values():
+                store_kv(k_pool, v_pool, key_states, value_states, self.step.slot_mapping)
+            self.step.pending_kv.clear()
 
     @staticmethod
     def pool_of(states: torch.Tensor) -> torch.Tensor:

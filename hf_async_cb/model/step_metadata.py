@@ -33,6 +33,9 @@ class StepMetadata:
     backend: str = "reference"  # the attention kernel: "reference" or "triton" (attention.resolve_backend)
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
+    # Decode steps on the Triton kernels: each layer's new K/V, which PagedKVCache.update leaves to the
+    # attention kernel to store (one kernel fewer per layer), by the key pool's address.
+    pending_kv: dict = field(default_factory=dict, repr=False)
     _derived: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -44,9 +47,16 @@ class StepMetadata:
         """Every request has exactly one query token."""
         return self.max_query_len == 1
 
+    @property
+    def attention_stores_kv(self) -> bool:
+        """Whether the attention kernel stores this step's new K/V itself: decode steps (one token
+        per request) on the Triton kernels."""
+        return self.backend == "triton" and self.is_decode and self.slot_mapping.shape[0] == self.num_requests
+
     def begin_forward(self) -> None:
         """Forget per-forward state: a static (CUDA-graph) metadata is reused with new values."""
         self.attention_calls = 0
+        self.pending_kv.clear()
         self._derived.clear()
 
     def padded_view(self) -> dict[str, torch.Tensor]:
