@@ -10,7 +10,10 @@ across programs and merge the partial results in a second small kernel.
 Programs are laid out as (query blocks of all requests, KV heads x group chunks, splits): request
 i owns the blocks from query_start[i] // BLOCK_Q + i on, found by binary search, so the grid
 depends only on the step's token and request counts (fixed inside a CUDA graph). A decode step
-(one query token per request) compiles a variant with one block per request and no search. A group of more
+(one query token per request) compiles a variant with one block per request and no search, and
+can take the step's new K/V as inputs (`new_kv`): one program per (request, KV head) stores them
+in the pools, and every program uses them from registers for the newest key, so that no program
+reads a slot another writes; the step then needs no separate store kernel per layer. A group of more
 than 128 query heads per KV head (64 when a head size exceeds 128) is split evenly over several
 programs (tile_shape); smaller groups, Falcon's 71 heads on one KV head included, take one.
 

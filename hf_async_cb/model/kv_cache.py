@@ -66,8 +66,9 @@ class PagedKVCache(Cache):
         return 0  # positions are always passed explicitly
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Scatter the step's new K/V ([1, heads, T, dim]) into their slots; return the layer's pools
-        as [1, heads, slots, dim] views (pool_of() turns them back)."""
+        """Scatter the step's new K/V ([1, heads, T, dim]) into their slots, or in a decode step on the
+        Triton kernels leave them to the attention kernel (StepMetadata.pending_kv); return the layer's
+        pools as [1, heads, slots, dim] views (pool_of() turns them back)."""
         if self.step is None:
             raise RuntimeError("PagedKVCache.update called outside an engine step")
         slots = self.step.slot_mapping
