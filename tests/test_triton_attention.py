@@ -206,6 +206,34 @@ def test_bf16_decode_ragged(group, head_dim, page_size):
 
 
 @needs_cuda
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_bf16_decode_with_new_kv_is_store_then_attend(group, head_dim, splits):
+    """The decode kernel taking the step's K/V (storing them itself, many programs at once) gives what
+    a store followed by the plain kernel gives (the same tiles: equal but for a rounding of the
+    compiled variant's schedule), and leaves exactly the same pools."""
+    from hf_async_cb.kernels.store_kv import store_kv
+
+    kv_heads = 8
+    query, keys, values, meta = make_step([1] * len(RAGGED), RAGGED, kv_heads * group, kv_heads, head_dim, 16,
+                                          torch.bfloat16, "cuda", seed=group + head_dim)
+    page = meta.page_size
+    meta.slot_mapping = torch.tensor([int(meta.block_table[i, (c - 1) // page]) * page + (c - 1) % page
+                                      for i, c in enumerate(RAGGED)], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    new_k = torch.randn(1, kv_heads, len(RAGGED), head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    new_v = torch.randn(1, kv_heads, len(RAGGED), head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    stored_k, stored_v = keys.clone(), values.clone()
+    store_kv(stored_k, stored_v, new_k, new_v, meta.slot_mapping)
+    expected = triton_paged.paged_attention_triton(query, stored_k, stored_v, meta, None, num_splits=splits)
+    got = triton_paged.paged_attention_triton(query, keys, values, meta, None, num_splits=splits,
+                                              new_kv=(new_k, new_v))
+    assert (got.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+    assert torch.equal(keys, stored_k) and torch.equal(values, stored_v)
+
+
+@needs_cuda
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_chunked_prefill(group, head_dim):
