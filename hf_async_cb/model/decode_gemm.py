@@ -21,12 +21,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
 
 from hf_async_cb.kernels.skinny_gemm import MAX_M, GemmChoice, m_bucket, runs_on, skinny_linear
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+try:  # what a recorded config that this machine cannot build raises
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+    _BUILD_ERRORS: tuple = (CompilationError, OutOfResources)
+except ImportError:  # a Triton that moved them: such a config then fails loudly
+    _BUILD_ERRORS = ()
 
 
 class _Projection:
@@ -43,7 +47,7 @@ class _Projection:
             return F.linear(x, self.weight, self.bias)
         try:
             return skinny_linear(x, self.weight, self.bias, config=config)
-        except (CompilationError, OutOfResources) as e:  # a recorded config this machine cannot build
+        except _BUILD_ERRORS as e:  # a recorded config this machine cannot build
             del self.configs[bucket]
             warnings.warn(f"hf_async_cb: the skinny GEMM config {config} for {tuple(self.weight.shape)} does not "
                           f"build here ({type(e).__name__}); cuBLAS runs that shape", stacklevel=2)
