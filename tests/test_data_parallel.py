@@ -151,3 +151,19 @@ def test_process_replicas_refill_as_requests_finish():
         assert _tokens(dp.generate(prompts, params)) == expected
         assert sorted(sum(dp.last_assignment, [])) == list(range(len(prompts)))
         assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)  # both were refilled
+
+
+def test_scaling_benchmark_runs_on_the_cpu(capsys):
+    """benchmarks/data_parallel_scaling.py, the GPU scaling table, as a CPU smoke run: both kinds of
+    replica, every request generated."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "data_parallel_scaling.py"
+    spec = importlib.util.spec_from_file_location("data_parallel_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--cpu", "--gpus", "2", "--requests-per-gpu", "3", "--new", "4"])
+    assert [(r["devices"], r["workers"]) for r in rows] == [(2, "processes"), (2, "threads")]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| 2 | processes |" in capsys.readouterr().out
