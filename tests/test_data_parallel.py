@@ -167,3 +167,16 @@ def test_scaling_benchmark_runs_on_the_cpu(capsys):
     assert [(r["devices"], r["workers"]) for r in rows] == [(2, "processes"), (2, "threads")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "| 2 | processes |" in capsys.readouterr().out
+
+
+def test_calls_from_several_threads_take_turns():
+    """Two threads calling one process-replica DataParallel at once: each gets its own outputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_model("llama")
+    with Engine(model) as engine:
+        expected = [_tokens(engine.generate(PROMPTS[i::2], max_new_tokens=5)) for i in range(2)]
+    with DataParallel(model, devices=["cpu", "cpu"], workers="processes") as dp:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda i: _tokens(dp.generate(PROMPTS[i::2], max_new_tokens=5)), range(2)))
+    assert got == expected

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Sequence
@@ -84,12 +85,21 @@ class DataParallel:
             self.close()
             raise
         self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
+        self._calls = threading.Lock()  # one call at a time: a call owns the replicas (and their pipes)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, mode: str | None = None, logits_processor=None, stopping_criteria=None,
                  num_return_sequences: int = 1, **param_kwargs) -> list[RequestOutput]:
         """Engine.generate over the replicas, same arguments: outputs in prompt order (a prompt's
-        `num_return_sequences` copies next to each other, all on one replica, sharing its prompt)."""
+        `num_return_sequences` copies next to each other, all on one replica, sharing its prompt).
+        Calls from several threads take turns."""
+        with self._calls:
+            return self._generate(prompts, params, mode=mode, logits_processor=logits_processor,
+                                  stopping_criteria=stopping_criteria, num_return_sequences=num_return_sequences,
+                                  **param_kwargs)
+
+    def _generate(self, prompts, params, *, mode, logits_processor, stopping_criteria, num_return_sequences,
+                  **param_kwargs) -> list[RequestOutput]:
         prompts = as_token_lists(prompts)
         per_prompt = params_per_prompt(prompts, params, param_kwargs)
         per_prompt = self._seeded(per_prompt)
