@@ -180,3 +180,23 @@ def test_calls_from_several_threads_take_turns():
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda i: _tokens(dp.generate(PROMPTS[i::2], max_new_tokens=5)), range(2)))
     assert got == expected
+
+
+def test_thread_replicas_refill_and_recover_from_an_error():
+    """Thread replicas are fed as requests finish too; a bad prompt fails the call with the engine's
+    error, and the next call runs normally."""
+    from hf_async_cb.engine.data_parallel import STREAM_HEADROOM
+
+    model = tiny_model("llama")
+    config = BatchingConfig(max_running_requests=1)
+    prompts = random_prompts(2 * (1 + STREAM_HEADROOM) + 4, 2, 12, seed=6)
+    params = [SamplingParams(max_new_tokens=1 + (i * 5) % 7) for i in range(len(prompts))]
+    with Engine(model, config) as engine:
+        expected = _tokens(engine.generate(prompts, params))
+    with DataParallel(model, devices=["cpu", "cpu"], config=config) as dp:
+        assert dp.workers == "threads"
+        assert _tokens(dp.generate(prompts, params)) == expected
+        assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            dp.generate([[1, 2, 3], [5, 10**6]], max_new_tokens=2)
+        assert _tokens(dp.generate(prompts, params)) == expected

@@ -3,10 +3,10 @@
 `DataParallel(model, devices=["cuda:0", "cuda:1", ...])` runs an Engine on each device over a
 replica of the model. A call spreads its prompts over the replicas by load (prompt plus new tokens,
 the longest first onto the least loaded replica), runs the replicas at once and returns the outputs
-in prompt order. Process replicas are fed as they go: each holds at most its running-request limit
+in prompt order. Replicas are fed as they go (_Feeder): each holds at most its running-request limit
 (plus a little headroom) and gets the costliest request left whenever one of its own finishes, so
-early stops even out. Thread replicas, and calls with num_return_sequences > 1 (whose copies share
-their prompt's pages on one replica), split the prompts once, up front.
+early stops even out. Calls with num_return_sequences > 1, whose copies share their prompt's pages
+on one replica, split the prompts once, up front (`balance`).
 
 A request's tokens do not depend on the replica it lands on: sampled requests without a seed of
 their own get theirs here, from the engine seed and their index in the call, exactly as one Engine
@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import heapq
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Sequence
@@ -46,6 +47,7 @@ from hf_async_cb.sampling.sampler import derive_seed
 
 STREAM_HEADROOM = 16  # requests a process replica holds beyond what it runs, so that a freed slot refills at once
 STREAM_POLL_S = 0.5  # how often a waiting call checks that its replicas are alive
+STREAM_WATCH_S = 0.002  # how often a call over thread replicas looks for finished requests
 
 
 class DataParallel:
@@ -108,8 +110,9 @@ class DataParallel:
         options = dict(mode=mode, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                        num_return_sequences=num_return_sequences)
         calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen]) for chosen in assignment]
-        if self.workers == "processes" and num_return_sequences == 1:
-            return self._stream(prompts, per_prompt, options)
+        if num_return_sequences == 1:  # balanced as requests finish
+            stream = self._stream if self.workers == "processes" else self._stream_threads
+            return stream(prompts, per_prompt, options)
         if self.workers == "processes":
             results = self._run_processes(calls, options)
         else:
@@ -126,38 +129,18 @@ class DataParallel:
         return outputs
 
     def _stream(self, prompts: list[list[int]], per_prompt: list[SamplingParams], options: dict) -> list[RequestOutput]:
-        """Process replicas, balanced as they go: each replica holds at most max_running_requests
-        (plus a little headroom) of the call's requests, and gets the next one, the costliest left,
-        whenever one of its own finishes. Early stops (EOS, stop strings) thus even out; a static split
-        would leave the replicas that drew short requests idle. Any failure cancels the call on every
+        """Process replicas, balanced as they go (_Feeder). Any failure cancels the call on every
         replica and is raised once they have all stopped."""
-        costs = [len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)]
-        pending = sorted(range(len(prompts)), key=lambda i: -costs[i])
-        pending.reverse()  # pop() takes the costliest left
-        cap = self.config.max_running_requests + STREAM_HEADROOM
-        replicas = self.replicas
-        held = [0] * len(replicas)
-        load = [0] * len(replicas)
-        self.last_assignment = assignment = [[] for _ in replicas]
-
-        def take(r: int) -> tuple:
-            i = pending.pop()
-            held[r] += 1
-            load[r] += costs[i]
-            assignment[r].append(i)
-            return (i, prompts[i], per_prompt[i])
-
-        first: list[list] = [[] for _ in replicas]
-        while pending and min(held) < cap:  # the costliest first, each onto the least loaded replica with room
-            r = min((r for r in range(len(replicas)) if held[r] < cap), key=lambda r: (load[r], r))
-            first[r].append(take(r))
+        feeder = _Feeder(prompts, per_prompt, len(self.replicas), self.config.max_running_requests + STREAM_HEADROOM)
+        self.last_assignment = feeder.assignment
+        replicas, held = self.replicas, feeder.held
         mode = options["mode"]
         options = {k: options[k] for k in ("logits_processor", "stopping_criteria")}  # add_request's
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         error: BaseException | None = None
         started = []
         try:
-            for replica, batch in zip(replicas, first):
+            for replica, batch in zip(replicas, feeder.first()):
                 replica.send(("stream", mode, batch, options))
                 started.append(replica)
             while sum(held) and error is None:
@@ -173,8 +156,8 @@ class DataParallel:
                         error = error or payload
                     else:
                         outputs[key] = payload
-                    if pending and error is None:
-                        replica.send(("add", [take(r)]))
+                    if feeder.pending and error is None:
+                        replica.send(("add", [feeder.take(r)]))
         except BaseException as e:  # a replica died, or the caller was interrupted
             error = error or e
         finally:
@@ -182,8 +165,53 @@ class DataParallel:
                 self._end_stream(replica, cancel=error is not None)
         if error is not None:
             raise error
-        for r, chosen in enumerate(assignment):
-            chosen.sort()
+        feeder.done()
+        return outputs
+
+    def _stream_threads(self, prompts: list[list[int]], per_prompt: list[SamplingParams],
+                        options: dict) -> list[RequestOutput]:
+        """Thread replicas, balanced as they go (_Feeder): each engine's background loop takes the
+        call's requests as its own finish. Any failure cancels the call on every engine, then raises."""
+        engines = self.engines
+        feeder = _Feeder(prompts, per_prompt, len(engines), self.config.max_running_requests + STREAM_HEADROOM)
+        self.last_assignment = feeder.assignment
+        add = {k: options[k] for k in ("logits_processor", "stopping_criteria")}
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        handles: dict = {}  # prompt index -> (replica, handle)
+        error: BaseException | None = None
+        started = []
+
+        def submit(r: int, item: tuple) -> None:
+            key, prompt, params = item
+            handles[key] = (r, engines[r].add_request(prompt, params, **add))
+
+        try:
+            for r, batch in enumerate(feeder.first()):
+                engines[r].start(options["mode"])
+                started.append(engines[r])
+                for item in batch:
+                    submit(r, item)
+            while handles and error is None:
+                finished = [(key, r, h) for key, (r, h) in handles.items() if h.done]
+                if not finished:
+                    time.sleep(STREAM_WATCH_S)
+                for key, r, handle in finished:
+                    del handles[key]
+                    feeder.held[r] -= 1
+                    outputs[key] = handle.result()  # raises a request's own error
+                    if feeder.pending:
+                        submit(r, feeder.take(r))
+        except BaseException as e:
+            error = e
+        finally:
+            for engine in started:
+                try:
+                    engine.shutdown(cancel=error is not None)
+                except Exception as e:  # noqa: BLE001 (raised below unless the call failed already)
+                    error = error or e
+        if error is not None:
+            raise error
+        feeder.done()
         return outputs
 
     @staticmethod
@@ -248,6 +276,41 @@ class DataParallel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Feeder:
+    """Balance as requests finish: each replica holds at most `cap` of the call's requests (its
+    running limit plus a little headroom, so that a freed slot refills at once); the first batches
+    go costliest first onto the least loaded replica with room, and afterwards a replica gets the
+    costliest request left whenever one of its own finishes. Early stops (EOS, stop strings) thus
+    even out, where a static split would leave the replicas that drew short requests idle."""
+
+    def __init__(self, prompts: list[list[int]], per_prompt: list[SamplingParams], replicas: int, cap: int) -> None:
+        self.prompts, self.per_prompt, self.cap = prompts, per_prompt, cap
+        self.costs = [len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)]
+        self.pending = sorted(range(len(prompts)), key=lambda i: self.costs[i])  # pop(): the costliest left
+        self.held = [0] * replicas
+        self.load = [0] * replicas
+        self.assignment: list[list[int]] = [[] for _ in range(replicas)]
+
+    def take(self, r: int) -> tuple:
+        """The next request for replica r: (prompt index, prompt, params)."""
+        i = self.pending.pop()
+        self.held[r] += 1
+        self.load[r] += self.costs[i]
+        self.assignment[r].append(i)
+        return i, self.prompts[i], self.per_prompt[i]
+
+    def first(self) -> list[list[tuple]]:
+        batches: list[list[tuple]] = [[] for _ in self.held]
+        while self.pending and min(self.held) < self.cap:
+            r = min((r for r in range(len(self.held)) if self.held[r] < self.cap), key=lambda r: (self.load[r], r))
+            batches[r].append(self.take(r))
+        return batches
+
+    def done(self) -> None:
+        for chosen in self.assignment:
+            chosen.sort()
 
 
 def balance(costs: Sequence[int], replicas: int) -> list[list[int]]:
