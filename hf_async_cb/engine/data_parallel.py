@@ -19,9 +19,9 @@ Where the replicas run (`workers`):
   (engine/replica_process.py), so that each replica's host work runs on a core of its own. Replicas
   in threads share one interpreter lock, and with a small model the host work of eight of them
   outlasts a GPU step. Each call's arguments are sent to the processes, so they must pickle.
-- "threads" (the default otherwise): an Engine per replica in this process, a thread each per call
-  (the model itself where it already is, copies elsewhere). Cheap to start, and right when the GPU
-  step is long against the host's work, or on the CPU.
+- "threads" (the default otherwise): an Engine per replica in this process, each running its
+  background loop during a call (the model itself where it already is, copies elsewhere). Cheap to
+  start, and right when the GPU step is long against the host's work, or on the CPU.
 Neither has been measured on several GPUs yet.
 """
 
@@ -44,8 +44,7 @@ from hf_async_cb.engine.replica_process import ProcessReplica
 from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
 from hf_async_cb.sampling.sampler import derive_seed
 
-
-STREAM_HEADROOM = 16  # requests a process replica holds beyond what it runs, so that a freed slot refills at once
+STREAM_HEADROOM = 16  # requests a replica holds beyond what it runs, so that a freed slot refills at once
 STREAM_POLL_S = 0.5  # how often a waiting call checks that its replicas are alive
 STREAM_WATCH_S = 0.002  # how often a call over thread replicas looks for finished requests
 
