@@ -20,6 +20,9 @@ if [ -n "${GEMM_TUNE:-}" ]; then  # skinny GEMM vs cuBLAS per decode shape; winn
   export HF_ASYNC_CB_CACHE=${HF_ASYNC_CB_CACHE:-$OUT/cache}
   timeout ${GEMM_TIMEOUT:-240} python3 benchmarks/tune_gemm.py --record $GEMM_TUNE 2>&1 | grep -v -i warn | tee "$OUT/gemm.txt"
 fi
+if [ -n "${DP_SCALING:-}" ]; then  # DataParallel over 1..N GPUs (a multi-GPU machine), e.g. DP_SCALING="--gpus 1 2 8"
+  timeout ${DP_TIMEOUT:-500} python3 benchmarks/data_parallel_scaling.py $DP_SCALING 2>&1 | grep -v -i warn | tee "$OUT/dp.txt"
+fi
 [ -n "${SAMPLING:-}" ] && timeout 90 python3 benchmarks/gpu_sampling.py 2>&1 | grep -v -i warn | tee "$OUT/sampling.txt"
 [ -n "${TUNE:-}" ] && timeout 300 python3 benchmarks/tune_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/tune.txt"
 for b in ${BREAKDOWNS:-}; do
