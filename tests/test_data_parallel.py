@@ -135,24 +135,6 @@ def test_process_replicas_give_one_engines_tokens():
         DataParallel(model, devices=["cpu"], workers="fibers")
 
 
-def test_process_replicas_refill_as_requests_finish():
-    """More requests than the replicas hold at once (max_running_requests=1 + the headroom): each
-    gets the next request when one of its own ends, with mixed lengths, and the outputs are one
-    Engine's, in prompt order."""
-    from hf_async_cb.engine.data_parallel import STREAM_HEADROOM
-
-    model = tiny_model("llama")
-    config = BatchingConfig(max_running_requests=1)
-    prompts = random_prompts(2 * (1 + STREAM_HEADROOM) + 6, 2, 12, seed=4)
-    params = [SamplingParams(max_new_tokens=1 + (i * 7) % 9) for i in range(len(prompts))]
-    with Engine(model, config) as engine:
-        expected = _tokens(engine.generate(prompts, params))
-    with DataParallel(model, devices=["cpu", "cpu"], config=config, workers="processes") as dp:
-        assert _tokens(dp.generate(prompts, params)) == expected
-        assert sorted(sum(dp.last_assignment, [])) == list(range(len(prompts)))
-        assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)  # both were refilled
-
-
 def test_scaling_benchmark_runs_on_the_cpu(capsys):
     """benchmarks/data_parallel_scaling.py, the GPU scaling table, as a CPU smoke run: both kinds of
     replica, every request generated."""
@@ -182,21 +164,24 @@ def test_calls_from_several_threads_take_turns():
     assert got == expected
 
 
-def test_thread_replicas_refill_and_recover_from_an_error():
-    """Thread replicas are fed as requests finish too; a bad prompt fails the call with the engine's
-    error, and the next call runs normally."""
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_replicas_refill_as_requests_finish_and_recover_from_an_error(workers):
+    """More requests than the replicas hold at once (max_running_requests=1 + the headroom): each
+    gets the next request when one of its own ends, with mixed lengths, and the outputs are one
+    Engine's, in prompt order; a bad prompt fails the call with the engine's error, and the next
+    call runs normally."""
     from hf_async_cb.engine.data_parallel import STREAM_HEADROOM
 
     model = tiny_model("llama")
     config = BatchingConfig(max_running_requests=1)
-    prompts = random_prompts(2 * (1 + STREAM_HEADROOM) + 4, 2, 12, seed=6)
-    params = [SamplingParams(max_new_tokens=1 + (i * 5) % 7) for i in range(len(prompts))]
+    prompts = random_prompts(2 * (1 + STREAM_HEADROOM) + 6, 2, 12, seed=4)
+    params = [SamplingParams(max_new_tokens=1 + (i * 7) % 9) for i in range(len(prompts))]
     with Engine(model, config) as engine:
         expected = _tokens(engine.generate(prompts, params))
-    with DataParallel(model, devices=["cpu", "cpu"], config=config) as dp:
-        assert dp.workers == "threads"
+    with DataParallel(model, devices=["cpu", "cpu"], config=config, workers=workers) as dp:
         assert _tokens(dp.generate(prompts, params)) == expected
-        assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)
+        assert sorted(sum(dp.last_assignment, [])) == list(range(len(prompts)))
+        assert all(len(chosen) > 1 + STREAM_HEADROOM for chosen in dp.last_assignment)  # both were refilled
         with pytest.raises(ValueError, match="outside the vocabulary"):
             dp.generate([[1, 2, 3], [5, 10**6]], max_new_tokens=2)
         assert _tokens(dp.generate(prompts, params)) == expected

@@ -104,14 +104,15 @@ class DataParallel:
         prompts = as_token_lists(prompts)
         per_prompt = params_per_prompt(prompts, params, param_kwargs)
         per_prompt = self._seeded(per_prompt)
-        assignment = balance([len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)], len(self.devices))
-        self.last_assignment = assignment
         options = dict(mode=mode, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                        num_return_sequences=num_return_sequences)
-        calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen]) for chosen in assignment]
         if num_return_sequences == 1:  # balanced as requests finish
             stream = self._stream if self.workers == "processes" else self._stream_threads
             return stream(prompts, per_prompt, options)
+        # Copies share their prompt's pages on one replica: the prompts are split once, up front.
+        assignment = balance([len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)], len(self.devices))
+        self.last_assignment = assignment
+        calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen]) for chosen in assignment]
         if self.workers == "processes":
             results = self._run_processes(calls, options)
         else:

@@ -68,6 +68,7 @@ class DecodeGemms:
                          if type(m) is nn.Linear and id(m) not in fused and _eligible(m.weight)]
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._attached: list = []
+        self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
     def shapes(self) -> set[tuple[int, int, torch.dtype, torch.device]]:
         """(N, K, dtype, device) of every covered weight."""
@@ -75,13 +76,14 @@ class DecodeGemms:
         return {(w.shape[0], w.shape[1], w.dtype, w.device) for w in weights}
 
     def _configs(self, weight: torch.Tensor) -> dict[int, dict]:
-        N, K = weight.shape
-        out = {}
-        for bucket in (1 << i for i in range(MAX_M.bit_length())):
-            config = self.choice.choose(bucket, N, K, weight.dtype, weight.device)
-            if config is not None:
-                out[bucket] = config
-        return out
+        """The recorded kernel configs of weight's shape by rows bucket, looked up once per shape (the
+        projections of a shape share the dict: a config that does not build is dropped for all)."""
+        key = (weight.shape[0], weight.shape[1], weight.dtype, weight.device)
+        if key not in self._by_shape:
+            buckets = (1 << i for i in range(MAX_M.bit_length()))
+            picks = {b: self.choice.choose(b, key[0], key[1], key[2], key[3]) for b in buckets}
+            self._by_shape[key] = {b: config for b, config in picks.items() if config is not None}
+        return self._by_shape[key]
 
     def tune(self, max_rows: int) -> int:
         """Measure every covered shape at each rows bucket up to `max_rows` (at most 256) that has
@@ -98,6 +100,7 @@ class DecodeGemms:
                     self.choice.tune(bucket, N, K, dtype, device)
                     measured += 1
                 bucket *= 2
+        self._by_shape.clear()  # the next attach() reads the new choices
         return measured
 
     def wins(self) -> int:

@@ -74,7 +74,8 @@ class PagedKVCache(Cache):
         slots = self.step.slot_mapping
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
         dense = key_states.stride(-1) == 1 and value_states.stride(-1) == 1
-        if dense and self.step.attention_stores_kv and not self.layout.layers[layer_idx].gathered:
+        gathered = self.layout.layers[layer_idx].gathered
+        if dense and self.step.attention_stores_kv and not gathered:
             # The attention kernel stores them (the model attends over these very pools: a layer that
             # transforms them first is a gathered one); store_pending() catches any it did not take.
             self.step.pending_kv[k_pool.data_ptr()] = (key_states, value_states, k_pool, v_pool)
@@ -86,8 +87,8 @@ class PagedKVCache(Cache):
             k_pool.index_copy_(0, slots, key_states[0].transpose(0, 1).to(k_pool.dtype))
             v_pool.index_copy_(0, slots, value_states[0].transpose(0, 1).to(v_pool.dtype))
         # A layer that transforms its states before attending (MLA latents) gets only the step's contexts.
-        self.step.kv_gathered = self.layout.layers[layer_idx].gathered
-        if self.step.kv_gathered:
+        self.step.kv_gathered = gathered
+        if gathered:
             index = self.step.gathered_view()["index"]
             return k_pool[index].transpose(0, 1)[None], v_pool[index].transpose(0, 1)[None]
         return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
