@@ -19,8 +19,8 @@ from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.kernels.graph_timing import graph_ms
 from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
-from hf_async_cb.model.step_metadata import StepMetadata, block_table
 from hf_async_cb.tools.bench import SHAPES, _prompts, build_model
+from tune_kernels import decode_case  # (benchmarks/, the script's own folder)
 
 
 def time_ms(fn, graph: bool = True, iters: int = 20) -> float:
@@ -40,27 +40,17 @@ def time_ms(fn, graph: bool = True, iters: int = 20) -> float:
 
 
 def attention_table(shape: str, requests: int, contexts: list[int], page: int = 16) -> None:
+    """Decode attention per layer as the engine runs it (tune_kernels.decode_case: the new K/V stored
+    by the kernel, pools rotated so that no call finds its K/V in L2), beside the reference."""
     c = SHAPES[shape]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c["hidden_size"] // heads
-    print(f"\n{shape} decode attention, {requests} requests, one layer (bf16, page {page})")
+    print(f"\n{shape} decode attention, {requests} requests, one layer (bf16, page {page}, cold L2)")
     print("| context | triton ms | splits | KV GB/s | reference ms | speed-up |\n|---|---|---|---|---|---|")
     for ctx in contexts:
-        pages = requests * (-(-ctx // page))
-        kp = torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        vp = torch.randn_like(kp)
-        table = torch.arange(pages, device="cuda").view(requests, -1)
-        width = -(-ctx // 64) * 64 // page
-        table = torch.from_numpy(block_table(table.tolist(), [ctx] * requests, page,
-                                             max(width, table.shape[1]))).to("cuda")
-        meta = StepMetadata(slot_mapping=torch.zeros(requests, dtype=torch.long, device="cuda"), block_table=table,
-                            query_start=torch.arange(requests + 1, device="cuda"),
-                            context_lens=torch.full((requests,), ctx, device="cuda"), page_size=page,
-                            max_query_len=1, max_context=-(-ctx // 64) * 64)
-        q = torch.randn(1, heads, requests, head_dim, device="cuda", dtype=torch.bfloat16)
-        t_tri = time_ms(lambda: paged_attention_triton(q, kp, vp, meta, None))
-        t_ref = time_ms(lambda: (meta.begin_forward(), paged_attention_reference(q, kp, vp, meta, None)), graph=False)
-        kv_bytes = 2 * requests * ctx * kv_heads * head_dim * 2
+        q, pools, new_kv, meta, kv_bytes = decode_case(requests, ctx, heads, kv_heads, head_dim, page)
+        t_tri = graph_ms(lambda i: paged_attention_triton(q, *pools[i % len(pools)], meta, None, new_kv=new_kv))
+        t_ref = time_ms(lambda: (meta.begin_forward(), paged_attention_reference(q, *pools[0], meta, None)), graph=False)
         print(f"| {ctx} | {t_tri:.3f} | {choose_splits(meta, kv_heads, q.device)} | {kv_bytes / t_tri / 1e6:,.0f} | "
               f"{t_ref:.3f} | {t_ref / t_tri:.1f}x |")
 

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 import triton
 
 from hf_async_cb.devices import num_sms
-from hf_async_cb.kernels.graph_timing import graph_ms
+from hf_async_cb.kernels.graph_timing import cold_copies, graph_ms
 from hf_async_cb.kernels.skinny_gemm import (MAX_SHARED_MEMORY, WIN_MARGIN, GemmChoice, block_m, candidate_configs,
                                              default_config, device_name, relative_error, shared_memory_estimate,
-                                             skinny_linear, weight_copies)
+                                             skinny_linear)
 
 # name -> (decoder layers, {projection: (N, K)}); q/k/v and gate/up fused, as the engine runs them.
 MODELS = {
@@ -85,7 +85,7 @@ def bench_shape(proj: str, N: int, K: int, ms: list[int], device: torch.device, 
     """Each M: (M, bytes moved, cuBLAS ms, best config or None, its ms, wrong configs); prints the table rows."""
     gen = torch.Generator(device=device).manual_seed(N + K)
     w = (torch.randn(N, K, generator=gen, device=device, dtype=torch.float32) / K ** 0.5).to(dtype)
-    weights = [w] + [w.clone() for _ in range(weight_copies(w.numel() * w.element_size()) - 1)]
+    weights = [w] + [w.clone() for _ in range(cold_copies(w.numel() * w.element_size()) - 1)]
     w_ref = w.float()
     rows = []
     for M in ms:

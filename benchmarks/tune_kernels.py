@@ -25,45 +25,72 @@ def graph_ms(fn) -> float:
 
 
 def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page: int = 16):
+    """A decode step's attention inputs as the engine passes them (scattered pages, ragged contexts,
+    the new token's K/V stored by the kernel), with enough copies of the pools to rotate through
+    that no call finds its K/V in L2 (a decode step reads each layer's K/V once, cold)."""
     g = torch.Generator().manual_seed(ctx)
     per = -(-ctx // page)
     pages = requests * per
-    kp = torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    vp = torch.randn_like(kp)
+    kv_bytes_all = 2 * pages * page * kv_heads * head_dim * 2
+    pools = [(torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
+              torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16))
+             for _ in range(graph_timing.cold_copies(kv_bytes_all))]
     order = torch.randperm(pages, generator=g).view(requests, per).tolist()  # scattered pages
     lens = [max(1, ctx - int(x)) for x in torch.randint(0, 64, (requests,), generator=g)]  # ragged
     width = -(-ctx // 64) * 64 // page
-    meta = StepMetadata(slot_mapping=torch.zeros(requests, dtype=torch.long, device="cuda"),
+    last = [order[r][(n - 1) // page] * page + (n - 1) % page for r, n in enumerate(lens)]  # the new token's slot
+    meta = StepMetadata(slot_mapping=torch.tensor(last, device="cuda"),
                         block_table=torch.from_numpy(block_table(order, lens, page, width)).cuda(),
                         query_start=torch.arange(requests + 1, device="cuda"),
                         context_lens=torch.tensor(lens, device="cuda"), page_size=page, max_query_len=1,
                         max_context=width * page)
     q = torch.randn(1, heads, requests, head_dim, device="cuda", dtype=torch.bfloat16)
+    new_kv = (torch.randn(1, kv_heads, requests, head_dim, device="cuda", dtype=torch.bfloat16),
+              torch.randn(1, kv_heads, requests, head_dim, device="cuda", dtype=torch.bfloat16))
     kv_bytes = 2 * sum(lens) * kv_heads * head_dim * 2
-    return q, kp, vp, meta, kv_bytes
+    return q, pools, new_kv, meta, kv_bytes
 
 
-def sweep_attention() -> None:
-    cases = {"1B x 64, ctx 256": (64, 256, 32, 8, 64), "1B x 64, ctx 384": (64, 384, 32, 8, 64),
-             "8B x 32, ctx 640": (32, 640, 32, 8, 128), "8B x 32, ctx 1152": (32, 1152, 32, 8, 128)}
-    for name, shape in cases.items():
-        q, kp, vp, meta, kv_bytes = decode_case(*shape)
+CASES = {"1B x 64, ctx 256": (64, 256, 32, 8, 64), "1B x 256, ctx 640": (256, 640, 32, 8, 64),
+         "8B x 32, ctx 256": (32, 256, 32, 8, 128), "8B x 32, ctx 1152": (32, 1152, 32, 8, 128),
+         "8B x 32, ctx 8192": (32, 8192, 32, 8, 128), "8B x 256, ctx 640": (256, 640, 32, 8, 128)}
+
+
+def sweep_attention(names: list[str] | None = None) -> None:
+    """Every launch shape and split count at each case, cold L2, with the in-kernel K/V store as the
+    engine runs decode; the default's time beside the fastest."""
+    for name, shape in CASES.items():
+        if names and name not in names:
+            continue
+        q, pools, new_kv, meta, kv_bytes = decode_case(*shape)
+
+        def timed(**kw) -> float:
+            return graph_timing.graph_ms(lambda i: paged_attention_triton(
+                q, *pools[i % len(pools)], meta, None, new_kv=new_kv, **kw), calls=40)
+
         default_splits = choose_splits(meta, shape[3], q.device)
-        base = graph_ms(lambda: paged_attention_triton(q, kp, vp, meta, None))
+        base = timed()
         results = []
-        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3), (1, 2)):
-            tuning = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        for block_n, warps, stages, splits, early in itertools.product(
+                (64, 128), (2, 4), (2, 3), (1, 2), (True, False)):
+            tuning = dict(block_n=block_n, num_warps=warps, num_stages=stages, early_loads=early)
             try:
-                ms = graph_ms(lambda: paged_attention_triton(q, kp, vp, meta, None, num_splits=splits, tuning=tuning))
+                ms = timed(num_splits=splits, tuning=tuning)
             except Exception as e:  # noqa: BLE001 (a config that does not compile)
                 print(f"  skip {tuning} splits {splits}: {type(e).__name__}")
                 continue
-            results.append((ms, block_n, warps, stages, splits))
+            results.append((ms, block_n, warps, stages, splits, early))
         results.sort()
-        print(f"\n{name}: default (splits {default_splits}) {base * 1e3:.1f} us = {kv_bytes / base / 1e6:,.0f} GB/s")
-        print("| us | GB/s | block_n | warps | stages | splits |\n|---|---|---|---|---|---|")
-        for ms, *cfg in results[:6]:
+        print(f"\n{name} ({len(pools)} pool copies): default (splits {default_splits}) {base * 1e3:.1f} us = "
+              f"{kv_bytes / base / 1e6:,.0f} GB/s")
+        print("| us | GB/s | block_n | warps | stages | splits | early loads |\n|---|---|---|---|---|---|---|")
+        for ms, *cfg in results[:5]:
             print(f"| {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} | " + " | ".join(map(str, cfg)) + " |")
+        for label, keep in (("splits", 3), ("early loads", 4)):
+            best = {}
+            for r in results:
+                best.setdefault(r[keep + 1], r[0])
+            print(f"best by {label}: " + ", ".join(f"{k}: {ms * 1e3:.1f} us" for k, ms in best.items()))
 
 
 def compare_small_kernels() -> None:
@@ -94,5 +121,8 @@ def compare_small_kernels() -> None:
 
 
 if __name__ == "__main__":
-    compare_small_kernels()
-    sweep_attention()
+    import sys
+
+    if "--attention" not in sys.argv:
+        compare_small_kernels()
+    sweep_attention([a for a in sys.argv[1:] if not a.startswith("--")] or None)

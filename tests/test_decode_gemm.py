@@ -114,7 +114,10 @@ def test_engine_greedy_matches_stock(mode, monkeypatch, kernel_calls):
     config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, fuse_projections=True)
     got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
     assert torch.equal(got.cpu(), expected)
-    assert kernel_calls and max(rows for rows, _ in kernel_calls) <= 64
+    rows = {rows for rows, _ in kernel_calls}
+    # decode steps (6 rows; 8 in a CUDA graph's bucket) went through the kernel; a prefill graph's
+    # padded bucket may exceed max_batch_tokens, never the kernel's MAX_M (F.linear above)
+    assert rows and min(rows) <= 8 and max(rows) <= skinny.MAX_M
     assert not any("forward" in vars(m) for m in model.modules())  # detached after the call
 
 

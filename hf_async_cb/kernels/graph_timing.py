@@ -16,6 +16,15 @@ from typing import Callable
 
 import torch
 
+L2_BYTES = 50 * 1024 * 1024  # the H200's L2
+
+
+def cold_copies(nbytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many copies of an input to rotate through when timing, so that none is still in L2 from
+    its last call (a decode step finds no weight, and no layer's K/V, in L2): one if the input is
+    larger than L2, else enough to fill twice L2, at most 64."""
+    return 1 if nbytes > l2_bytes else min(64, -(-2 * l2_bytes // max(1, nbytes)))
+
 
 def graph_ms(fn: Callable[[int], object], calls: int = 20, replays: int = 7,
              device: torch.device | None = None) -> float:

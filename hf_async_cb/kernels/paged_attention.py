@@ -71,6 +71,7 @@ def _paged_attention_kernel(
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr, NEW_KV: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1) // CHUNKS
@@ -147,13 +148,28 @@ def _paged_attention_kernel(
                 new_slot = tl.load(slot_ptr + q_begin).to(tl.int64)
                 tl.store(k_head + new_slot * stride_kt + offs_d, new_k, mask=d_ok)
                 tl.store(v_head + new_slot * stride_vt + offs_dv, new_v, mask=dv_ok)
+        table_row = block_table_ptr + seq * stride_bt
+        if EARLY_LOADS:  # the first block's pages; each iteration then loads the next block's
+            offs_next = kv_lo + blk_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+            next_page = tl.load(table_row + offs_next // PAGE, mask=offs_next < kv_hi, other=0)
         for blk in range(blk_lo, blk_hi):
             offs_n = kv_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_hi
-            page = tl.load(block_table_ptr + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
-            slot = page * PAGE + offs_n % PAGE
-            k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if EARLY_LOADS:
+                # A decode step's few blocks per program make it latency-bound: issue this block's K
+                # and V loads together, and the next block's page loads, before any of them is used.
+                slot = next_page * PAGE + offs_n % PAGE
+                k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :],
+                            mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
+                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+                offs_next = offs_n + BLOCK_N
+                next_page = tl.load(table_row + offs_next // PAGE, mask=offs_next < kv_hi, other=0)
+            else:
+                page = tl.load(table_row + offs_n // PAGE, mask=n_ok, other=0)
+                slot = page * PAGE + offs_n % PAGE
+                k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :],
+                            mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if NEW_KV:  # the newest key is not in the pool yet (no program reads what another writes)
                 is_new = offs_n == ctx - 1
                 k = tl.where(is_new[:, None], new_k[None, :].to(k.dtype), k)
@@ -175,8 +191,9 @@ def _paged_attention_kernel(
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
-                        mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            if not EARLY_LOADS:
+                v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
+                            mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             if NEW_KV:
                 v = tl.where(is_new[:, None], new_v[None, :].to(v.dtype), v)
             if IEEE:
@@ -236,13 +253,15 @@ def shared_memory_estimate(block_m: int, block_d: int, block_dv: int, block_n: i
     return kv + block_m * block_d * itemsize + block_m * block_n * itemsize
 
 
-def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None = None, block_m: int = 16) -> dict:
+def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None = None, block_m: int = 16,
+                     decode: bool = False) -> dict:
     """Key block and launch shape for a tile of `block_m` rows (BLOCK_M: query tokens x query
     heads) over head sizes padded to powers of two (d = the larger of the padded Dk and Dv).
 
-    16-bit, block_m <= 32 (every group of up to 32 heads), d <= 128: from a sweep of decode steps
-    on the H200 (benchmarks/tune_kernels.py, docs/benchmarks.md): K/V tiles of 64 x 64 with 2 warps,
-    of 128 x 128 with 4, both two stages deep.
+    16-bit, block_m <= 32 (every group of up to 32 heads), d <= 128: from sweeps of decode steps
+    on the H200 (benchmarks/tune_kernels.py, cold L2, docs/benchmarks.md): K/V tiles of 64 x 64
+    with 2 warps; of 128 x 128 with 4 in prefill, and in decode 64 x 128 with 2 (7-12% faster at
+    32-256 requests and 1-8K keys, 5% slower at 32 x 256), all two stages deep.
 
     Not measured yet (no GPU where they were written), so chosen to fit with a margin, by
     shared_memory_estimate against SHARED_MEMORY_BUDGET (200 KB of the H200's ~227 KB per block)
@@ -263,7 +282,8 @@ def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None =
             if d <= 64:
                 return dict(block_n=64, num_warps=2, num_stages=2)
             if d <= 128:
-                return dict(block_n=128, num_warps=4, num_stages=2)
+                return dict(block_n=64, num_warps=2, num_stages=2) if decode else \
+                    dict(block_n=128, num_warps=4, num_stages=2)
             return dict(block_n=64, num_warps=4, num_stages=2)
         if d <= 64:
             return dict(block_n=64, num_warps=4, num_stages=2)
@@ -303,13 +323,14 @@ def tile_shape(group: int, head_dim: int, head_dim_v: int) -> dict:
 
 def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -> int:
     """Split decode contexts when the step has too few (request, KV head) programs to give every
-    SM one, and the contexts are long enough to share (at least 256 keys per split). At 32
-    requests x 8 KV heads on the H200's 132 SMs, splitting already loses (the merge costs more).
+    SM two, and the contexts are long enough to share (at least 256 keys per split). Measured on
+    the H200 with cold L2 (benchmarks/tune_kernels.py): 32 requests x 8 KV heads gain ~7% from 2
+    splits at 1-8K keys, and tie at 640; 64 x 8 programs do best unsplit (the merge costs more).
     (`num_kv_heads` counts programs per request: a group split over several programs counts each.)"""
     if not meta.is_decode:
         return 1
     programs = meta.num_requests * num_kv_heads
-    wanted = -(-(num_sms(device) or 1) // programs)
+    wanted = -(-2 * (num_sms(device) or 1) // programs)
     splits = min(wanted, max(1, meta.max_context // 256), 16)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
@@ -387,7 +408,9 @@ def paged_attention_triton(
     block_q, block_m, chunks = tile["block_q"], tile["block_m"], tile["chunks"]
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(head_dim_v))
-    tuning = {**_launch_defaults(head_dim, query.dtype, head_dim_v, block_m), **(tuning or {})}
+    num_seqs = meta.num_requests
+    decode = meta.is_decode and total == num_seqs
+    tuning = {**_launch_defaults(head_dim, query.dtype, head_dim_v, block_m, decode), **(tuning or {})}
     block_n = tuning["block_n"]
     launch = {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}
     splits = num_splits or choose_splits(meta, num_kv_heads * chunks, query.device)
@@ -400,8 +423,6 @@ def paged_attention_triton(
     else:
         m = l = out  # unused
         target, part_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0)
-    num_seqs = meta.num_requests
-    decode = meta.is_decode and total == num_seqs
     if new_kv is not None:
         new_k, new_v = new_kv
         if not decode or new_k.shape[-1] != head_dim or new_v.shape[-1] != head_dim_v \
@@ -424,7 +445,7 @@ def paged_attention_triton(
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-        DECODE=decode, NEW_KV=new_kv is not None, **launch,
+        DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", True), **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](

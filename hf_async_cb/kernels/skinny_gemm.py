@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.devices import num_sms
-from hf_async_cb.kernels.graph_timing import graph_ms
+from hf_async_cb.kernels.graph_timing import cold_copies, graph_ms
 
 MAX_M = 256
 H200_SMS = 132  # the SM count assumed off CUDA (the heuristic's target machine)
@@ -315,7 +315,6 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
 # compile, or gave a wrong result); config None times F.linear (cuBLAS).
 Timer = Callable[[int, int, int, torch.dtype, "dict | None"], "float | None"]
 
-L2_BYTES = 50 * 1024 * 1024  # the H200's L2
 WIN_MARGIN = 0.03  # the kernel must beat cuBLAS by 3% to be chosen: a tie is noise, cuBLAS the safe side
 
 
@@ -331,13 +330,6 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def weight_copies(weight_bytes: int, l2_bytes: int = L2_BYTES) -> int:
-    """How many copies of a weight to rotate through when timing so that none is still in L2 from
-    its last call (a decode step reads each weight once, cold): one if the weight is larger than
-    L2, else enough to fill twice L2, at most 16."""
-    return 1 if weight_bytes > l2_bytes else min(16, -(-2 * l2_bytes // max(1, weight_bytes)))
-
-
 def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, calls: int = 20) -> Timer:
     """The default timer: `calls` calls replayed from a CUDA graph (graph_timing.graph_ms, as the
     engine's decode graphs run them; eager timing would measure Triton's launch path), rotating
@@ -351,7 +343,7 @@ def cuda_timer(device: torch.device, weight: torch.Tensor | None = None, *, call
             base = weight.contiguous()
         else:
             base = (torch.randn(N, K, generator=gen, device=device, dtype=dtype) / math.sqrt(K)).to(dtype)
-        weights = [base] + [base.clone() for _ in range(weight_copies(base.numel() * base.element_size()) - 1)]
+        weights = [base] + [base.clone() for _ in range(cold_copies(base.numel() * base.element_size()) - 1)]
         if config is None:
             def fn(i):
                 return F.linear(x, weights[i % len(weights)])
