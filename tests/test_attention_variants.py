@@ -268,7 +268,9 @@ def test_launch_defaults_fit_shared_memory():
                     assert smem <= triton_paged.SHARED_MEMORY_BUDGET, (dtype, head_dim, head_dim_v, block_m, t)
     assert triton_paged._launch_defaults(64, torch.bfloat16) == dict(block_n=64, num_warps=2, num_stages=2)
     assert triton_paged._launch_defaults(128, torch.bfloat16) == dict(block_n=128, num_warps=4, num_stages=2)
-    assert triton_paged._launch_defaults(128, torch.bfloat16, decode=True) == dict(block_n=64, num_warps=2, num_stages=2)
+    assert triton_paged._launch_defaults(128, torch.bfloat16, decode=True) == dict(block_n=64, num_warps=2, num_stages=2,
+                                                                                   early_loads=False)
+    assert triton_paged._launch_defaults(64, torch.bfloat16, decode=True)["early_loads"]
     assert triton_paged._launch_defaults(64, torch.float32) == dict(block_n=64)
 
 

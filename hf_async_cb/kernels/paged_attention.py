@@ -260,8 +260,10 @@ def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None =
 
     16-bit, block_m <= 32 (every group of up to 32 heads), d <= 128: from sweeps of decode steps
     on the H200 (benchmarks/tune_kernels.py, cold L2, docs/benchmarks.md): K/V tiles of 64 x 64
-    with 2 warps; of 128 x 128 with 4 in prefill, and in decode 64 x 128 with 2 (7-12% faster at
-    32-256 requests and 1-8K keys, 5% slower at 32 x 256), all two stages deep.
+    with 2 warps, two stages deep in prefill; in decode three deep, with the early loads
+    (EARLY_LOADS: 7-12% faster at 64-256 requests). For d = 128, tiles of 128 x 128 with 4 warps
+    in prefill; in decode 64 x 128 with 2 warps and no early loads (the two tiles held at once
+    cost 5-10% there): 7-12% faster at 32-256 requests and 1-8K keys, 3% slower at 32 x 256.
 
     Not measured yet (no GPU where they were written), so chosen to fit with a margin, by
     shared_memory_estimate against SHARED_MEMORY_BUDGET (200 KB of the H200's ~227 KB per block)
@@ -280,9 +282,10 @@ def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None =
     if dtype.itemsize == 2 and d <= 256:
         if block_m <= 32:
             if d <= 64:
-                return dict(block_n=64, num_warps=2, num_stages=2)
+                return dict(block_n=64, num_warps=2, num_stages=3, early_loads=True) if decode else \
+                    dict(block_n=64, num_warps=2, num_stages=2)
             if d <= 128:
-                return dict(block_n=64, num_warps=2, num_stages=2) if decode else \
+                return dict(block_n=64, num_warps=2, num_stages=2, early_loads=False) if decode else \
                     dict(block_n=128, num_warps=4, num_stages=2)
             return dict(block_n=64, num_warps=4, num_stages=2)
         if d <= 64:
@@ -445,7 +448,7 @@ def paged_attention_triton(
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-        DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", True), **launch,
+        DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", False), **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](
