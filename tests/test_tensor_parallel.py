@@ -140,8 +140,33 @@ def test_a_model_spread_over_devices_is_refused_before_any_work():
     weight = model.model.layers[1].self_attn.q_proj.weight
     original = type(weight).device
     try:
-        type(weight).device = property(lambda p: torch.device("meta") if p is weight else original.__get__(p))
+        type(weight).device = property(lambda p: torch.device("cuda", 1) if p is weight else original.__get__(p))
         with pytest.raises(ValueError, match="spread over.*tp_plan"):
             hf_async_cb.Engine(model)
     finally:
         type(weight).device = original
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk device_map"])
+def test_an_offloaded_model_is_refused_with_the_reason(offload, tmp_path):
+    """accelerate's offload (weights on 'meta', loaded into each layer as it runs) is refused up
+    front with the reason, by Engine and by generate, and the model still generates with stock."""
+    accelerate = pytest.importorskip("accelerate")
+    import copy
+
+    from models import tiny_model
+
+    model = copy.deepcopy(tiny_model("llama"))
+    ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False, batching="off")
+    if offload == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:  # one layer offloaded to disk, the rest in memory
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        model = accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="offloaded"):
+        hf_async_cb.Engine(model)
+    with pytest.raises(ValueError, match="offloaded"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, batching="async")
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False, batching="off"), expected)

@@ -25,6 +25,11 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
     if type(model).generate is not GenerationMixin.generate:
         raise ValueError(f"{name} overrides generate(); hf_async_cb runs plain decoder-only language models.")
     devices = {p.device for p in model.parameters()}
+    if torch.device("meta") in devices or _offloaded(model):
+        raise ValueError(f"{name}'s weights are offloaded (accelerate's CPU/disk offload: weights on the 'meta' "
+                         "device, loaded into each layer as it runs): hf_async_cb needs every weight in memory on "
+                         "the device that runs it. Load the model without offload (one device), or tensor-parallel "
+                         "with from_pretrained(..., tp_plan='auto') under torchrun.")
     if len(devices) > 1:
         raise ValueError(f"{name}'s weights are spread over {sorted(map(str, devices))} (a device_map): hf_async_cb "
                          "runs a model on one device, or tensor-parallel across processes (from_pretrained(..., "
@@ -38,6 +43,17 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         raise ValueError(f"{name} has non-attention layers ({sorted(set(layer_types))}); hf_async_cb does not support them.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
+
+
+def _offloaded(model: torch.nn.Module) -> bool:
+    """Whether accelerate's hooks load some module's weights at each call (offload), even where the
+    parameters the module shows are real tensors (a CPU offload keeps them in a weights map)."""
+    for m in model.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            if getattr(h, "offload", False):
+                return True
+    return False
 
 
 def tensor_parallel_size(model: torch.nn.Module) -> int:
