@@ -55,7 +55,7 @@ def _report(bandwidth: float | None, floor_ms: float | None) -> dict:
 def test_table_has_a_floor_only_where_one_was_measured():
     cpu = bench.format_table(_report(None, None))
     assert "nan" not in cpu.lower() and "not measured on cpu" in cpu and "floor |" not in cpu
-    assert "GPU busy" not in cpu and "| sync | 32 | 2.0 | 8 | 1.0 |" in cpu  # columns no row fills are left out
+    assert "GPU busy" not in cpu and "| sync | 32 | 2.0 | 8 | 1.0 | -1.00 |" in cpu  # columns no row fills are left out
     gpu = bench.format_table(_report(4.0, 0.5))
     assert "copy bandwidth 4.00 TB/s; floor 0.50 ms/step = 8,000 tok/s" in gpu and "| 0.4% |" in gpu
     mixed = bench.format_table(_report(4.0, None))
