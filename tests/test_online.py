@@ -313,3 +313,53 @@ def test_a_dropped_engine_stops_its_loop_and_gives_the_model_back(mode):
     assert handle.result(timeout=1).finish_reason is FinishReason.ABORTED
     assert torch.equal(stock_generate(model, prompts, max_new_tokens=6),
                        stock_generate(tiny_model("llama"), prompts, max_new_tokens=6))
+
+
+def test_done_callbacks_run_once_each_as_requests_end(engine):
+    """add_done_callback: called once with the handle when the request ends (on the loop's thread),
+    or at once when it already has; a callback that raises reaches neither the loop nor the others."""
+    prompts = random_prompts(4, 5, 12, seed=80)
+    seen: list = []
+    handles = [engine.add_request(p, max_new_tokens=4 + i, eos_token_ids=(2,)) for i, p in enumerate(prompts)]
+    for i, h in enumerate(handles):
+        if i == 1:
+            h.add_done_callback(lambda h: 1 / 0)
+        h.add_done_callback(seen.append)
+    outs = [h.result(timeout=30) for h in handles]
+    deadline = time.monotonic() + 10
+    while len(seen) < len(handles) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (result() may return before the loop thread has run the callbacks)
+    assert sorted(map(id, seen)) == sorted(map(id, handles))
+    late: list = []
+    handles[0].add_done_callback(late.append)  # already done: called here, now
+    assert late == [handles[0]]
+    assert [o.output_token_ids for o in outs] == [stock_rows([p], 4 + i)[0] for i, p in enumerate(prompts)]
+
+
+def test_a_loop_that_stops_outside_a_step_fails_every_waiting_caller(monkeypatch):
+    """An error the loop cannot pin on a step (here its set-up) fails every request it holds or has
+    queued, and later submissions are refused: nobody waits on a loop that is gone."""
+    engine = Engine(own_model(), BatchingConfig(mode="async"))
+    entered = threading.Event()
+    release = threading.Event()
+
+    class Broken:
+        def __enter__(self):
+            entered.set()
+            release.wait(10)  # requests queue up meanwhile
+            raise RuntimeError("loop set-up broke")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(engine.runner, "prepared", lambda *a, **k: Broken())
+    engine.start()
+    assert entered.wait(10)
+    handles = [engine.add_request(p, max_new_tokens=3) for p in random_prompts(3, 4, 8, seed=81)]
+    release.set()
+    for h in handles:
+        with pytest.raises(RuntimeError, match="set-up broke"):
+            h.result(timeout=10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request([5, 6], max_new_tokens=2)
+    engine.shutdown(timeout=10)

@@ -30,8 +30,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Sequence
@@ -46,7 +46,6 @@ from hf_async_cb.sampling.sampler import derive_seed
 
 STREAM_HEADROOM = 16  # requests a replica holds beyond what it runs, so that a freed slot refills at once
 STREAM_POLL_S = 0.5  # how often a waiting call checks that its replicas are alive
-STREAM_WATCH_S = 0.002  # how often a call over thread replicas looks for finished requests
 
 
 class DataParallel:
@@ -177,13 +176,17 @@ class DataParallel:
         self.last_assignment = feeder.assignment
         add = {k: options[k] for k in ("logits_processor", "stopping_criteria")}
         outputs: list[RequestOutput | None] = [None] * len(prompts)
-        handles: dict = {}  # prompt index -> (replica, handle)
+        finished: queue.SimpleQueue = queue.SimpleQueue()  # (prompt index, replica, handle), as they end
+        waiting = 0
         error: BaseException | None = None
         started = []
 
         def submit(r: int, item: tuple) -> None:
+            nonlocal waiting
             key, prompt, params = item
-            handles[key] = (r, engines[r].add_request(prompt, params, **add))
+            handle = engines[r].add_request(prompt, params, **add)
+            waiting += 1
+            handle.add_done_callback(lambda h: finished.put((key, r, h)))
 
         try:
             for r, batch in enumerate(feeder.first()):
@@ -191,16 +194,16 @@ class DataParallel:
                 started.append(engines[r])
                 for item in batch:
                     submit(r, item)
-            while handles and error is None:
-                finished = [(key, r, h) for key, (r, h) in handles.items() if h.done]
-                if not finished:
-                    time.sleep(STREAM_WATCH_S)
-                for key, r, handle in finished:
-                    del handles[key]
-                    feeder.held[r] -= 1
-                    outputs[key] = handle.result()  # raises a request's own error
-                    if feeder.pending:
-                        submit(r, feeder.take(r))
+            while waiting and error is None:
+                try:
+                    key, r, handle = finished.get(timeout=STREAM_POLL_S)
+                except queue.Empty:  # (a loop that died fails its requests, which ends them too)
+                    continue
+                waiting -= 1
+                feeder.held[r] -= 1
+                outputs[key] = handle.result()  # raises a request's own error
+                if feeder.pending:
+                    submit(r, feeder.take(r))
         except BaseException as e:
             error = e
         finally:

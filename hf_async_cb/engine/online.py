@@ -54,6 +54,7 @@ class RequestHandle:
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._done = threading.Event()
         self._abort = False
+        self._callbacks: list = []
 
     @property
     def request_id(self) -> str:
@@ -71,6 +72,16 @@ class RequestHandle:
             if self._async_waiters:
                 self._wake_async()
 
+    def add_done_callback(self, fn) -> None:
+        """Call fn(handle) once the request has finished (or failed, or was cancelled): on the loop's
+        thread as it ends, or here at once if it has already. As with concurrent.futures, an
+        exception fn raises is logged and does not reach the loop."""
+        with self._changed:
+            if not self._ended:
+                self._callbacks.append(fn)
+                return
+        _call_back(fn, self)
+
     def _finish(self, error: BaseException | None = None) -> None:
         with self._changed:
             if self._ended:
@@ -79,7 +90,10 @@ class RequestHandle:
             self._ended = True
             self._changed.notify_all()
             self._wake_async()
+            callbacks, self._callbacks = self._callbacks, []
         self._done.set()
+        for fn in callbacks:
+            _call_back(fn, self)
 
     def _wake_async(self) -> None:
         """Wake the astream() readers waiting on their event loops (called holding the condition)."""
@@ -124,6 +138,13 @@ class RequestHandle:
         if self.error is not None:
             raise self._failure() from self.error
         return self.request.to_output()
+
+
+def _call_back(fn, handle: RequestHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # noqa: BLE001 (the caller's callback must not stop the loop)
+        logger.exception("a done-callback of request %s raised", handle.request_id)
 
 
 def _recorder(handle: RequestHandle, on_token):
@@ -203,6 +224,26 @@ class _Worker:
         self.wake.set()
 
     def run(self) -> None:
+        """The loop; should it stop on an error outside a step (which _loop() reports to the step's
+        requests and goes on from), every request it holds or has yet to take fails with that error
+        and later submissions are refused: no caller waits on a loop that is gone."""
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - reported to every waiting caller
+            logger.exception("the background loop stopped")
+            with self.lock:
+                self.stopping = True
+            while not self.intake.empty():  # taken, not scheduled: they fail with the rest
+                handle = self.intake.get_nowait()
+                self.active[id(handle.request)] = handle
+            try:
+                self._fail_active(error)
+            finally:
+                for handle in self.active.values():  # (if failing them properly failed too)
+                    handle._finish(error)
+                self.active.clear()
+
+    def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
         with self.runner.prepared("the background loop", serving=True):
             while True:
