@@ -2,7 +2,7 @@
 cost of Python): the paged decode attention's launch parameters at the bench shapes, and the
 one-pass greedy pick and the K/V store against the torch ops they replace.
 
-    python benchmarks/tune_kernels.py
+    python benchmarks/tune_kernels.py [--attention | --prefill]
 """
 
 from __future__ import annotations
@@ -93,6 +93,49 @@ def sweep_attention(names: list[str] | None = None) -> None:
             print(f"best by {label}: " + ", ".join(f"{k}: {ms * 1e3:.1f} us" for k, ms in best.items()))
 
 
+PREFILL_CASES = {"8B, one 8192-token prompt": ([8192], [8192]), "8B, 16 prompts of 512": ([512] * 16, [512] * 16),
+                 "8B, a 2048-token chunk after 6144 cached": ([2048], [8192])}
+
+
+def sweep_prefill(names: list[str] | None = None) -> None:
+    """Chunked-prefill attention (Llama-3-8B heads: 32 query, 8 KV, d 128, bf16) at several query
+    tiles (block_q tokens x 4 heads per program) and launch shapes, in TFLOP/s of causal attention,
+    beside torch's scaled_dot_product_attention (FlashAttention-2 on Hopper) on the same tokens
+    where they are a fresh prompt."""
+    import torch.nn.functional as F
+
+    from tests.test_triton_attention import make_step
+
+    for name, (query_lens, context_lens) in PREFILL_CASES.items():
+        if names and name not in names:
+            continue
+        q, kp, vp, meta = make_step(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+        pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(query_lens, context_lens))
+        flops = 4 * 128 * 32 * pairs
+
+        def timed(**kw) -> float:
+            return graph_timing.graph_ms(lambda i: paged_attention_triton(q, kp, vp, meta, None, **kw), calls=5, replays=3)
+
+        rows = [("default (block_q 4)", timed())]
+        for block_q, block_n, warps, stages in itertools.product((16, 32), (64, 128), (4, 8), (2, 3)):
+            tuning = dict(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                rows.append((f"block_q {block_q}, block_n {block_n}, {warps} warps, {stages} stages", timed(tuning=tuning)))
+            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
+                print(f"  skip {tuning}: {type(e).__name__}")
+        if context_lens == query_lens:  # fresh prompts: FlashAttention-2 through SDPA, one call per prompt
+            per = [(torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16),
+                    torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)) for n in query_lens]
+            rows.append(("torch SDPA (causal, GQA)", graph_timing.graph_ms(lambda i: [
+                F.scaled_dot_product_attention(x, k, k, is_causal=True, enable_gqa=True) for x, k in per],
+                calls=5, replays=3)))
+        print(f"\n{name}: {flops / 1e9:,.0f} GFLOP of causal attention")
+        print("| kernel | ms | TFLOP/s |\n|---|---|---|")
+        best = sorted(rows[1:-1] if rows[-1][0].startswith("torch") else rows[1:], key=lambda r: r[1])[:4]
+        for label, ms in [rows[0], *best, *(rows[-1:] if rows[-1][0].startswith("torch") else [])]:
+            print(f"| {label} | {ms:.3f} | {flops / ms / 1e9:,.0f} |")
+
+
 def compare_small_kernels() -> None:
     print("\n| op | shape | torch us | triton us |\n|---|---|---|---|")
     for rows in (32, 64, 256):
@@ -123,6 +166,10 @@ def compare_small_kernels() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "--attention" not in sys.argv:
-        compare_small_kernels()
-    sweep_attention([a for a in sys.argv[1:] if not a.startswith("--")] or None)
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or None
+    if "--prefill" in sys.argv:
+        sweep_prefill(names)
+    else:
+        if "--attention" not in sys.argv:
+            compare_small_kernels()
+        sweep_attention(names)

@@ -70,8 +70,9 @@ def make_step(query_lens, context_lens, heads, kv_heads, head_dim, page_size, dt
     return query, keys, values, meta
 
 
-def relative_error(query, keys, values, meta, window=None, splits=None):
-    out = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, num_splits=splits)
+def relative_error(query, keys, values, meta, window=None, splits=None, tuning=None):
+    out = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, num_splits=splits,
+                                              tuning=tuning)
     ref = paged_attention_reference(query.float(), keys.float(), values.float(), meta, None, window)
     assert out.shape == ref.shape and out.dtype == query.dtype
     return ((out.float() - ref).norm() / ref.norm()).item()
@@ -95,6 +96,18 @@ def test_kernel_matches_reference_fp32(name, heads, kv_heads, head_dim, window):
     query_lens, context_lens = SMALL[name]
     step = make_step(query_lens, context_lens, heads, kv_heads, head_dim, 16, torch.float32, device)
     assert relative_error(*step, window=window) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["prefill", "chunk after cached pages", "mixed decode and chunks"])
+@pytest.mark.parametrize("block_q", [3, 8, 32])
+def test_taller_query_tiles_match_reference(name, block_q):
+    """Prefill tiles of more query tokens per program (tuning block_q; a group of 2 heads, so
+    tiles of 16, 16 and 64 rows) are as exact, whatever the tokens left over at a request's end."""
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = SMALL[name]
+    step = make_step(query_lens, context_lens, 4, 2, 16, 16, torch.float32, device, seed=block_q)
+    assert relative_error(*step, tuning=dict(block_q=block_q)) < 1e-5
+    assert relative_error(*step, window=8, tuning=dict(block_q=block_q)) < 1e-5
 
 
 @pytest.mark.parametrize("splits", [2, 4, 8])

@@ -408,6 +408,9 @@ def paged_attention_triton(
     else:
         qk_scale, cap_log2 = scale / softcap, softcap * LOG2E.value
     tile = tile_shape(group, head_dim, head_dim_v)
+    if tuning and tuning.get("block_q") and tile["chunks"] == 1:  # a taller tile of query tokens (sweeps)
+        tile["block_q"] = tuning["block_q"]
+        tile["block_m"] = max(16, triton.next_power_of_2(tuning["block_q"] * tile["heads"]))
     block_q, block_m, chunks = tile["block_q"], tile["block_m"], tile["chunks"]
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(head_dim_v))
