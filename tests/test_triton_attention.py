@@ -110,6 +110,20 @@ def test_taller_query_tiles_match_reference(name, block_q):
     assert relative_error(*step, window=8, tuning=dict(block_q=block_q)) < 1e-5
 
 
+@pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.parametrize("splits", [1, 2])
+def test_early_loads_match_reference(name, splits):
+    """The key loop with each block's K/V and the next block's pages loaded up front (the decode
+    default for head sizes up to 64) is as exact, windowed or not, split or not."""
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = SMALL[name]
+    step = make_step(query_lens, context_lens, 4, 2, 16, 16, torch.float32, device, seed=11)
+    tuning = dict(early_loads=True, block_n=16)  # several blocks per request, so the prefetch carries over
+    splits = splits if max(query_lens) == 1 else None
+    assert relative_error(*step, splits=splits, tuning=tuning) < 1e-5
+    assert relative_error(*step, window=8, splits=splits, tuning=tuning) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [2, 4, 8])
 def test_split_contexts_merge_exactly(splits):
     """Decode split over the context (more splits than some contexts have blocks) == unsplit."""
@@ -119,9 +133,10 @@ def test_split_contexts_merge_exactly(splits):
     assert relative_error(*step, window=50, splits=splits) < 1e-5
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (8, 1, 8)])
-def test_decode_stores_the_new_kv_and_attends_with_it(splits, heads, kv_heads, window):
+def test_decode_stores_the_new_kv_and_attends_with_it(splits, heads, kv_heads, window, early):
     """new_kv: the step's K/V, not in the pools yet (their slots hold garbage), are stored at the
     step's slots by the kernel and used for the newest key: the reference's result over the pools
     with them in, and those pools afterwards."""
@@ -140,7 +155,7 @@ def test_decode_stores_the_new_kv_and_attends_with_it(splits, heads, kv_heads, w
     keys[slots], values[slots] = float("nan"), float("nan")  # what the pools hold before the store
     expected = paged_attention_reference(query, full_k, full_v, meta, None, window)
     got = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, num_splits=splits,
-                                              new_kv=(new_k, new_v))
+                                              new_kv=(new_k, new_v), tuning=dict(early_loads=early, block_n=16))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(keys, full_k) and torch.equal(values, full_v)
     prefill = make_step([2], [2], heads, kv_heads, 16, 8, torch.float32, device)
