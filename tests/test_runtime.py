@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from models import left_pad, random_prompts, stock_generate, tiny_model
+from models import generated_rows, left_pad, random_prompts, stock_generate, tiny_model
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig
@@ -92,6 +92,40 @@ def test_training_between_calls_is_seen_by_the_next_call():
     assert not torch.equal(expected, stock_generate(tiny_model("llama"), PROMPTS, max_new_tokens=6))
     assert torch.equal(engine_generate(model, PROMPTS), expected)
     assert builds(model) == 1  # trained in place: the fused layout still holds the weights
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_first_call_under_inference_mode_leaves_nothing_that_breaks_later_calls(mode):
+    """What a call made under torch.inference_mode() builds and keeps (fused weights, pool, I/O
+    slots, the held Engine and its background loop) is made of normal tensors: later calls outside
+    it give stock's tokens, and the model still trains."""
+    model = fresh()
+    ids, mask = left_pad(PROMPTS)
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    with torch.inference_mode():
+        assert torch.equal(engine_generate(model, PROMPTS, mode=mode), expected)
+    assert torch.equal(engine_generate(model, PROMPTS, mode=mode), expected)
+    assert builds(model) == 1
+    loss = model(torch.tensor([PROMPTS[0]]), labels=torch.tensor([PROMPTS[0]])).loss
+    loss.backward()  # would fail on weights that are views of inference tensors
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+    other = fresh("qwen2")
+    ids, mask = left_pad(PROMPTS)
+    stock = other.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[2], pad_token_id=0,
+                           batching="off")
+    expected = generated_rows(stock, ids.shape[1], pad=0, eos=(2,))
+    rows = lambda outs: [o.output_token_ids for o in outs]  # noqa: E731
+    with torch.inference_mode():
+        engine = hf_async_cb.Engine(other, BatchingConfig(mode=mode, fuse_projections=True))
+        first = rows(engine.generate(PROMPTS, max_new_tokens=4, eos_token_ids=(2,)))
+        engine.start()
+    handle = engine.add_request(PROMPTS[0], max_new_tokens=4, eos_token_ids=(2,))
+    online = handle.result(timeout=60).output_token_ids
+    engine.shutdown(timeout=30)
+    later = rows(engine.generate(PROMPTS, max_new_tokens=4, eos_token_ids=(2,)))
+    engine.close()
+    assert first == later == expected and online == expected[0]
 
 
 def test_dtype_change_rebuilds():

@@ -126,13 +126,16 @@ class Engine:
     >>> outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=8)
     """
 
+    @torch.inference_mode(False)
     def __init__(self, model: torch.nn.Module, config: BatchingConfig | None = None,
                  max_pages_needed: int | None = None, tokenizer=None, *,
                  prepared: PreparedModel | None = None) -> None:
         """`max_pages_needed`: when the workload is known (generate), a pool sized from memory is
         capped at what it can use, so that a small call does not claim half the GPU.
         `prepared`: a model already prepared by a runtime that outlives this engine; the engine
-        then holds the model weakly and leaves the preparation to its owner."""
+        then holds the model weakly and leaves the preparation to its owner.
+        Built outside inference mode even when the caller is in it: the pool, graphs and fused
+        weights it keeps are written by later calls, and the model is trained after, possibly."""
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
@@ -314,6 +317,7 @@ class Engine:
         self.run(requests, mode)
         return [r.to_output() for r in requests]
 
+    @torch.inference_mode(False)  # (see __init__)
     def run(self, requests: list[Request], mode: str | None = None) -> None:
         """Drive the loop until every request in `requests` has finished."""
         if self._background is not None:
@@ -352,6 +356,7 @@ class Engine:
         seed = _random_seed()
         return seed if self.tensor_parallel is None else self.tensor_parallel.agree_seed(seed)
 
+    @torch.inference_mode(False)  # (see __init__)
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
         if self._background is not None:
@@ -419,6 +424,7 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @torch.inference_mode(False)  # (see __init__)
     def pipeline(self, mode: str) -> Pipeline:
         """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""
         if mode not in self._pipelines:

@@ -40,9 +40,11 @@ class ModelRunner:
     @contextlib.contextmanager
     def prepared(self, what: str = "generate", serving: bool = False) -> Iterator[None]:
         """The model's fused modules and the paged attention for one call (under the model's
-        guard: one engine call at a time); the model is stock again afterwards."""
+        guard: one engine call at a time); the model is stock again afterwards. Outside inference
+        mode even when the caller is in it: what the call allocates and keeps (pool growth, graph
+        buffers, I/O slots) must stay writable by later calls made outside it."""
         try:
-            with self.prepared_model.using(self.model, what=what, serving=serving):
+            with torch.inference_mode(False), self.prepared_model.using(self.model, what=what, serving=serving):
                 yield
         finally:
             self.cache.step = None

@@ -23,6 +23,7 @@ from hf_async_cb.generate.streaming import LockstepStreamer
 
 
 @torch.no_grad()
+@torch.inference_mode(False)  # what the runtime keeps (fused weights, pool, graphs) outlives the caller's mode
 def engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
     call = parse_call(model, mode, generation_config, arguments)
     options = call_options(model, call, generation_config)
