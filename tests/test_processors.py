@@ -8,6 +8,7 @@ import pytest
 import torch
 from models import left_pad, random_prompts, stock_generate, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
 
@@ -135,6 +136,39 @@ def test_user_stopping_criteria_stop_where_stock_does(mode, eos_candidates):
     criteria = StoppingCriteriaList([StopAfterToken(eos_candidates[0])])
     got, expected = both(model, prompts, mode, max_new_tokens=12, pad_token_id=0, stopping_criteria=criteria)
     assert torch.equal(got, expected)
+
+
+class LongerThan(MaxLengthCriteria):
+    """A subclass: stock keeps its own MaxLengthCriteria beside it and applies both."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["shorter", "longer", "subclass", "eos", "eos and min_new_tokens"])
+def test_callers_length_and_eos_criteria_replace_stocks_as_in_stock(case, mode, eos_candidates):
+    """The caller's own MaxLengthCriteria / EosTokenCriteria take the place of stock's (shorter or
+    longer than max_new_tokens, other EOS ids, beside min_new_tokens); a subclass runs beside them.
+    None is dropped: the rows stop where stock's do."""
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 2, 30, seed=31)  # (eos_candidates' prompts)
+    width = max(map(len, prompts))
+    eos = eos_candidates[0]
+    options = dict(pad_token_id=0, max_new_tokens=8, eos_token_id=eos_candidates[1])
+    if case == "shorter":
+        criteria = [MaxLengthCriteria(max_length=width + 3)]
+    elif case == "longer":  # stock's own max_length is dropped: the caller's is the only bound
+        criteria = [MaxLengthCriteria(max_length=width + 14)]
+    elif case == "subclass":
+        criteria = [LongerThan(max_length=width + 5)]
+    else:
+        criteria = [EosTokenCriteria(eos_token_id=eos)]
+        if case == "eos and min_new_tokens":
+            options["min_new_tokens"] = 4
+    got, expected = both(model, prompts, mode, stopping_criteria=StoppingCriteriaList(criteria), **options)
+    assert torch.equal(got, expected)
+    if case in ("shorter", "longer", "subclass"):
+        assert expected.shape[1] == width + {"shorter": 3, "longer": 14, "subclass": 5}[case]
+    else:  # some row stopped on the caller's EOS, which is not the GenerationConfig's
+        assert (expected[:, width:] == eos).any()
 
 
 def test_engine_api_takes_processors_and_criteria():

@@ -41,10 +41,17 @@ def call_options(model, call: GenerateCall, generation_config) -> CallOptions:
     """The SamplingParams of every request of the call, and stock's slow-path objects."""
     gc, input_ids, eos = call.gc, call.input_ids, call.eos
     max_new = max_new_tokens(model, gc, generation_config, call.kwargs, input_ids)
-    stock_processors, slow_processors, criteria, device_options = _slow_path(model, gc, input_ids, call.attention_mask,
-                                                                             call.arguments, call.tokenizer)
+    stock_processors, slow_processors, criteria, device_options, limits = _slow_path(
+        model, gc, input_ids, call.attention_mask, call.arguments, call.tokenizer)
     if criteria is not None:  # parse_call checked the known sources; this covers any other
         check_rows_stop_together(call, [type(c).__name__ for c in criteria])
+    if "max_length" in limits:  # the caller's MaxLengthCriteria, the only length bound stock then has
+        max_new = max(1, limits["max_length"] - input_ids.shape[1])  # (stock's loop makes one token at least)
+    if "eos" in limits and set(limits["eos"]) != set(eos):
+        # Stock stops on the caller's EosTokenCriteria ids, while min_length / min_new_tokens still
+        # hold back the GenerationConfig's: stock's own processors run those (the slow path).
+        slow_processors = slow_processors or bool(gc.min_new_tokens or gc.min_length)
+        eos = list(limits["eos"])
     processor = stock_processors if slow_processors else None
     neutral = slow_processors  # stock's processor list then holds the warpers too
     params = SamplingParams(
@@ -140,11 +147,23 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history (correct, but slower than the built-in sampling options).")
-    stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=arguments.get("stopping_criteria")
-                                         or StoppingCriteriaList(), tokenizer=tokenizer)
-    # Length and EOS are the engine's own; the rest is checked per request after each token.
-    extra = [c for c in stock if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options
+    user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
+    stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria, tokenizer=tokenizer)
+    # Length and EOS are the engine's own. The caller's own MaxLengthCriteria / EosTokenCriteria
+    # replace stock's (its merge keeps the caller's of the same type): their length and ids become
+    # the engine's. Everything else, subclasses of those two included, is checked per request after
+    # each token.
+    limits = {}
+    extra = []
+    for c in stock:
+        own = any(c is user for user in user_criteria)
+        if own and type(c) is MaxLengthCriteria:
+            limits["max_length"] = int(c.max_length)
+        elif own and type(c) is EosTokenCriteria:
+            limits["eos"] = tuple(int(t) for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist())
+        elif own or not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
+            extra.append(c)
+    return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options, limits
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:
