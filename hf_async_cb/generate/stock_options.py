@@ -146,7 +146,9 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
-                   "the request's full history (correct, but slower than the built-in sampling options).")
+                   "the request's full history, as a batch of one row (correct for processors that treat "
+                   "each row on its own, and slower than the built-in sampling options). A processor that "
+                   "treats rows by their index in the batch, or looks across rows, needs batching='off'.")
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria, tokenizer=tokenizer)
     # Length and EOS are the engine's own. The caller's own MaxLengthCriteria / EosTokenCriteria
