@@ -226,6 +226,17 @@ CUDA_GRAPHS_HELP = ("our paths: replay decode steps (greedy or seeded sampling),
                     "path eagerly)")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a usage error otherwise, not a traceback later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """The random-weights workload shared by bench and profile. Without `defaults`, the workload
     defaults depend on the device (bench.WORKLOADS)."""
@@ -236,13 +247,13 @@ def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> 
                   for k in WORKLOADS["cuda"]}
     p.add_argument("--shape", default=d.get("shape"), choices=sorted(SHAPES),
                    help="model shape, random weights" + ("" if d else " " + per_device["shape"]))
-    p.add_argument("--requests", type=int, default=d.get("requests"),
+    p.add_argument("--requests", type=positive_int, default=d.get("requests"),
                    help="requests in the workload" + ("" if d else " " + per_device["requests"]))
     serve = "" if d else ("; with --serve, the fixed length and the middle of the uniform range (1/2 to 3/2 of it; "
                           "sharegpt ignores it)")
-    p.add_argument("--prompt", type=int, default=d.get("prompt"),
+    p.add_argument("--prompt", type=positive_int, default=d.get("prompt"),
                    help="prompt tokens per request" + serve + ("" if d else " " + per_device["prompt"]))
-    p.add_argument("--new", type=int, default=d.get("new"),
+    p.add_argument("--new", type=positive_int, default=d.get("new"),
                    help="new tokens per request" + serve + ("" if d else " " + per_device["new"]))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help=CUDA_GRAPHS_HELP)
@@ -255,14 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="SmolLM2-135M on a few real prompts: stock generate vs sync vs async",
                        formatter_class=_HelpFormatter)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per prompt")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops",
                        formatter_class=_HelpFormatter)
     _workload_args(p)
     p.add_argument("--compare", default=None,
-                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, "
+                   help="paths, comma-separated; ours take ablation suffixes -ref, -unfused, -noew, -eager, -cublas, "
                         "-noprefill (default: stock,hf-cb-sync,hf-cb-async,sync,async, less the paths the device "
                         "cannot run, e.g. hf-cb-async on the CPU; with --mixed: sync,async; with --serve: "
                         "hf-cb-sync,hf-cb-async,sync,async, less what the device or transformers cannot run)")
@@ -270,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled decoding (temperature 0.8, top-p 0.95; ours seeded) instead of greedy, on every path")
     p.add_argument("--mixed", action="store_true",
                    help="prompts and outputs of 64..1024 tokens per request (our paths only)")
-    p.add_argument("--page-size", type=int, default=16, help="KV-cache page size of our paths")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
+    p.add_argument("--page-size", type=positive_int, default=16, help="KV-cache page size of our paths")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
                    help="token budget of a step of our paths (and of HF CB's on the CPU); default: the device's "
                         "(BatchingConfig.for_device: 8192 on a GPU of 70 GiB or more, 512 on the CPU)")
     p.add_argument("--mixed-prefill-tokens", type=int, default=None,

@@ -191,3 +191,11 @@ def test_bench_serve_prints_a_row_per_path(capsys, tmp_path):
                  ["--serve", "--rate", "0"]):
         with pytest.raises(SystemExit):
             cli.main(["bench", "--device", "cpu", *argv])
+
+
+@pytest.mark.parametrize("argv", [["--requests", "0"], ["--new", "0"], ["--prompt", "-3"], ["--requests", "2.5"]])
+def test_workload_sizes_below_one_are_usage_errors(argv, capsys):
+    """Sizes that cannot run are refused by the parser (exit 2, the flag named), not by a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", *argv])
+    assert stop.value.code == 2 and argv[0] in capsys.readouterr().err

@@ -59,6 +59,10 @@ def test_bad_arguments_are_refused():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="at least one device"):
         DataParallel(model, devices=[])
+    with pytest.raises(ValueError, match="a list of devices"):
+        DataParallel(model, devices="cpu")
+    with pytest.raises(ValueError, match="CPU or CUDA devices, got meta"):
+        DataParallel(model, devices=["cpu", "meta"])
     with DataParallel(model, devices=["cpu"]) as dp:
         with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
             dp.generate(PROMPTS[:3], [SamplingParams(), SamplingParams()])

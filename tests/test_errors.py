@@ -127,6 +127,10 @@ def test_right_padding_is_refused(model):
         gen(model, ids, attention_mask=torch.zeros_like(mask), max_new_tokens=2)
     with pytest.raises(ValueError, match="does not match"):
         gen(model, ids, attention_mask=mask[:, 1:], max_new_tokens=2)
+    # No mask passed and the pad id inside a prompt: the mask stock infers has a hole; the message
+    # says where that mask came from and what to do.
+    with pytest.raises(ValueError, match=r"inferred as input_ids != pad_token_id 0.*pass the attention_mask"):
+        gen(model, torch.tensor([[5, 0, 7, 8], [0, 0, 9, 10]]), max_new_tokens=2, pad_token_id=0)
 
 
 def test_bad_input_ids(model):

@@ -57,10 +57,15 @@ class DataParallel:
 
     def __init__(self, model: torch.nn.Module, devices: Sequence[str | torch.device],
                  config: BatchingConfig | None = None, tokenizer=None, *, workers: str | None = None) -> None:
+        if isinstance(devices, (str, torch.device, int)):
+            raise ValueError(f"DataParallel takes a list of devices, e.g. devices=['cuda:0', 'cuda:1'], got {devices!r}.")
         if not devices:
             raise ValueError("DataParallel needs at least one device.")
         self.config = config if config is not None else BatchingConfig()
         self.devices = [torch.device(d) for d in devices]
+        for d in self.devices:
+            if d.type not in ("cpu", "cuda"):
+                raise ValueError(f"DataParallel runs replicas on CPU or CUDA devices, got {d}.")
         if workers is None:
             workers = "processes" if len(self.devices) > 1 and any(d.type == "cuda" for d in self.devices) \
                 else "threads"

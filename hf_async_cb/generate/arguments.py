@@ -106,7 +106,9 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
 
     input_ids = check_input_ids(inputs, model)
     attention_mask = padding_mask(input_ids, model_kwargs.get("attention_mask"), gc)
-    prompts, prefixes = unpad(input_ids, attention_mask)
+    inferred = "" if model_kwargs.get("attention_mask") is not None else \
+        f" (inferred as input_ids != pad_token_id {gc.pad_token_id}, as stock does: none was passed)"
+    prompts, prefixes = unpad(input_ids, attention_mask, inferred)
     eos = token_list(gc.eos_token_id, "eos_token_id")
     pad = token_list(gc.pad_token_id, "pad_token_id")[:1]
     pad = pad[0] if pad else None
@@ -193,19 +195,21 @@ def padding_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
     return mask
 
 
-def unpad(input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+def unpad(input_ids: torch.Tensor, mask: torch.Tensor, inferred: str = "") -> tuple[list[list[int]], list[list[int]]]:
     """Left-padded rows -> (prompts, their padding). Right padding or holes would change the result:
-    refuse them."""
+    refuse them (`inferred`: how the mask was made, when the caller passed none)."""
     ids, keep = input_ids.tolist(), mask.bool().tolist()
     prompts, prefixes = [], []
     for row, (tokens, flags) in enumerate(zip(ids, keep)):
         if not any(flags):
-            raise ValueError(f"row {row} of attention_mask is all zeros: every prompt needs at least one token.")
+            raise ValueError(f"row {row} of attention_mask{inferred} is all zeros: every prompt needs at least one "
+                             "token.")
         first = flags.index(True)
         if not all(flags[first:]):
             raise ValueError(
-                f"row {row} of attention_mask has padding after its first token: batching needs left padding "
-                "(tokenizer.padding_side = 'left') and no holes."
+                f"row {row} of attention_mask{inferred} has padding after its first token: batching needs left "
+                "padding (tokenizer.padding_side = 'left') and no holes" +
+                (", so pass the attention_mask when a prompt holds the pad token." if inferred else ".")
             )
         prompts.append(tokens[first:])
         prefixes.append(tokens[:first])

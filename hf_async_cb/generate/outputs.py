@@ -17,22 +17,24 @@ def stock_output(call: GenerateCall, input_ids: torch.Tensor, requests: list[Req
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         steps = sequences.shape[1] - input_ids.shape[1]
+        device = input_ids.device  # stock's scores live beside its sequences
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
-            scores=_per_step([r.output_scores for r in requests], steps) if gc.output_scores else None,
-            logits=_per_step([r.output_logits for r in requests], steps) if gc.output_logits else None,
+            scores=_per_step([r.output_scores for r in requests], steps, device) if gc.output_scores else None,
+            logits=_per_step([r.output_logits for r in requests], steps, device) if gc.output_logits else None,
         )
     return sequences
 
 
-def _per_step(rows: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...]:
-    """Per-request lists of [V] tensors -> stock's tuple of [batch, V] per step. Steps after a row
-    finished hold NaN (stock computes values there from pad inputs; nobody should read them)."""
+def _per_step(rows: list[list[torch.Tensor]], steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per-request lists of [V] tensors (kept on the host) -> stock's tuple of [batch, V] per step,
+    on `device`. Steps after a row finished hold NaN (stock computes values there from pad inputs;
+    nobody should read them)."""
     vocab = next(len(r[0]) for r in rows if r)
     out = []
     for t in range(steps):
         filler = torch.full((vocab,), float("nan"))
-        out.append(torch.stack([r[t] if t < len(r) else filler for r in rows]))
+        out.append(torch.stack([r[t] if t < len(r) else filler for r in rows]).to(device))
     return tuple(out)
 
 
