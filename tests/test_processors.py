@@ -171,6 +171,53 @@ def test_callers_length_and_eos_criteria_replace_stocks_as_in_stock(case, mode, 
         assert (expected[:, width:] == eos).any()
 
 
+class PerRow(LogitsProcessor):
+    """Forces token 10 + i on row i of the batch: stock's rows differ by their index."""
+
+    def __call__(self, input_ids, scores):
+        out = torch.full_like(scores, -float("inf"))
+        out[torch.arange(len(scores)), 10 + torch.arange(len(scores))] = 0
+        return out
+
+
+class ForBatchOfThree(LogitsProcessor):
+    """A per-row bias built for the caller's batch size (a batch of one broadcasts it)."""
+
+    def __init__(self):
+        self.bias = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+
+    def __call__(self, input_ids, scores):
+        return scores + self.bias
+
+
+class NaNsAndInfs(LogitsProcessor):
+    """Row-independent, with NaN and -inf in every row: not a row-index processor."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, :5] = float("nan")
+        scores[:, 5:10] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_processors_that_treat_rows_by_index_are_refused_before_any_work(mode):
+    """The engine calls processors one row at a time: one that treats rows by their index, or was
+    built for one batch size, would give other tokens than stock, so it is refused up front (probed
+    once on copies of one row); row-independent ones, NaN and -inf included, run."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 2, 9, seed=17)
+    for processor in (PerRow(), ForBatchOfThree()):
+        with pytest.raises(ValueError, match=f"{type(processor).__name__} treats the rows of a batch differently"):
+            both(model, prompts, mode, max_new_tokens=3, logits_processor=LogitsProcessorList([processor]))
+    ids, mask = left_pad(prompts[:1])  # a batch of one: nothing to tell apart, and stock's tokens
+    one = LogitsProcessorList([PerRow()])
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=one, batching=mode),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=one, batching="off"))
+    got, expected = both(model, prompts, mode, max_new_tokens=3, logits_processor=LogitsProcessorList([NaNsAndInfs()]))
+    assert torch.equal(got, expected)
+
+
 def test_engine_api_takes_processors_and_criteria():
     model = tiny_model("gpt2")
     prompts = random_prompts(3, 2, 8, seed=34)

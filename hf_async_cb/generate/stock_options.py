@@ -144,11 +144,13 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             device_options["bad_words_ids"] = tuple(p.sequence_bias)
         elif isinstance(p, SequenceBiasLogitsProcessor):
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
+    if len(user_processors) and input_ids.shape[0] > 1:
+        _check_rows_alike(user_processors, input_ids, model)
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
                    "each row on its own, and slower than the built-in sampling options). A processor that "
-                   "treats rows by their index in the batch, or looks across rows, needs batching='off'.")
+                   "looks across the rows of the batch needs batching='off'.")
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria, tokenizer=tokenizer)
     # Length and EOS are the engine's own. The caller's own MaxLengthCriteria / EosTokenCriteria
@@ -166,6 +168,32 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         elif own or not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
             extra.append(c)
     return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options, limits
+
+
+def _check_rows_alike(processors, input_ids: torch.Tensor, model) -> None:
+    """The engine calls a request's processors on its own row (a batch of one). Before any work,
+    call each of the caller's processors once on the call's batch size made of copies of one row
+    (its ids, random scores): one that gives the copies different scores, or another shape,
+    treats rows by their index in the batch (or was built for one batch size), and would give
+    other tokens than stock on the engine: refused. One that raises on the probe is left to the
+    real calls (which fail their request with its error)."""
+    batch = input_ids.shape[0]
+    vocab = model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
+        else model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    row_scores = torch.randn(1, vocab, generator=g).to(input_ids.device)
+    ids = input_ids[:1].expand(batch, -1).clone()
+    for processor in processors:
+        try:
+            out = processor(ids, row_scores.expand(batch, -1).clone())
+        except Exception:  # noqa: BLE001 (no conclusion; the real calls will tell)
+            continue
+        if not isinstance(out, torch.Tensor) or out.shape != (batch, vocab) or \
+                not torch.isclose(out, out[:1].expand_as(out), rtol=0, atol=0, equal_nan=True).all():
+            raise ValueError(
+                f"logits processor {type(processor).__name__} treats the rows of a batch differently (called on "
+                f"{batch} copies of one row, it did not give {batch} equal rows of scores): the engine calls "
+                "processors one row at a time, so it would not give stock's tokens. Use batching='off' for it.")
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:
