@@ -189,3 +189,28 @@ def test_replicas_refill_as_requests_finish_and_recover_from_an_error(workers):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             dp.generate([[1, 2, 3], [5, 10**6]], max_new_tokens=2)
         assert _tokens(dp.generate(prompts, params)) == expected
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_replicas_follow_the_model_when_it_is_trained(workers):
+    """An RL loop: rollouts, a training step on the model, rollouts. Replicas are copies (other
+    devices, fused tensors), so a call after the model's weights changed first copies them into
+    every replica: the tokens are those of one Engine on the trained model. Unchanged weights are
+    not copied again."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    config = BatchingConfig(fuse_projections=True)
+    with DataParallel(model, devices=["cpu", "cpu"], config=config, workers=workers) as dp:
+        before = _tokens(dp.generate(PROMPTS, max_new_tokens=6))
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == before and dp.weight_syncs == 0
+        optimizer = torch.optim.SGD(model.parameters(), lr=2.0)
+        ids = torch.tensor([PROMPTS[0]])
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        model.eval()
+        expected = _tokens(Engine(copy.deepcopy(model), config).generate(PROMPTS, max_new_tokens=6))
+        assert expected != before  # the step changed the greedy tokens
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 1
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 1

@@ -91,6 +91,9 @@ class DataParallel:
             raise
         self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
         self._calls = threading.Lock()  # one call at a time: a call owns the replicas (and their pipes)
+        self.model = model
+        self._weights_seen = weights_fingerprint(model)
+        self.weight_syncs = 0  # how many times the replicas took the model's new weights
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, mode: str | None = None, logits_processor=None, stopping_criteria=None,
@@ -99,6 +102,7 @@ class DataParallel:
         `num_return_sequences` copies next to each other, all on one replica, sharing its prompt).
         Calls from several threads take turns."""
         with self._calls:
+            self._follow_the_model()
             return self._generate(prompts, params, mode=mode, logits_processor=logits_processor,
                                   stopping_criteria=stopping_criteria, num_return_sequences=num_return_sequences,
                                   **param_kwargs)
@@ -272,6 +276,25 @@ class DataParallel:
             seeded[i] = dataclasses.replace(per_prompt[i], seed=derive_seed(base, i))
         return seeded
 
+    def _follow_the_model(self) -> None:
+        """Replicas are copies (on other devices, and fused wherever they run): when the model's
+        weights changed since the last call (trained in place, or weights assigned), copy them into
+        every replica first, so that a call always generates with the model as it is now, as one
+        Engine on the model would (an RL loop of rollouts and training steps)."""
+        seen = weights_fingerprint(self.model)
+        if seen == self._weights_seen:
+            return
+        weights = [p.detach() for p in self.model.parameters()]
+        for engine in self.engines:
+            if engine.model is not self.model:  # (the model's own engine reads its weights)
+                copy_weights(engine.model, weights)
+        for replica in self.replicas:  # CUDA IPC / shared memory: no copy until each replica's own
+            replica.send(("weights", weights))
+        for replica in self.replicas:
+            replica.result()
+        self._weights_seen = weights_fingerprint(self.model)  # (sending CPU tensors may move them to shared memory)
+        self.weight_syncs += 1
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
@@ -284,6 +307,24 @@ class DataParallel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter is written in place (its version counter) or replaced (its
+    storage): cheap enough to check on every call."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.shape) for p in model.parameters())
+
+
+@torch.no_grad()
+def copy_weights(replica: torch.nn.Module, weights: list[torch.Tensor]) -> None:
+    """Copy `weights` (the model's parameters, in order) into the replica's parameters in place: a
+    replica's weights are views of its fused tensors, which see the new values without a rebuild."""
+    params = list(replica.parameters())
+    if len(params) != len(weights) or any(p.shape != w.shape for p, w in zip(params, weights)):
+        raise ValueError("the model's parameters no longer match its replicas' (a layer added, removed or "
+                         "resized): build a new DataParallel.")
+    for p, w in zip(params, weights):
+        p.copy_(w)
 
 
 class _Feeder:

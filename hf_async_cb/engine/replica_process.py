@@ -18,8 +18,8 @@ never waited on forever.
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 from hf_async_cb.config import BatchingConfig
 
 _POLL_S = 0.5  # how often a waiting caller checks that the worker is alive
-_WATCH_S = 0.002  # how often a streaming worker looks for finished requests
 
 
 class ReplicaError(RuntimeError):
@@ -57,6 +56,15 @@ def _serve(conn: Connection, model: torch.nn.Module, device: torch.device, confi
             if message[0] == "stream":
                 _stream(conn, engine, *message[1:])
                 continue
+            if message[0] == "weights":  # the model's new weights (DataParallel._follow_the_model)
+                try:
+                    from hf_async_cb.engine.data_parallel import copy_weights
+
+                    copy_weights(engine.model, message[1])
+                    conn.send(("ok", None))
+                except BaseException as e:  # noqa: BLE001 (sent back to the caller)
+                    conn.send(("error", _portable(e)))
+                continue
             _, args, kwargs = message
             try:
                 conn.send(("ok", engine.generate(*args, **kwargs)))
@@ -74,9 +82,8 @@ def _stream(conn: Connection, engine, mode: str | None, batch: list, options: di
     each request's output goes back as ("done", key, output) the moment it finishes (("failed", key,
     error) if it could not run). ("end",) waits for what is running and ends the call, ("abort",)
     cancels it; either way ("ended", None) comes last."""
-    handles: dict = {}
-    lock = threading.Lock()  # over `handles`, and over the pipe's sending end
-    ending = threading.Event()
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # (key, handle) as requests end; None: the call ended
+    lock = threading.Lock()  # over the pipe's sending end
 
     def send(message) -> None:
         with lock:
@@ -89,24 +96,15 @@ def _stream(conn: Connection, engine, mode: str | None, batch: list, options: di
             except Exception as e:  # noqa: BLE001 (sent back to the caller)
                 send(("failed", key, _portable(e)))
                 continue
-            with lock:
-                handles[key] = handle
+            handle.add_done_callback(lambda h, key=key: finished.put((key, h)))
 
-    def watch() -> None:  # sends each finished request's output, until the call ends and none is left
-        while True:
-            with lock:
-                finished = [(key, h) for key, h in handles.items() if h.done]
-                for key, _ in finished:
-                    del handles[key]
-                idle = not handles
-            for key, handle in finished:
-                try:
-                    send(("done", key, handle.result()))
-                except Exception as e:  # noqa: BLE001 (a request whose processor or criterion raised)
-                    send(("failed", key, _portable(e)))
-            if idle and ending.is_set():
-                return
-            time.sleep(_WATCH_S)
+    def watch() -> None:  # sends each finished request's output as it ends, until the call has ended
+        while (item := finished.get()) is not None:
+            key, handle = item
+            try:
+                send(("done", key, handle.result()))
+            except Exception as e:  # noqa: BLE001 (a request whose processor or criterion raised)
+                send(("failed", key, _portable(e)))
 
     engine.start(mode)
     watcher = threading.Thread(target=watch, name="hf_async_cb-replica-watch", daemon=True)
@@ -123,9 +121,9 @@ def _stream(conn: Connection, engine, mode: str | None, batch: list, options: di
             else:  # "end": the caller sends it once nothing of its is outstanding here
                 break
     finally:
-        ending.set()
+        engine.shutdown(cancel=True)  # every request has ended, its callback run, when this returns
+        finished.put(None)
         watcher.join()
-        engine.shutdown(cancel=True)
         try:
             send(("ended", None))
         except OSError:  # the caller is gone
