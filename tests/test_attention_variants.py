@@ -399,6 +399,7 @@ def test_attention_variants_compile_for_sm90():
                     BLOCK_Q=1, BLOCK_M=16, BLOCK_N=32, NUM_SPLITS=4, HAS_WINDOW=True, HAS_SOFTCAP=True,
                     HAS_SINKS=True, HAS_ALIBI=True, IEEE=False)
     assert_compiles_for_sm90([("hf_async_cb.kernels.paged_attention", "_paged_attention_kernel", signature,
-                               dict(variants, DECODE=decode, NEW_KV=new))
-                              for decode, new in ((False, False), (True, False), (True, True))],
+                               dict(variants, DECODE=decode, NEW_KV=new, EARLY_LOADS=early))
+                              for decode, new, early in ((False, False, False), (True, False, True), (True, True, False),
+                                                         (True, True, True))],
                              options={"num_warps": 4, "num_stages": 1})
