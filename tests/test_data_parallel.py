@@ -214,3 +214,7 @@ def test_replicas_follow_the_model_when_it_is_trained(workers):
         assert expected != before  # the step changed the greedy tokens
         assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 1
         assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 1
+        for p in model.parameters():  # written through .data (EMA-style code): no version counter moves
+            p.data.mul_(1.25)
+        expected = _tokens(Engine(copy.deepcopy(model), config).generate(PROMPTS, max_new_tokens=6))
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 2
