@@ -52,6 +52,32 @@ def test_learned_positions_cannot_be_exceeded():
         Engine(gpt2, BatchingConfig(mode="sync")).generate([[5] * 500], max_new_tokens=20)
 
 
+@pytest.mark.parametrize("family", ["opt", "biogpt", "ctrl", "gpt_bigcode"])
+def test_every_fixed_position_table_is_a_limit_up_front(family):
+    """Position tables other than GPT-2's wpe (OPT's and BioGPT's embed_positions, CTRL's
+    pos_encoding) are limits too: a request running past one is refused before any work, so it
+    cannot fail a step that other requests share (stock raises IndexError mid-run); one that
+    ends at the table's last position runs."""
+    from model_configs import tiny_model as sweep_model
+
+    from hf_async_cb.model.checks import has_learned_positions, max_positions
+
+    model, why = sweep_model(family)
+    assert model is not None, why
+    assert has_learned_positions(model)
+    limit = max_positions(model.config)
+    engine = Engine(model, BatchingConfig(mode="sync"))
+    with pytest.raises(ValueError, match="learned positions"):
+        engine.generate([[5] * (limit - 5)], max_new_tokens=20)
+    assert len(engine.generate([[5] * (limit - 5)], max_new_tokens=6)[0].output_token_ids) == 6
+
+
+def test_rope_and_alibi_models_have_no_position_table():
+    from hf_async_cb.model.checks import has_learned_positions
+
+    assert not has_learned_positions(tiny_model("llama")) and not has_learned_positions(tiny_model("qwen2"))
+
+
 @pytest.mark.parametrize("value", [0, -3])
 def test_max_new_tokens_must_be_positive(engine, model, value):
     with pytest.raises(ValueError, match="max_new_tokens"):

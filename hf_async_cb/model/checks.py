@@ -76,5 +76,16 @@ def max_positions(config) -> int | None:
 
 
 def has_learned_positions(model: torch.nn.Module) -> bool:
-    """Absolute position tables (GPT-2's wpe) cannot go past their length, unlike RoPE."""
-    return getattr(getattr(model, "transformer", None), "wpe", None) is not None
+    """Whether the model looks positions up in a fixed table (GPT-2's wpe, OPT's and BioGPT's
+    embed_positions, CTRL's pos_encoding), which cannot go past its length, unlike RoPE or ALiBi:
+    an embedding other than the token one whose name speaks of positions, or a fixed position
+    encoding tensor. (Sinusoidal tables that grow on demand, XGLM's, are modules of their own kind,
+    not embeddings, and are not limits.)"""
+    tokens = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, torch.nn.Embedding) and module is not tokens and ("pos" in leaf or leaf == "wpe"):
+            return True
+        if isinstance(getattr(module, "pos_encoding", None), torch.Tensor):
+            return True
+    return False
