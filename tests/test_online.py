@@ -363,3 +363,29 @@ def test_a_loop_that_stops_outside_a_step_fails_every_waiting_caller(monkeypatch
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request([5, 6], max_new_tokens=2)
     engine.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_a_script_that_ends_while_the_loop_serves_exits_cleanly(ending, tmp_path):
+    """The interpreter exiting in the middle of the loop's work (the script returns, or dies of an
+    error) cancels and joins the loop first: exit code 0 (1 with the script's traceback), never a
+    process abort from torch's threads torn down mid-step."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve_and_leave.py"
+    script.write_text(
+        "import sys, time\n"
+        "from models import random_prompts, tiny_model\n"
+        "from hf_async_cb import BatchingConfig, Engine\n"
+        "engine = Engine(tiny_model('llama'), BatchingConfig(mode='async'))\n"
+        "engine.start()\n"
+        "handles = [engine.add_request(p, max_new_tokens=400) for p in random_prompts(8, 50, 50, seed=1)]\n"
+        "time.sleep(0.3)\n"
+        + ("raise RuntimeError('the script failed')\n" if ending == "raise" else "print('done')\n"))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == (1 if ending == "raise" else 0), result.stderr[-2000:]
+    assert "terminate called" not in result.stderr

@@ -21,6 +21,7 @@ attention back and ends.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
@@ -302,6 +303,20 @@ class _Worker:
         self.active.clear()
 
 
+_RUNNING: "weakref.WeakSet[BackgroundLoop]" = weakref.WeakSet()  # loops whose thread runs
+
+
+@atexit.register
+def _stop_running_loops() -> None:
+    """At interpreter exit, cancel and join the loops still running. A loop thread (a daemon) left
+    in the middle of a step when the interpreter finalises takes torch's threads down with it
+    (the process aborts: "terminate called without an active exception")."""
+    for loop in list(_RUNNING):
+        loop._worker.request_stop(True)
+    for loop in list(_RUNNING):
+        loop.thread.join(10)
+
+
 class BackgroundLoop:
     """The engine's side of the loop thread: submit, abort, stop."""
 
@@ -315,6 +330,7 @@ class BackgroundLoop:
 
     def start(self) -> None:
         self.thread.start()
+        _RUNNING.add(self)
 
     def submit(self, handle: RequestHandle) -> None:
         worker = self._worker
@@ -335,4 +351,5 @@ class BackgroundLoop:
         stopped = not self.thread.is_alive()
         if stopped:
             self._on_collected.detach()
+            _RUNNING.discard(self)
         return stopped
