@@ -12,6 +12,15 @@ from hf_async_cb.engine.data_parallel import balance
 PROMPTS = random_prompts(9, 3, 40, seed=21)
 
 
+class RaisesKeyError:
+    """A logits processor that fails on its request's third step (top level: it pickles)."""
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[-1] > 2 + 3:
+            raise KeyError("no such entry")
+        return scores
+
+
 def _tokens(outputs):
     return [o.output_token_ids for o in outputs]
 
@@ -218,3 +227,31 @@ def test_replicas_follow_the_model_when_it_is_trained(workers):
             p.data.mul_(1.25)
         expected = _tokens(Engine(copy.deepcopy(model), config).generate(PROMPTS, max_new_tokens=6))
         assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 2
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_errors_keep_their_type_and_a_closed_one_says_so(workers):
+    """A request's own error (here a logits processor's KeyError) is raised as one Engine raises it,
+    not wrapped; a call after close() is a clear error; close() during a call on another thread
+    lets the call end first."""
+    import threading
+
+    model = tiny_model("llama")
+    prompts = [[5, 6]] * 4
+    with pytest.raises(KeyError, match="no such entry"):
+        Engine(model).generate(prompts, max_new_tokens=6, logits_processor=RaisesKeyError())
+    dp = DataParallel(model, devices=["cpu", "cpu"], workers=workers)
+    with pytest.raises(KeyError, match="no such entry"):
+        dp.generate(prompts, max_new_tokens=6, logits_processor=RaisesKeyError())
+    expected = _tokens(Engine(model).generate(PROMPTS, max_new_tokens=30))
+    results = []
+    call = threading.Thread(target=lambda: results.append(_tokens(dp.generate(PROMPTS, max_new_tokens=30))))
+    call.start()
+    while not dp._calls.locked() and call.is_alive():
+        pass
+    dp.close()  # waits for the call in flight
+    call.join(60)
+    assert results == [expected]
+    with pytest.raises(RuntimeError, match="closed"):
+        dp.generate(PROMPTS, max_new_tokens=3)
+    dp.close()  # again: nothing to do

@@ -389,3 +389,23 @@ def test_a_script_that_ends_while_the_loop_serves_exits_cleanly(ending, tmp_path
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == (1 if ending == "raise" else 0), result.stderr[-2000:]
     assert "terminate called" not in result.stderr
+
+
+def test_params_given_twice_or_of_the_wrong_type_are_refused():
+    """add_request and generate refuse params beside keyword options (nothing silently dropped),
+    and params that are not SamplingParams, naming what is expected."""
+    engine = Engine(own_model(), BatchingConfig(mode="sync"))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate([[5, 6]], {"max_new_tokens": 3})
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate([[5, 6]], 3)
+    with pytest.raises(TypeError, match=r"params\[1\] is a dict"):
+        engine.generate([[5, 6], [7]], [SamplingParams(), {"max_new_tokens": 3}])
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match="not both"):
+            engine.add_request([5, 6], SamplingParams(max_new_tokens=2), max_new_tokens=3, do_sample=True)
+        with pytest.raises(TypeError, match="SamplingParams"):
+            engine.add_request([5, 6], {"max_new_tokens": 3})
+    finally:
+        engine.shutdown(timeout=10)

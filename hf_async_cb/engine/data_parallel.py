@@ -72,6 +72,8 @@ class DataParallel:
         if workers not in ("processes", "threads"):
             raise ValueError(f"DataParallel workers must be 'processes' or 'threads', got {workers!r}.")
         self.workers = workers
+        self._calls = threading.Lock()  # one call at a time: a call owns the replicas (and their pipes)
+        self._closed = False
         self.engines: list[Engine] = []  # the thread replicas' engines
         self.replicas: list[ProcessReplica] = []  # the process replicas
         try:
@@ -90,7 +92,6 @@ class DataParallel:
             self.close()
             raise
         self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
-        self._calls = threading.Lock()  # one call at a time: a call owns the replicas (and their pipes)
         self.model = model
         self._weights_seen = weights_fingerprint(model)
         self.weight_syncs = 0  # how many times the replicas took the model's new weights
@@ -102,6 +103,8 @@ class DataParallel:
         `num_return_sequences` copies next to each other, all on one replica, sharing its prompt).
         Calls from several threads take turns."""
         with self._calls:
+            if self._closed:
+                raise RuntimeError("this DataParallel is closed: build a new one.")
             self._follow_the_model()
             return self._generate(prompts, params, mode=mode, logits_processor=logits_processor,
                                   stopping_criteria=stopping_criteria, num_return_sequences=num_return_sequences,
@@ -210,7 +213,9 @@ class DataParallel:
                     continue
                 waiting -= 1
                 feeder.held[r] -= 1
-                outputs[key] = handle.result()  # raises a request's own error
+                if handle.error is not None:  # the request's own error, as one Engine raises it
+                    raise handle.error
+                outputs[key] = handle.result()
                 if feeder.pending:
                     submit(r, feeder.take(r))
         except BaseException as e:
@@ -296,11 +301,14 @@ class DataParallel:
         self.weight_syncs += 1
 
     def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
-        for replica in self.replicas:
-            replica.close()
-        self.replicas = []
+        """Close every replica (idempotent). A call in flight on another thread ends first."""
+        with self._calls:
+            self._closed = True
+            for engine in self.engines:
+                engine.close()
+            for replica in self.replicas:
+                replica.close()
+            self.replicas = []
 
     def __enter__(self) -> "DataParallel":
         return self

@@ -27,6 +27,7 @@ from hf_async_cb.engine.requests import (
     RequestStatus,
     SamplingParams,
     as_token_lists,
+    one_params,
     params_per_prompt,
 )
 from hf_async_cb.engine.runner import ModelRunner
@@ -383,8 +384,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs Engine(..., tokenizer=...); or pass token ids.")
             prompt = self.tokenizer(prompt)["input_ids"]
-        if params is None:
-            params = SamplingParams(**param_kwargs)
+        params = one_params(params, param_kwargs)
         request = self.make_request(prompt, params, logits_processor=logits_processor,
                                     stopping_criteria=stopping_criteria, on_token=on_token)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))

@@ -101,10 +101,10 @@ def _stream(conn: Connection, engine, mode: str | None, batch: list, options: di
     def watch() -> None:  # sends each finished request's output as it ends, until the call has ended
         while (item := finished.get()) is not None:
             key, handle = item
-            try:
+            if handle.error is not None:  # a request whose processor or criterion raised: its own error
+                send(("failed", key, _portable(handle.error)))
+            else:
                 send(("done", key, handle.result()))
-            except Exception as e:  # noqa: BLE001 (a request whose processor or criterion raised)
-                send(("failed", key, _portable(e)))
 
     engine.start(mode)
     watcher = threading.Thread(target=watch, name="hf_async_cb-replica-watch", daemon=True)

@@ -377,7 +377,27 @@ def params_per_prompt(prompts: Sequence, params, param_kwargs: dict) -> list:
         params = SamplingParams(**param_kwargs)
     elif param_kwargs:
         raise ValueError("pass either params or keyword sampling arguments, not both.")
-    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    if isinstance(params, (dict, str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(f"params must be a SamplingParams or a list of them (one per prompt), got "
+                        f"{type(params).__name__}; or pass the options as keywords (max_new_tokens=..., ...).")
+    per_prompt = list(params)
     if len(per_prompt) != len(prompts):
         raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts.")
+    for i, p in enumerate(per_prompt):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a SamplingParams.")
     return per_prompt
+
+
+def one_params(params, param_kwargs: dict) -> "SamplingParams":
+    """add_request's SamplingParams: `params`, or one built from the keyword arguments (not both)."""
+    if params is None:
+        return SamplingParams(**param_kwargs)
+    if param_kwargs:
+        raise ValueError("pass either params or keyword sampling arguments, not both.")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}; or pass the options as "
+                        "keywords (max_new_tokens=..., ...).")
+    return params
