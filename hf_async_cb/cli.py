@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 
 import torch
@@ -237,6 +238,51 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """An argparse type: a device torch knows and this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"runs on cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available on this machine (this torch build or its driver)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def writable_file(text: str) -> str:
+    """An argparse type: a file path whose folder exists (checked before a long run, not after)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
+    return text
+
+
 def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """The random-weights workload shared by bench and profile. Without `defaults`, the workload
     defaults depend on the device (bench.WORKLOADS)."""
@@ -255,7 +301,7 @@ def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> 
                    help="prompt tokens per request" + serve + ("" if d else " " + per_device["prompt"]))
     p.add_argument("--new", type=positive_int, default=d.get("new"),
                    help="new tokens per request" + serve + ("" if d else " " + per_device["new"]))
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help=CUDA_GRAPHS_HELP)
 
 
@@ -267,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="SmolLM2-135M on a few real prompts: stock generate vs sync vs async",
                        formatter_class=_HelpFormatter)
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per prompt")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=demo)
     p = sub.add_parser("bench", help="one workload on random weights through stock, HF CB and our loops",
                        formatter_class=_HelpFormatter)
@@ -285,14 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=positive_int, default=None,
                    help="token budget of a step of our paths (and of HF CB's on the CPU); default: the device's "
                         "(BatchingConfig.for_device: 8192 on a GPU of 70 GiB or more, 512 on the CPU)")
-    p.add_argument("--mixed-prefill-tokens", type=int, default=None,
+    p.add_argument("--mixed-prefill-tokens", type=positive_int, default=None,
                    help="at most this many prompt tokens in a step that also decodes (BatchingConfig."
                         "mixed_prefill_tokens); default: no cap, the whole step budget")
     p.add_argument("--breakdown", action="store_true",
                    help="profile our async loop instead: kernel time per step by kind (GEMMs, attention, the rest) "
                         "and each GEMM shape's achieved TB/s")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
-    p.add_argument("--json", default=None, help="also write the full report here")
+    p.add_argument("--json", type=writable_file, default=None, help="also write the full report here")
     p.add_argument("--serve", action="store_true",
                    help="the serving benchmark instead (tools/serving.py): requests arriving over time at a "
                         "held engine, a row per path with throughput and TTFT, ITL and E2E latency percentiles")
@@ -305,13 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", default=None, choices=WARMUPS,
                    help="with --serve: before the timed run, replay its workload once (keeps graph captures out "
                         "of it) or send a few short requests (default: replay)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=non_negative_int, default=None,
                    help="with --serve: seed of the arrivals, lengths and prompt tokens (default: 0)")
     p.set_defaults(func=bench)
     p = sub.add_parser("profile", help="CPU and GPU timeline of the sync and async loops, as a PNG",
                        formatter_class=_HelpFormatter)
     _workload_args(p, dict(shape="tiny", requests=16, prompt=32, new=32))
-    p.add_argument("--last-ms", type=float, default=None, help="draw only the last N ms of each run")
+    p.add_argument("--last-ms", type=positive_float, default=None, help="draw only the last N ms of each run")
     p.add_argument("--out", default="timeline.png", help="the PNG to write")
     p.set_defaults(func=profile)
     return parser

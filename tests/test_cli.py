@@ -193,9 +193,12 @@ def test_bench_serve_prints_a_row_per_path(capsys, tmp_path):
             cli.main(["bench", "--device", "cpu", *argv])
 
 
-@pytest.mark.parametrize("argv", [["--requests", "0"], ["--new", "0"], ["--prompt", "-3"], ["--requests", "2.5"]])
+@pytest.mark.parametrize("argv", [["--requests", "0"], ["--new", "0"], ["--prompt", "-3"], ["--requests", "2.5"],
+                                  ["--mixed-prefill-tokens", "0"], ["--seed", "-1"], ["--device", "foo"],
+                                  ["--device", "tpu"], ["--json", "/nonexistent/folder/report.json"]])
 def test_workload_sizes_below_one_are_usage_errors(argv, capsys):
-    """Sizes that cannot run are refused by the parser (exit 2, the flag named), not by a traceback."""
+    """Values that cannot run are refused by the parser (exit 2, the flag named), not by a traceback
+    (nor, for --json, after the whole run)."""
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", *argv])
     assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
