@@ -409,3 +409,35 @@ def test_params_given_twice_or_of_the_wrong_type_are_refused():
             engine.add_request([5, 6], {"max_new_tokens": 3})
     finally:
         engine.shutdown(timeout=10)
+
+
+def test_a_handle_is_aborted_only_by_its_engine_and_off_is_not_an_engine_mode():
+    first, second = Engine(own_model(), BatchingConfig(mode="async")), Engine(own_model(), BatchingConfig(mode="async"))
+    with pytest.raises(ValueError, match="'sync' or 'async'"):
+        first.generate([[5, 6]], max_new_tokens=2, mode="off")
+    first.start()
+    second.start()
+    try:
+        handle = first.add_request([5, 6, 7], max_new_tokens=8)
+        with pytest.raises(ValueError, match="not added to this engine"):
+            second.abort(handle)
+        assert len(handle.result(timeout=30).output_token_ids) == 8  # untouched
+    finally:
+        first.shutdown(timeout=30)
+        second.shutdown(timeout=30)
+
+
+def test_a_callback_raising_on_the_last_token_aborts_the_request_all_the_same():
+    engine = Engine(own_model(), BatchingConfig(mode="sync"))
+    engine.start()
+    try:
+        def on_token(request, token):
+            if len(request.output_token_ids) == 3:
+                raise ValueError("callback failed")
+
+        handle = engine.add_request([5, 6, 7], max_new_tokens=3, on_token=on_token)
+        with pytest.raises(RuntimeError, match="callback failed"):
+            handle.result(timeout=30)
+        assert handle.request.finish_reason is FinishReason.ABORTED
+    finally:
+        engine.shutdown(timeout=30)

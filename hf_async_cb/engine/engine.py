@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -323,7 +324,7 @@ class Engine:
         """Drive the loop until every request in `requests` has finished."""
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
-        loop = self.pipeline(resolve_mode(mode or self.config.mode) or self.config.mode)
+        loop = self.pipeline(self._mode(mode))
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
         seed_requests(requests, self.config.seed, draw=self._draw_seed)
@@ -351,6 +352,17 @@ class Engine:
                     raise explained from error
                 raise
 
+    def _mode(self, mode: str | None) -> str:
+        """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its
+        loops: "off" (stock generate) is a model.generate(batching="off") matter, refused here."""
+        if mode is None:
+            return self.config.mode
+        resolved = resolve_mode(mode)
+        if resolved is None:
+            raise ValueError(f"an Engine runs mode 'sync' or 'async', got {mode!r} (stock generate is "
+                             "model.generate(..., batching='off')).")
+        return resolved
+
     # -- online API ---------------------------------------------------------------------------
     def _draw_seed(self) -> int:
         """An engine seed from torch's generator; rank 0's on a tensor-parallel model."""
@@ -365,7 +377,7 @@ class Engine:
         if self.tensor_parallel is not None:
             raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
-        self._background = BackgroundLoop(self, resolve_mode(mode or self.config.mode) or self.config.mode)
+        self._background = BackgroundLoop(self, self._mode(mode))
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
         self._background.start()
@@ -389,11 +401,15 @@ class Engine:
                                     stopping_criteria=stopping_criteria, on_token=on_token)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))
         handle = RequestHandle(request)
+        handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
         self._background.submit(handle)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request; it ends with FinishReason.ABORTED and the tokens it had."""
+        owner = getattr(handle, "_engine", None)
+        if owner is None or owner() is not self:
+            raise ValueError(f"request {getattr(handle, 'request_id', handle)!r} was not added to this engine.")
         if self._background is not None:
             self._background.abort(handle)
 

@@ -222,6 +222,8 @@ class Pipeline:
         req.error = error
         if not req.is_finished:
             self.scheduler.finish(req, RequestStatus.ABORTED)
-            req.finish_reason = FinishReason.ABORTED
             finished.append(req)
+        else:  # its last token's callback raised, after the token had ended it: aborted all the same
+            req.status = RequestStatus.ABORTED
+        req.finish_reason = FinishReason.ABORTED
         self.faults.append(req)
