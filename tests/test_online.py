@@ -360,7 +360,7 @@ def test_a_loop_that_stops_outside_a_step_fails_every_waiting_caller(monkeypatch
     for h in handles:
         with pytest.raises(RuntimeError, match="set-up broke"):
             h.result(timeout=10)
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RuntimeError, match="shutting down"):
         engine.add_request([5, 6], max_new_tokens=2)
     engine.shutdown(timeout=10)
 
@@ -441,3 +441,20 @@ def test_a_callback_raising_on_the_last_token_aborts_the_request_all_the_same():
         assert handle.request.finish_reason is FinishReason.ABORTED
     finally:
         engine.shutdown(timeout=30)
+
+
+def test_after_a_shutdown_that_timed_out_the_messages_agree_on_what_to_do():
+    engine = Engine(own_model(), BatchingConfig(mode="async"))
+    engine.start()
+    handles = [engine.add_request(p, max_new_tokens=200) for p in random_prompts(4, 20, 30, seed=90)]
+    with pytest.raises(TimeoutError):
+        engine.shutdown(timeout=0.0001)
+    with pytest.raises(RuntimeError, match="shutting down.*shutdown\\(\\), then start\\(\\)"):
+        engine.add_request([5, 6], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="still stopping.*shutdown\\(\\) again"):
+        engine.start()
+    engine.shutdown(timeout=60)  # waits for what was accepted
+    assert all(len(h.result(timeout=1).output_token_ids) == 200 for h in handles)
+    engine.start()
+    assert len(engine.add_request([5, 6], max_new_tokens=2).result(timeout=30).output_token_ids) == 2
+    engine.shutdown(timeout=30)

@@ -373,6 +373,9 @@ class Engine:
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
         if self._background is not None:
+            if self._background.stopping:
+                raise RuntimeError("the engine's background loop is still stopping (a shutdown() that timed out): "
+                                   "call shutdown() again to wait for it, then start().")
             raise RuntimeError("the engine's background loop is already running.")
         if self.tensor_parallel is not None:
             raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "

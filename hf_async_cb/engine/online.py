@@ -336,10 +336,15 @@ class BackgroundLoop:
         worker = self._worker
         with worker.lock:
             if worker.stopping:
-                raise RuntimeError("the engine's loop is shut down; start() it again to add requests.")
+                raise RuntimeError("the engine's loop is shutting down (or a shutdown() timed out): wait for it "
+                                   "with shutdown(), then start() it again to add requests.")
             handle.request.on_token = _recorder(handle, handle.request.on_token)
             worker.intake.put(handle)
         worker.wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._worker.stopping
 
     def abort(self, handle: RequestHandle) -> None:
         handle._abort = True
