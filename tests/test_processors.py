@@ -400,3 +400,19 @@ def test_suppress_tokens_outside_the_vocabulary_are_a_clear_error_on_the_engine(
     with pytest.raises(ValueError, match="suppress_tokens"):
         engine.generate([[3, 4]], SamplingParams(suppress_tokens=(5, 10_000)))
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_top_p_edges_run_as_stock_runs_them(mode):
+    """top_p=0 (stock's warper keeps the top token) and top_p above 1 (stock adds no warper) run as
+    in stock; a negative one is an error in both."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 2, 9, seed=17)
+    for options in (dict(do_sample=True, top_p=0.0), dict(do_sample=True, top_p=1.5, top_k=1),
+                    dict(do_sample=False, top_p=1.5)):
+        got, expected = both(model, prompts, mode, max_new_tokens=4, **options)
+        assert torch.equal(got, expected), options
+    ids, mask = left_pad(prompts)
+    for batching in ("off", mode):
+        with pytest.raises(ValueError, match="top_p"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_p=-0.5, batching=batching)

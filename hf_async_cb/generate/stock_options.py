@@ -52,6 +52,8 @@ def call_options(model, call: GenerateCall, generation_config) -> CallOptions:
         # hold back the GenerationConfig's: stock's own processors run those (the slow path).
         slow_processors = slow_processors or bool(gc.min_new_tokens or gc.min_length)
         eos = list(limits["eos"])
+    if gc.do_sample and gc.top_p is not None and gc.top_p == 0:
+        slow_processors = True  # top_p=0: stock's warper keeps one token by its own rule; it runs it
     processor = stock_processors if slow_processors else None
     neutral = slow_processors  # stock's processor list then holds the warpers too
     params = SamplingParams(
@@ -59,7 +61,7 @@ def call_options(model, call: GenerateCall, generation_config) -> CallOptions:
         do_sample=bool(gc.do_sample),
         temperature=1.0 if neutral or gc.temperature is None else float(gc.temperature),
         top_k=0 if neutral else int(gc.top_k or 0),
-        top_p=1.0 if neutral or gc.top_p is None else float(gc.top_p),
+        top_p=1.0 if neutral or gc.top_p is None or gc.top_p >= 1.0 else float(gc.top_p),  # (stock: no warper from 1)
         min_p=0.0 if neutral or gc.min_p is None else float(gc.min_p),
         repetition_penalty=1.0 if neutral or gc.repetition_penalty is None else float(gc.repetition_penalty),
         **({} if neutral else device_options),  # no_repeat_ngram_size, bad_words_ids, sequence_bias
