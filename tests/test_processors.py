@@ -190,6 +190,13 @@ class ForBatchOfThree(LogitsProcessor):
         return scores + self.bias
 
 
+class Noise(LogitsProcessor):
+    """Row-independent, with noise drawn from torch's generator: rows differ by the draws only."""
+
+    def __call__(self, input_ids, scores):
+        return scores + torch.randn_like(scores)
+
+
 class NaNsAndInfs(LogitsProcessor):
     """Row-independent, with NaN and -inf in every row: not a row-index processor."""
 
@@ -216,6 +223,17 @@ def test_processors_that_treat_rows_by_index_are_refused_before_any_work(mode):
                        model.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=one, batching="off"))
     got, expected = both(model, prompts, mode, max_new_tokens=3, logits_processor=LogitsProcessorList([NaNsAndInfs()]))
     assert torch.equal(got, expected)
+    # Random noise is sampling, not indexing: it runs (its tokens cannot be stock's draws), and the
+    # probe leaves the caller's random stream where it was.
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=LogitsProcessorList([Noise()]),
+                         batching=mode)
+    assert out.shape == (3, ids.shape[1] + 3)
+    from hf_async_cb.generate.stock_options import _check_rows_alike
+
+    state = torch.random.get_rng_state()
+    _check_rows_alike([Noise()], ids, model)
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_engine_api_takes_processors_and_criteria():

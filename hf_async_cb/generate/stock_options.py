@@ -174,24 +174,38 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def _check_rows_alike(processors, input_ids: torch.Tensor, model) -> None:
     """The engine calls a request's processors on its own row (a batch of one). Before any work,
-    call each of the caller's processors once on the call's batch size made of copies of one row
-    (its ids, random scores): one that gives the copies different scores, or another shape,
-    treats rows by their index in the batch (or was built for one batch size), and would give
-    other tokens than stock on the engine: refused. One that raises on the probe is left to the
-    real calls (which fail their request with its error)."""
+    call each of the caller's processors on the call's batch size made of copies of one row (its
+    ids, random scores): one that gives the copies different scores, or another shape, treats rows
+    by their index in the batch (or was built for one batch size), and would give other tokens than
+    stock on the engine: refused. Unless its rows differ by torch's random draws (noise it adds):
+    the probe runs under two seeds, on a forked RNG (the caller's random stream is left as it
+    was), and a processor whose output follows the seed is sampling, not indexing. One that raises
+    on the probe is left to the real calls (which fail their request with its error)."""
     batch = input_ids.shape[0]
     vocab = model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
         else model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     row_scores = torch.randn(1, vocab, generator=g).to(input_ids.device)
     ids = input_ids[:1].expand(batch, -1).clone()
+    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+
+    def probe(processor, seed: int):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return processor(ids, row_scores.expand(batch, -1).clone())
+
+    def same(x, y) -> bool:
+        return torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all().item()
+
     for processor in processors:
         try:
-            out = processor(ids, row_scores.expand(batch, -1).clone())
+            out = probe(processor, 0)
+            if isinstance(out, torch.Tensor) and out.shape == (batch, vocab) and same(out, out[:1].expand_as(out)):
+                continue
+            random = isinstance(out, torch.Tensor) and out.shape == (batch, vocab) and not same(out, probe(processor, 1))
         except Exception:  # noqa: BLE001 (no conclusion; the real calls will tell)
             continue
-        if not isinstance(out, torch.Tensor) or out.shape != (batch, vocab) or \
-                not torch.isclose(out, out[:1].expand_as(out), rtol=0, atol=0, equal_nan=True).all():
+        if not random:
             raise ValueError(
                 f"logits processor {type(processor).__name__} treats the rows of a batch differently (called on "
                 f"{batch} copies of one row, it did not give {batch} equal rows of scores): the engine calls "
