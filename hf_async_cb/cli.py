@@ -227,26 +227,21 @@ CUDA_GRAPHS_HELP = ("our paths: replay decode steps (greedy or seeded sampling),
                     "path eagerly)")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (a usage error otherwise, not a traceback later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _whole_number(minimum: int):
+    """An argparse type: a whole number >= `minimum` (a usage error otherwise, not a traceback later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+positive_int, non_negative_int = _whole_number(1), _whole_number(0)
 
 
 def positive_float(text: str) -> float:

@@ -319,7 +319,6 @@ class Engine:
         self.run(requests, mode)
         return [r.to_output() for r in requests]
 
-    @torch.inference_mode(False)  # (see __init__)
     def run(self, requests: list[Request], mode: str | None = None) -> None:
         """Drive the loop until every request in `requests` has finished."""
         if self._background is not None:
@@ -369,7 +368,6 @@ class Engine:
         seed = _random_seed()
         return seed if self.tensor_parallel is None else self.tensor_parallel.agree_seed(seed)
 
-    @torch.inference_mode(False)  # (see __init__)
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
         if self._background is not None:
@@ -443,7 +441,7 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @torch.inference_mode(False)  # (see __init__)
+    @torch.inference_mode(False)  # its I/O slots outlive the call (see __init__; steps: runner.prepared)
     def pipeline(self, mode: str) -> Pipeline:
         """The loop of `mode` ("sync": no overlap, "async": overlap), built once per engine."""
         if mode not in self._pipelines:

@@ -182,8 +182,7 @@ def _check_rows_alike(processors, input_ids: torch.Tensor, model) -> None:
     was), and a processor whose output follows the seed is sampling, not indexing. One that raises
     on the probe is left to the real calls (which fail their request with its error)."""
     batch = input_ids.shape[0]
-    vocab = model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
-        else model.config.vocab_size
+    vocab = _vocab_size(model)
     g = torch.Generator().manual_seed(0)
     row_scores = torch.randn(1, vocab, generator=g).to(input_ids.device)
     ids = input_ids[:1].expand(batch, -1).clone()
@@ -212,9 +211,14 @@ def _check_rows_alike(processors, input_ids: torch.Tensor, model) -> None:
                 "processors one row at a time, so it would not give stock's tokens. Use batching='off' for it.")
 
 
+def _vocab_size(model) -> int:
+    """The width of the logits."""
+    head = model.get_output_embeddings()
+    return head.out_features if head is not None else model.config.vocab_size
+
+
 def _in_vocab(tokens, model) -> tuple[int, ...]:
-    vocab = model.get_output_embeddings().out_features if model.get_output_embeddings() is not None \
-        else model.config.vocab_size
+    vocab = _vocab_size(model)
     return tuple(int(t) for t in (tokens or ()) if 0 <= int(t) < vocab)
 
 
