@@ -27,7 +27,10 @@ if [ -n "${DP_SCALING:-}" ]; then  # DataParallel over 1..N GPUs (a multi-GPU ma
   timeout ${DP_TIMEOUT:-500} python3 benchmarks/data_parallel_scaling.py $DP_SCALING 2>&1 | grep -v -i warn | tee "$OUT/dp.txt"
 fi
 [ -n "${SAMPLING:-}" ] && timeout 90 python3 benchmarks/gpu_sampling.py 2>&1 | grep -v -i warn | tee "$OUT/sampling.txt"
-[ -n "${TUNE:-}" ] && timeout 300 python3 benchmarks/tune_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/tune.txt"
+# Kernel sweeps: TUNE=all (the small kernels and the decode attention), or tune_kernels.py's flags
+# (TUNE=--prefill, TUNE=--attention).
+[ -n "${TUNE:-}" ] && PYTHONPATH=.:tests timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_kernels.py ${TUNE/all/} 2>&1 \
+  | grep -v -i warn | tee "$OUT/tune.txt"
 for b in ${BREAKDOWNS:-}; do
   IFS=: read -r shape req new <<< "$b"
   timeout 150 python3 benchmarks/gpu_breakdown.py --shape "$shape" --requests "$req" --new "$new" 2>&1 \

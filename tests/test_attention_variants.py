@@ -246,11 +246,16 @@ def test_tiles_cover_every_group():
     for head_dim, head_dim_v in [(64, 64), (128, 128), (192, 128), (256, 256), (80, 24)]:
         limit = 128 if max(head_dim, head_dim_v) <= 128 else 64
         for group in range(1, 300):
-            t = triton_paged.tile_shape(group, head_dim, head_dim_v)
-            assert t["chunks"] * t["heads"] >= group > (t["chunks"] - 1) * t["heads"]
-            assert t["chunks"] == -(-group // limit)
-            assert t["block_q"] * t["heads"] <= t["block_m"] <= max(16, limit)
-            assert t["block_m"] & (t["block_m"] - 1) == 0
+            for query_len in (1, 63, 64, 8192):
+                t = triton_paged.tile_shape(group, head_dim, head_dim_v, query_len)
+                assert t["chunks"] * t["heads"] >= group > (t["chunks"] - 1) * t["heads"]
+                assert t["chunks"] == -(-group // limit)
+                assert t["block_q"] * t["heads"] <= t["block_m"] <= max(16, limit)
+                assert t["block_m"] & (t["block_m"] - 1) == 0
+                if query_len >= triton_paged.TALL_TILE_QUERY_LEN and group <= 16:  # prefill: 64-row tiles
+                    assert t["block_m"] == 64 and t["block_q"] == 64 // t["heads"]
+                elif group <= 16:
+                    assert t["block_m"] == 16
 
 
 def test_launch_defaults_fit_shared_memory():

@@ -110,6 +110,31 @@ def test_taller_query_tiles_match_reference(name, block_q):
     assert relative_error(*step, window=8, tuning=dict(block_q=block_q)) < 1e-5
 
 
+LONG = {  # steps with a query of TALL_TILE_QUERY_LEN tokens or more: tall tiles by default
+    "prompts": ([70, 64, 131], [70, 64, 131]),
+    "chunks after cached pages, with decodes": ([1, 96, 1, 65], [300, 257, 64, 200]),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG))
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "alibi", "sinks"])
+def test_long_queries_take_tall_tiles_and_match_reference(name, variant):
+    """A step with a long query takes 64-row tiles (16 tokens x 4 heads here), and its keys before a
+    tile's first query go through the loop without the causal mask (several 16-key blocks per
+    tile): as exact as the 16-row tiles, with every variant the mask or the scores carry."""
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = LONG[name]
+    query, keys, values, meta = make_step(query_lens, context_lens, 8, 2, 16, 16, torch.float32, device, seed=3)
+    assert triton_paged.tile_shape(4, 16, 16, meta.max_query_len)["block_m"] == 64
+    kw = {"window": dict(sliding_window=40), "softcap": dict(softcap=5.0),
+          "alibi": dict(alibi_slopes=torch.linspace(0.05, 0.5, 8, device=device)),
+          "sinks": dict(sinks=torch.linspace(-1.0, 2.0, 8, device=device))}.get(variant, {})
+    window = kw.pop("sliding_window", None)
+    out = triton_paged.paged_attention_triton(query, keys, values, meta, None, window, tuning=dict(block_n=16), **kw)
+    ref = paged_attention_reference(query, keys, values, meta, None, window, **kw)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-5
+
+
 @pytest.mark.parametrize("name", list(SMALL))
 @pytest.mark.parametrize("splits", [1, 2])
 def test_early_loads_match_reference(name, splits):

@@ -57,6 +57,40 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+@triton.jit
+def _scores(q, k, offs_n, qk_scale, cap_log2, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+            IEEE: tl.constexpr):
+    """A tile's scores against a block of keys, scaled into the log2 domain (softcap and ALiBi in)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if HAS_SOFTCAP:  # softcap * tanh(s * scaling / softcap), then into the log2 domain
+        s = _tanh(s * qk_scale) * cap_log2
+    else:
+        s = s * qk_scale
+    if HAS_ALIBI:  # slope x key position (a row's constant shift cancels)
+        s = s + slope[:, None] * offs_n[None, :].to(tl.float32)
+    return s
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """The online softmax's update for one block of scores: new running max, the block's weights,
+    the rescale of what came before, and the new running sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr"])
 def _paged_attention_kernel(
@@ -149,10 +183,27 @@ def _paged_attention_kernel(
                 tl.store(k_head + new_slot * stride_kt + offs_d, new_k, mask=d_ok)
                 tl.store(v_head + new_slot * stride_vt + offs_dv, new_v, mask=dv_ok)
         table_row = block_table_ptr + seq * stride_bt
+        if not HAS_ALIBI:
+            slope = m_i  # unused
+        # Blocks of keys that every row of a prefill tile sees whole (all at or before its first
+        # query's position, no window) go through a loop without the causal mask.
+        full_hi = blk_lo
+        if not DECODE:
+            if not HAS_WINDOW:
+                full_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, blk_lo), blk_hi)
+                for blk in range(blk_lo, full_hi):
+                    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                    page = tl.load(table_row + offs_n // PAGE)
+                    slot = page * PAGE + offs_n % PAGE
+                    k = tl.load(k_head + slot[:, None] * stride_kt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+                    s = _scores(q, k, offs_n, qk_scale, cap_log2, slope, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+                    m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
+                    v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :], mask=dv_ok[None, :], other=0.0)
+                    acc = _accumulate(acc, alpha, p, v, IEEE)
         if EARLY_LOADS:  # the first block's pages; each iteration then loads the next block's
-            offs_next = kv_lo + blk_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_next = kv_lo + full_hi * BLOCK_N + tl.arange(0, BLOCK_N)
             next_page = tl.load(table_row + offs_next // PAGE, mask=offs_next < kv_hi, other=0)
-        for blk in range(blk_lo, blk_hi):
+        for blk in range(full_hi, blk_hi):
             offs_n = kv_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_hi
             if EARLY_LOADS:
@@ -173,34 +224,18 @@ def _paged_attention_kernel(
             if NEW_KV:  # the newest key is not in the pool yet (no program reads what another writes)
                 is_new = offs_n == ctx - 1
                 k = tl.where(is_new[:, None], new_k[None, :].to(k.dtype), k)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            if HAS_SOFTCAP:  # softcap * tanh(s * scaling / softcap), then into the log2 domain
-                s = _tanh(s * qk_scale) * cap_log2
-            else:
-                s = s * qk_scale
-            if HAS_ALIBI:
-                s = s + slope[:, None] * offs_n[None, :].to(tl.float32)
+            s = _scores(q, k, offs_n, qk_scale, cap_log2, slope, HAS_SOFTCAP, HAS_ALIBI, IEEE)
             allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
             if HAS_WINDOW:
                 allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
             if not EARLY_LOADS:
                 v = tl.load(v_head + slot[:, None] * stride_vt + offs_dv[None, :],
                             mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             if NEW_KV:
                 v = tl.where(is_new[:, None], new_v[None, :].to(v.dtype), v)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            acc = _accumulate(acc, alpha, p, v, IEEE)
 
         rows = q_begin + tok
         out_mask = row_ok[:, None] & dv_ok[None, :]
@@ -270,9 +305,11 @@ def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None =
     and by register pressure (the fp32 accumulator is block_m x d):
     - 16-bit, d = 256 (Gemma 2's 256, MLA's 192), block_m <= 32: 64 keys, 4 warps, 2 stages
       (~148 KB: 2 x 64 KB of K/V, 16 KB Q, 4 KB P);
-    - 16-bit, block_m 64..128 (groups above 32 heads: Falcon's 71, MQA's many): 64 keys, 4 warps
-      for d <= 64 (48-64 KB), 8 warps for d = 128 (88-112 KB); for d = 256 32 keys, 8 warps, one stage
-      (~104 KB with 128 rows; the wrapper keeps such tiles to 64 rows anyway, see _max_rows).
+    - 16-bit, block_m 64..128 (prefill's tall tiles, and groups above 32 heads: Falcon's 71, MQA's
+      many): 64 keys, 2 stages, 4 warps for d <= 64 (48-64 KB) and for d = 128 with 64 rows (the
+      prefill sweep's best: 251 TFLOP/s on an 8K prompt, 158 on 16 x 512), 8 warps for 128 rows
+      (88-112 KB); for d = 256 32 keys, 8 warps, one stage (~104 KB with 128 rows; the wrapper
+      keeps such tiles to 64 rows anyway, see _max_rows).
     fp32 (the tests' exact path) keeps 64-key blocks for d <= 128 and 32 for larger ones, and
     Triton's default of 3 stages and 4 warps, except where the estimate asks for fewer stages
     (2 for d = 128 or 256, 1 with 128 rows; 16 keys for d = 256 with 128 rows, a tile the wrapper
@@ -291,7 +328,7 @@ def _launch_defaults(head_dim: int, dtype: torch.dtype, head_dim_v: int | None =
         if d <= 64:
             return dict(block_n=64, num_warps=4, num_stages=2)
         if d <= 128:
-            return dict(block_n=64, num_warps=8, num_stages=2)
+            return dict(block_n=64, num_warps=4 if block_m <= 64 else 8, num_stages=2)
         return dict(block_n=32, num_warps=8, num_stages=1)
     bd, bdv = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v or head_dim))
     fits = [(n, s) for n in ((64, 32, 16) if d <= 128 else (32, 16)) for s in (3, 2, 1)
@@ -311,15 +348,26 @@ def _max_rows(head_dim: int, head_dim_v: int) -> int:
     return 128 if max(head_dim, head_dim_v) <= 128 else 64
 
 
-def tile_shape(group: int, head_dim: int, head_dim_v: int) -> dict:
+TALL_TILE_QUERY_LEN = 64  # a step whose longest query has this many tokens takes tall prefill tiles
+TALL_TILE_ROWS = 64
+
+
+def tile_shape(group: int, head_dim: int, head_dim_v: int, max_query_len: int = 1) -> dict:
     """How a KV head's group of `group` query heads maps onto programs: `chunks` programs per KV
     head, each with `heads` of the group (the last may have fewer valid ones) for `block_q` query
     tokens, in a tile of `block_m` rows (a power of two, at least 16). Groups of up to 128 heads
-    (64 for head sizes over 128) take one program, as before; larger ones are split evenly."""
+    (64 for head sizes over 128) take one program; larger ones are split evenly.
+
+    Tiles are 16 rows, except in steps with a query of TALL_TILE_QUERY_LEN tokens or more (prefill
+    chunks), where they are TALL_TILE_ROWS rows: each K/V block is then read by 4x fewer programs,
+    and the dots are large enough for Hopper's warp-group MMA. Measured on the H200 (cold, 8B
+    heads; benchmarks/tune_kernels.py --prefill, docs/benchmarks.md): 2x faster on 512- to 8K-token
+    prompts than 16 rows."""
     rows = _max_rows(triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v))
     chunks = -(-group // rows)
     heads = -(-group // chunks)
-    block_q = max(1, 16 // heads)
+    target = TALL_TILE_ROWS if max_query_len >= TALL_TILE_QUERY_LEN else 16
+    block_q = max(1, min(target, rows) // heads)
     block_m = max(16, triton.next_power_of_2(block_q * heads))
     return dict(chunks=chunks, heads=heads, block_q=block_q, block_m=block_m)
 
@@ -407,7 +455,7 @@ def paged_attention_triton(
         qk_scale, cap_log2 = scale * LOG2E.value, 1.0
     else:
         qk_scale, cap_log2 = scale / softcap, softcap * LOG2E.value
-    tile = tile_shape(group, head_dim, head_dim_v)
+    tile = tile_shape(group, head_dim, head_dim_v, meta.max_query_len)
     if tuning and tuning.get("block_q") and tile["chunks"] == 1:  # a taller tile of query tokens (sweeps)
         tile["block_q"] = tuning["block_q"]
         tile["block_m"] = max(16, triton.next_power_of_2(tuning["block_q"] * tile["heads"]))
