@@ -8,6 +8,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 import time
 
 import torch
@@ -122,8 +123,11 @@ def bench(args: argparse.Namespace) -> int:
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress, mixed_prefill_tokens=args.mixed_prefill_tokens)
+    def finished(r) -> None:  # as each path ends: a run cut short still says what it measured
+        print(f"[bench] {r.path}: {r.tokens_per_s:,.0f} tokens/s, {r.seconds:.1f} s", file=sys.stderr, flush=True)
+
     report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
-                   sample=args.sample)
+                   sample=args.sample, on_result=finished)
     print(b.format_table(report))
     _write_json(args.json, report)
     return 0

@@ -308,9 +308,10 @@ def mixed_workload(requests: int, vocab: int, lo: int = 64, hi: int = 1024) -> t
 
 
 def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=None, dtype=None,
-        config=None, mixed: bool = False, sample: bool = False) -> dict:
+        config=None, mixed: bool = False, sample: bool = False, on_result=None) -> dict:
     """Every path on one workload. The floor fields are None where there is no floor: off CUDA (no
-    bandwidth measured) and for the mixed workload (no single step shape)."""
+    bandwidth measured) and for the mixed workload (no single step shape). `on_result(result)` is
+    called as each path finishes, so that a run cut short still reports the paths it finished."""
     check_paths(paths, mixed)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -328,7 +329,11 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
         run_path(path, model, prompts[:2], 2, config, sample)
-    results = [run_path(path, model, prompts, new, config, sample) for path in paths]
+    results = []
+    for path in paths:
+        results.append(run_path(path, model, prompts, new, config, sample))
+        if on_result is not None:
+            on_result(results[-1])
     if mixed:
         prompt, new = "64..1024", "64..1024"
     return {"shape": shape, "requests": requests, "prompt": prompt, "new": new, "sample": sample, "device": str(device),
