@@ -24,7 +24,16 @@ def graph_ms(fn) -> float:
     return graph_timing.graph_ms(lambda i: fn(), calls=50)
 
 
-def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page: int = 16):
+def _pool(slots: int, kv_heads: int, head_dim: int, head_major: bool) -> torch.Tensor:
+    """[slots, KVH, D] as the engine lays it out, or (head_major) a view of [KVH, slots, D]: each
+    head's page then lies in one run of page x D values instead of rows at a KVH x D stride."""
+    if head_major:
+        return torch.randn(kv_heads, slots, head_dim, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    return torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+
+
+def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: int, page: int = 16,
+                head_major: bool = False):
     """A decode step's attention inputs as the engine passes them (scattered pages, ragged contexts,
     the new token's K/V stored by the kernel), with enough copies of the pools to rotate through
     that no call finds its K/V in L2 (a decode step reads each layer's K/V once, cold)."""
@@ -32,8 +41,7 @@ def decode_case(requests: int, ctx: int, heads: int, kv_heads: int, head_dim: in
     per = -(-ctx // page)
     pages = requests * per
     kv_bytes_all = 2 * pages * page * kv_heads * head_dim * 2
-    pools = [(torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
-              torch.randn(pages * page, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16))
+    pools = [(_pool(pages * page, kv_heads, head_dim, head_major), _pool(pages * page, kv_heads, head_dim, head_major))
              for _ in range(graph_timing.cold_copies(kv_bytes_all))]
     order = torch.randperm(pages, generator=g).view(requests, per).tolist()  # scattered pages
     lens = [max(1, ctx - int(x)) for x in torch.randint(0, 64, (requests,), generator=g)]  # ragged
@@ -83,6 +91,11 @@ def sweep_attention(names: list[str] | None = None) -> None:
         results.sort()
         print(f"\n{name} ({len(pools)} pool copies): default (splits {default_splits}) {base * 1e3:.1f} us = "
               f"{kv_bytes / base / 1e6:,.0f} GB/s")
+        q2, pools2, new_kv2, meta2, _ = decode_case(*shape, head_major=True)  # the same step, head-major pools
+        major = graph_timing.graph_ms(lambda i: paged_attention_triton(
+            q2, *pools2[i % len(pools2)], meta2, None, new_kv=new_kv2), calls=40)
+        print(f"head-major pools, default launch: {major * 1e3:.1f} us = {kv_bytes / major / 1e6:,.0f} GB/s")
+        del q2, pools2, new_kv2, meta2
         print("| us | GB/s | block_n | warps | stages | splits | early loads |\n|---|---|---|---|---|---|---|")
         for ms, *cfg in results[:5]:
             print(f"| {ms * 1e3:.1f} | {kv_bytes / ms / 1e6:,.0f} | " + " | ".join(map(str, cfg)) + " |")

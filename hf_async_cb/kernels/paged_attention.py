@@ -4,8 +4,10 @@ Each program takes one block of a request's query tokens and one KV head, with e
 of that KV head's group (GQA) stacked into the rows of one tile, so a K/V tile read from the pages
 serves the whole group. It walks the request's context through its block table, page by page,
 with an online softmax (flash attention); causality and sliding windows come from the positions,
-not from a mask tensor. Decode steps with few programs for the GPU's size split the context
-across programs and merge the partial results in a second small kernel.
+not from a mask tensor. Tiles are 16 rows, or 64 in steps with a query of 64 tokens or more
+(tile_shape), and the key blocks a prefill tile sees whole run through a loop without the mask.
+Decode steps with few programs for the GPU's size split the context across programs and merge
+the partial results in a second small kernel.
 
 Programs are laid out as (query blocks of all requests, KV heads x group chunks, splits): request
 i owns the blocks from query_start[i] // BLOCK_Q + i on, found by binary search, so the grid
