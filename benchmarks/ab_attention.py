@@ -25,6 +25,11 @@ def _old_decode_launch(head_dim, dtype, head_dim_v=None, block_m=16, decode=Fals
     return _defaults(head_dim, dtype, head_dim_v, block_m, decode=False)
 
 
+def _heads_first(head_dim, dtype, head_dim_v=None, block_m=16, decode=False):
+    """Today's launch with the grid's KV heads first: a request's heads read its pool rows together."""
+    return {**_defaults(head_dim, dtype, head_dim_v, block_m, decode), "heads_first": True}
+
+
 def _old_splits(meta, num_kv_heads, device):
     """Splits only while there are fewer (request, KV head) programs than SMs."""
     if not meta.is_decode:
@@ -39,6 +44,7 @@ PATCHES = {
     "decode-old-launch": {"_launch_defaults": _old_decode_launch},
     "decode-old-splits": {"choose_splits": _old_splits},
     "decode-old-both": {"_launch_defaults": _old_decode_launch, "choose_splits": _old_splits},
+    "heads-first": {"_launch_defaults": _heads_first},
     "prefill-16rows": {"TALL_TILE_QUERY_LEN": 1 << 30},
     "prefill-128rows": {"TALL_TILE_ROWS": 128},
 }

@@ -91,6 +91,13 @@ def sweep_attention(names: list[str] | None = None) -> None:
         results.sort()
         print(f"\n{name} ({len(pools)} pool copies): default (splits {default_splits}) {base * 1e3:.1f} us = "
               f"{kv_bytes / base / 1e6:,.0f} GB/s")
+        first = timed(tuning=dict(heads_first=True))
+        print(f"heads-first grid (a request's KV heads launched side by side), default launch: {first * 1e3:.1f} us "
+              f"= {kv_bytes / first / 1e6:,.0f} GB/s")
+        for ms, block_n, warps, stages, splits, early in results[:2]:
+            tuning = dict(block_n=block_n, num_warps=warps, num_stages=stages, early_loads=early, heads_first=True)
+            again = timed(num_splits=splits, tuning=tuning)
+            print(f"heads-first grid, {tuning} splits {splits}: {again * 1e3:.1f} us (row-first {ms * 1e3:.1f})")
         q2, pools2, new_kv2, meta2, _ = decode_case(*shape, head_major=True)  # the same step, head-major pools
         major = graph_timing.graph_ms(lambda i: paged_attention_triton(
             q2, *pools2[i % len(pools2)], meta2, None, new_kv=new_kv2), calls=40)

@@ -149,6 +149,19 @@ def test_early_loads_match_reference(name, splits):
     assert relative_error(*step, window=8, splits=splits, tuning=tuning) < 1e-5
 
 
+@pytest.mark.parametrize("name", [*SMALL, *LONG])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_heads_first_grid_matches_reference(name, splits):
+    """The grid with a request's KV heads on the first axis (tuning heads_first) covers every
+    (query block, head, split) once, as the default order does: decode, prefill, tall tiles."""
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = {**SMALL, **LONG}[name]
+    step = make_step(query_lens, context_lens, 8, 2, 16, 16, torch.float32, device, seed=5)
+    splits = splits if max(query_lens) == 1 else None
+    assert relative_error(*step, splits=splits, tuning=dict(heads_first=True, block_n=16)) < 1e-5
+    assert relative_error(*step, window=8, splits=splits, tuning=dict(heads_first=True)) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [2, 4, 8])
 def test_split_contexts_merge_exactly(splits):
     """Decode split over the context (more splits than some contexts have blocks) == unsplit."""

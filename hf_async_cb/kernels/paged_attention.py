@@ -107,11 +107,16 @@ def _paged_attention_kernel(
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr, NEW_KV: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    qb = tl.program_id(0)
-    kv_head = tl.program_id(1) // CHUNKS
-    chunk = tl.program_id(1) % CHUNKS
+    if HEADS_FIRST:  # grid (KV heads x chunks, query blocks, splits): a request's heads run side by side
+        qb = tl.program_id(1)
+        head_chunk = tl.program_id(0)
+    else:
+        qb = tl.program_id(0)
+        head_chunk = tl.program_id(1)
+    kv_head = head_chunk // CHUNKS
+    chunk = head_chunk % CHUNKS
     split = tl.program_id(2)
 
     if DECODE:  # one query token per request: program qb is request qb's
@@ -419,7 +424,7 @@ def paged_attention_triton(
     [H] of any float dtype on query's device, read as fp32). The pools' last dimension must be
     dense; their other strides are free (and may differ between keys and values). `num_splits`
     overrides the split heuristic (tests); `tuning` the launch parameters (block_n, num_warps,
-    num_stages: benchmarks/tune_kernels.py). `new_kv` (decode steps only): the step's keys and
+    num_stages, early_loads, heads_first, block_q: benchmarks/tune_kernels.py). `new_kv` (decode steps only): the step's keys and
     values, [1, KVH, T, D] as the model hands them to the cache, not yet in the pools: the kernel
     stores them at meta.slot_mapping and attends with them, one kernel where the step ran two."""
     _, num_heads, total, head_dim = query.shape
@@ -489,7 +494,11 @@ def paged_attention_triton(
     else:
         new_k = new_v = q  # unused
         new_strides = (0, 0, 0, 0)
-    grid = (num_seqs if decode else total // block_q + num_seqs, num_kv_heads * chunks, splits)
+    blocks = num_seqs if decode else total // block_q + num_seqs
+    # heads_first (tuning; sweeps): the programs of one request's KV heads launch next to each other,
+    # so that the pools' rows (every head of a slot side by side) are read by programs running together.
+    heads_first = bool(tuning.get("heads_first")) and blocks < 65536  # the grid's second axis limit
+    grid = (num_kv_heads * chunks, blocks, splits) if heads_first else (blocks, num_kv_heads * chunks, splits)
     _paged_attention_kernel[grid](
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         alibi_slopes if alibi_slopes is not None else q,
@@ -501,7 +510,8 @@ def paged_attention_triton(
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-        DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", False), **launch,
+        DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", False), HEADS_FIRST=heads_first,
+        **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](
