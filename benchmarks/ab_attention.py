@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from hf_async_cb.kernels import paged_attention as pa
+from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.tools.bench import _prompts, build_model, run_path
 
 _defaults, _splits = pa._launch_defaults, pa.choose_splits
@@ -45,21 +46,29 @@ PATCHES = {
     "decode-old-splits": {"choose_splits": _old_splits},
     "decode-old-both": {"_launch_defaults": _old_decode_launch, "choose_splits": _old_splits},
     "heads-first": {"_launch_defaults": _heads_first},
+    "head-major-pools": {"PagedKVCache.HEAD_MAJOR": True},
     "prefill-16rows": {"TALL_TILE_QUERY_LEN": 1 << 30},
     "prefill-128rows": {"TALL_TILE_ROWS": 128},
 }
 
 
+def _target(name: str):
+    """(object, attribute) a patch names: the attention wrapper's module, or the KV cache class."""
+    if name.startswith("PagedKVCache."):
+        return PagedKVCache, name.split(".", 1)[1]
+    return pa, name
+
+
 @contextlib.contextmanager
 def patched(names: dict):
-    saved = {k: getattr(pa, k) for k in names}
+    saved = {k: getattr(*_target(k)) for k in names}
     for k, v in names.items():
-        setattr(pa, k, v)
+        setattr(*_target(k), v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(pa, k, v)
+            setattr(*_target(k), v)
 
 
 def main() -> None:

@@ -220,9 +220,13 @@ def test_update_without_step_raises():
     [19, 3, 8, 12, 13],  # scattered, out of order, across pages
     list(range(20)),  # the whole pool
 ])
-def test_update_writes_exactly_the_slots(slots):
-    """update() writes key/value token t at slot_mapping[t] of the given layer and touches nothing else."""
+@pytest.mark.parametrize("head_major", [False, True])
+def test_update_writes_exactly_the_slots(slots, head_major, monkeypatch):
+    """update() writes key/value token t at slot_mapping[t] of the given layer and touches nothing
+    else, in either pool memory order."""
+    monkeypatch.setattr(PagedKVCache, "HEAD_MAJOR", head_major)
     cache = _cache()
+    assert cache.keys[0].is_contiguous() != head_major and cache.keys[0].transpose(0, 1).is_contiguous() == head_major
     T = len(slots)
     gen = torch.Generator().manual_seed(T)
     key_states = torch.randn(1, 3, T, 4, generator=gen)

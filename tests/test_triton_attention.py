@@ -20,6 +20,7 @@ from models import generated_rows, random_prompts, stock_generate, tiny_model  #
 from hf_async_cb import BatchingConfig, Engine  # noqa: E402
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
 from hf_async_cb.model.attention import resolve_backend  # noqa: E402
+from hf_async_cb.model.kv_cache import PagedKVCache  # noqa: E402
 from hf_async_cb.model.step_metadata import StepMetadata, block_table  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -232,9 +233,12 @@ def test_forcing_triton_without_a_way_to_run_it_is_a_clear_error(monkeypatch):
 
 @pytest.mark.skipif(CUDA, reason="the CPU end-to-end run of the interpreted kernels (CUDA runs test_gpu.py)")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("family, graphs", [("llama", False), ("mistral", True), ("gpt2", False), ("qwen3", True)])
-def test_engine_with_triton_attention_matches_stock(family, graphs, mode):
-    """Chunked prefill, a small pool (preemption), padded graph buckets: every token is stock's."""
+@pytest.mark.parametrize("family, graphs, head_major", [("llama", False, False), ("mistral", True, False),
+                                                       ("gpt2", False, True), ("qwen3", True, True)])
+def test_engine_with_triton_attention_matches_stock(family, graphs, head_major, mode, monkeypatch):
+    """Chunked prefill, a small pool (preemption), padded graph buckets, either pool layout: every
+    token is stock's."""
+    monkeypatch.setattr(PagedKVCache, "HEAD_MAJOR", head_major)
     model = tiny_model(family)
     prompts = random_prompts(6, 3, 60, seed=11)
     expected = stock_generate(model, prompts, max_new_tokens=8, eos_token_id=[2], pad_token_id=0)

@@ -32,6 +32,10 @@ class PagedKVCache(Cache):
     """
 
     is_compileable = False
+    # Pool memory order: slot-major ([slots, heads, dim]: a slot's heads side by side), or head-major
+    # (each head's slots in one run, seen through a [slots, heads, dim] view, so every consumer is the
+    # same). Which one streams faster in decode attention is measured by benchmarks/ab_attention.py.
+    HEAD_MAJOR = False
 
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -39,12 +43,16 @@ class PagedKVCache(Cache):
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
-        slots = num_pages * page_size
-        # torch.empty: slots are always written before they are read.
-        self.keys = [torch.empty(slots, kv.key_heads, kv.key_dim, dtype=dtype, device=device) for kv in layout.layers]
-        self.values = [torch.empty(slots, kv.value_heads, kv.value_dim, dtype=dtype, device=device)
+        self.keys = [self._pool(num_pages * page_size, kv.key_heads, kv.key_dim, dtype, device) for kv in layout.layers]
+        self.values = [self._pool(num_pages * page_size, kv.value_heads, kv.value_dim, dtype, device)
                        for kv in layout.layers]
         self.step = None
+
+    def _pool(self, slots: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # torch.empty: slots are always written before they are read.
+        if self.HEAD_MAJOR:
+            return torch.empty(heads, slots, dim, dtype=dtype, device=device).transpose(0, 1)
+        return torch.empty(slots, heads, dim, dtype=dtype, device=device)
 
     # transformers' mask and generation helpers look at these; the paged cache is one full-attention pool.
     @property
