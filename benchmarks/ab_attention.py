@@ -14,11 +14,12 @@ import contextlib
 
 import torch
 
+from hf_async_cb.kernels import attention_launch as launch
 from hf_async_cb.kernels import paged_attention as pa
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.tools.bench import _prompts, build_model, run_path
 
-_defaults, _splits = pa._launch_defaults, pa.choose_splits
+_defaults, _splits = launch.launch_defaults, launch.choose_splits
 
 
 def _old_decode_launch(head_dim, dtype, head_dim_v=None, block_m=16, decode=False):
@@ -35,28 +36,28 @@ def _old_splits(meta, num_kv_heads, device):
     """Splits only while there are fewer (request, KV head) programs than SMs."""
     if not meta.is_decode:
         return 1
-    wanted = -(-(pa.num_sms(device) or 1) // (meta.num_requests * num_kv_heads))
+    wanted = -(-(launch.num_sms(device) or 1) // (meta.num_requests * num_kv_heads))
     splits = min(wanted, max(1, meta.max_context // 256), 16)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
 PATCHES = {
     "now": {},
-    "decode-old-launch": {"_launch_defaults": _old_decode_launch},
-    "decode-old-splits": {"choose_splits": _old_splits},
-    "decode-old-both": {"_launch_defaults": _old_decode_launch, "choose_splits": _old_splits},
-    "heads-first": {"_launch_defaults": _heads_first},
+    "decode-old-launch": {"pa.launch_defaults": _old_decode_launch},
+    "decode-old-splits": {"pa.choose_splits": _old_splits},
+    "decode-old-both": {"pa.launch_defaults": _old_decode_launch, "pa.choose_splits": _old_splits},
+    "heads-first": {"pa.launch_defaults": _heads_first},
     "head-major-pools": {"PagedKVCache.HEAD_MAJOR": True},
-    "prefill-16rows": {"TALL_TILE_QUERY_LEN": 1 << 30},
-    "prefill-128rows": {"TALL_TILE_ROWS": 128},
+    "prefill-16rows": {"launch.TALL_TILE_QUERY_LEN": 1 << 30},
+    "prefill-128rows": {"launch.TALL_TILE_ROWS": 128},
 }
 
 
 def _target(name: str):
-    """(object, attribute) a patch names: the attention wrapper's module, or the KV cache class."""
-    if name.startswith("PagedKVCache."):
-        return PagedKVCache, name.split(".", 1)[1]
-    return pa, name
+    """(object, attribute) of a patch's name: "pa." the attention wrapper's module (the names it
+    calls), "launch." the launch choices' module (their constants), or the KV cache class."""
+    owner, attr = name.split(".", 1)
+    return {"pa": pa, "launch": launch, "PagedKVCache": PagedKVCache}[owner], attr
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ import torch
 
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.kernels.graph_timing import graph_ms
-from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
+from hf_async_cb.kernels.attention_launch import choose_splits
+from hf_async_cb.kernels.paged_attention import paged_attention_triton
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 from hf_async_cb.tools.bench import SHAPES, _prompts, build_model
 from tune_kernels import decode_case  # (benchmarks/, the script's own folder)

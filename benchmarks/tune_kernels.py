@@ -13,7 +13,8 @@ import torch
 
 from hf_async_cb.kernels import graph_timing
 from hf_async_cb.kernels.draw_greedy import greedy_packed
-from hf_async_cb.kernels.paged_attention import choose_splits, paged_attention_triton
+from hf_async_cb.kernels.attention_launch import choose_splits
+from hf_async_cb.kernels.paged_attention import paged_attention_triton
 from hf_async_cb.kernels.store_kv import store_kv
 from hf_async_cb.model.step_metadata import StepMetadata, block_table
 from hf_async_cb.sampling.sampler import pack

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from test_triton_attention import CUDA, RAGGED, make_step, needs_cuda, triton_paged
+from test_triton_attention import CUDA, RAGGED, launch, make_step, needs_cuda, triton_paged
 
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 
@@ -231,7 +231,7 @@ def test_strided_pools_give_the_same_results():
     (80, 1, 136, 24, 2),  # a head size over 128: at most 64 rows, two programs of 40 heads
 ])
 def test_large_groups_and_mqa(heads, kv_heads, head_dim, head_dim_v, chunks):
-    assert triton_paged.tile_shape(heads // kv_heads, head_dim, head_dim_v)["chunks"] == chunks
+    assert launch.tile_shape(heads // kv_heads, head_dim, head_dim_v)["chunks"] == chunks
     kw = dict(softcap=2.0, sinks=make_sinks(heads))
     s = make_step([1, 1], [5, 70], heads, kv_heads, head_dim, 16, torch.float32, DEVICE, head_dim_v=head_dim_v)
     assert triton_vs_reference(s) < 1e-5
@@ -247,12 +247,12 @@ def test_tiles_cover_every_group():
         limit = 128 if max(head_dim, head_dim_v) <= 128 else 64
         for group in range(1, 300):
             for query_len in (1, 63, 64, 8192):
-                t = triton_paged.tile_shape(group, head_dim, head_dim_v, query_len)
+                t = launch.tile_shape(group, head_dim, head_dim_v, query_len)
                 assert t["chunks"] * t["heads"] >= group > (t["chunks"] - 1) * t["heads"]
                 assert t["chunks"] == -(-group // limit)
                 assert t["block_q"] * t["heads"] <= t["block_m"] <= max(16, limit)
                 assert t["block_m"] & (t["block_m"] - 1) == 0
-                if query_len >= triton_paged.TALL_TILE_QUERY_LEN and group <= 16:  # prefill: 64-row tiles
+                if query_len >= launch.TALL_TILE_QUERY_LEN and group <= 16:  # prefill: 64-row tiles
                     assert t["block_m"] == 64 and t["block_q"] == 64 // t["heads"]
                 elif group <= 16:
                     assert t["block_m"] == 16
@@ -265,18 +265,18 @@ def test_launch_defaults_fit_shared_memory():
         for head_dim in (16, 32, 64, 80, 96, 128, 192, 256):
             for head_dim_v in {head_dim, 16, 128, 256}:
                 for block_m in (16, 32, 64, 128):
-                    t = triton_paged._launch_defaults(head_dim, dtype, head_dim_v, block_m)
+                    t = launch.launch_defaults(head_dim, dtype, head_dim_v, block_m)
                     bd = max(16, 1 << (head_dim - 1).bit_length())
                     bdv = max(16, 1 << (head_dim_v - 1).bit_length())
-                    smem = triton_paged.shared_memory_estimate(block_m, bd, bdv, t["block_n"],
+                    smem = launch.shared_memory_estimate(block_m, bd, bdv, t["block_n"],
                                                                t.get("num_stages", 3), dtype.itemsize)
-                    assert smem <= triton_paged.SHARED_MEMORY_BUDGET, (dtype, head_dim, head_dim_v, block_m, t)
-    assert triton_paged._launch_defaults(64, torch.bfloat16) == dict(block_n=64, num_warps=2, num_stages=2)
-    assert triton_paged._launch_defaults(128, torch.bfloat16) == dict(block_n=128, num_warps=4, num_stages=2)
-    assert triton_paged._launch_defaults(128, torch.bfloat16, decode=True) == dict(block_n=64, num_warps=2, num_stages=2,
+                    assert smem <= launch.SHARED_MEMORY_BUDGET, (dtype, head_dim, head_dim_v, block_m, t)
+    assert launch.launch_defaults(64, torch.bfloat16) == dict(block_n=64, num_warps=2, num_stages=2)
+    assert launch.launch_defaults(128, torch.bfloat16) == dict(block_n=128, num_warps=4, num_stages=2)
+    assert launch.launch_defaults(128, torch.bfloat16, decode=True) == dict(block_n=64, num_warps=2, num_stages=2,
                                                                                    early_loads=False)
-    assert triton_paged._launch_defaults(64, torch.bfloat16, decode=True)["early_loads"]
-    assert triton_paged._launch_defaults(64, torch.float32) == dict(block_n=64)
+    assert launch.launch_defaults(64, torch.bfloat16, decode=True)["early_loads"]
+    assert launch.launch_defaults(64, torch.float32) == dict(block_n=64)
 
 
 # -- CUDA: real sizes in bf16 --------------------------------------------------------------------
@@ -403,8 +403,11 @@ def test_attention_variants_compile_for_sm90():
     variants = dict(PAGE=16, HEAD_DIM=192, BLOCK_D=256, HEAD_DIM_V=128, BLOCK_DV=128, GROUP=16, HEADS=16, CHUNKS=1,
                     BLOCK_Q=1, BLOCK_M=16, BLOCK_N=32, NUM_SPLITS=4, HAS_WINDOW=True, HAS_SOFTCAP=True,
                     HAS_SINKS=True, HAS_ALIBI=True, IEEE=False)
+    plain = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, HAS_SINKS=False)  # prefill's unmasked loop
     assert_compiles_for_sm90([("hf_async_cb.kernels.paged_attention", "_paged_attention_kernel", signature,
-                               dict(variants, DECODE=decode, NEW_KV=new, EARLY_LOADS=early))
-                              for decode, new, early in ((False, False, False), (True, False, True), (True, True, False),
-                                                         (True, True, True))],
+                               dict(variants, DECODE=decode, NEW_KV=new, EARLY_LOADS=early, HEADS_FIRST=first, **more))
+                              for decode, new, early, first, more in (
+                                  (False, False, False, False, {}), (True, False, True, True, {}),
+                                  (True, True, False, False, {}), (True, True, True, False, {}),
+                                  (False, False, False, True, plain), (False, False, False, False, dict(plain, BLOCK_M=64)))],
                              options={"num_warps": 4, "num_stages": 1})
