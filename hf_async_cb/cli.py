@@ -89,7 +89,13 @@ def _bench_workload(args: argparse.Namespace, device: torch.device) -> tuple:
     if device.type != "cuda" and any(v is None for v in chosen.values()):
         print(f"On {device.type} the default workload is a short check, not a measurement: "
               + ", ".join(f"--{k} {v}" for k, v in workload.items()))
-    return tuple(workload[k] if v is None else v for k, v in chosen.items())
+    shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
+    limit = b.SHAPES[shape].get("max_position_embeddings")
+    longest = prompt * 3 // 2 if getattr(args, "serve", False) and args.lengths == "uniform" else prompt
+    if limit is not None and longest > limit:
+        raise SystemExit(f"--prompt {prompt}: prompts of up to {longest} tokens are longer than the {shape} shape's "
+                         f"{limit} positions")
+    return shape, requests, prompt, new
 
 
 def _write_json(path: str | None, report: dict) -> None:

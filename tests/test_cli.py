@@ -202,3 +202,11 @@ def test_workload_sizes_below_one_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", *argv])
     assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--prompt", "3000"], ["--serve", "--lengths", "uniform", "--prompt", "1400"]])
+def test_prompts_past_the_shape_positions_are_refused_before_any_work(argv):
+    """A prompt the shape's positions cannot hold (tiny: 2048; with --serve's uniform lengths, up to
+    1.5x --prompt) stops with the reason, not a traceback after the model is built."""
+    with pytest.raises(SystemExit, match="longer than the tiny shape's 2048 positions"):
+        cli.main(["bench", "--device", "cpu", "--shape", "tiny", "--requests", "1", "--new", "2", *argv])

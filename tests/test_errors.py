@@ -271,3 +271,42 @@ def test_generate_raises_a_failing_processor_s_error_as_stock_does(model):
     for batching in ("off", "sync", "async"):
         with pytest.raises(ValueError, match="user code failed"):
             model.generate(ids, max_new_tokens=3, logits_processor=processors, batching=batching)
+
+
+def test_a_held_engine_refuses_a_model_changed_under_it():
+    """A weight given new storage, or a dtype move, after an Engine was built (its fused weights and
+    pools are the old ones): refused with the remedy, never stale weights or a torch error mid-step.
+    An update in place runs, with the new weights; a new Engine takes the moved model."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 2, 9, seed=4)
+    engine = Engine(model, BatchingConfig(mode="sync", fuse_projections=True))
+    v_proj = model.model.layers[0].self_attn.v_proj
+    with torch.no_grad():
+        v_proj.weight.mul_(1.5)  # in place: the engine's fused weight sees it
+    expected = stock_generate(model, prompts, max_new_tokens=5, pad_token_id=0)
+    outs = engine.generate(prompts, max_new_tokens=5)
+    assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, ())
+    old = v_proj.weight.data
+    v_proj.weight.data = torch.randn_like(old)
+    with pytest.raises(RuntimeError, match="changed since this Engine was built"):
+        engine.generate(prompts, max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="changed since this Engine was built"):
+        engine.start()
+    v_proj.weight.data = old
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="a dtype or device move"):
+        engine.generate(prompts, max_new_tokens=5)
+    model.to(torch.float32)  # new storages again (to() copies): still not the engine's
+    with pytest.raises(RuntimeError, match="changed since this Engine was built"):
+        engine.generate(prompts, max_new_tokens=5)
+    engine.close()
+    with Engine(model, BatchingConfig(mode="sync", fuse_projections=True)) as fresh:
+        assert [o.output_token_ids for o in fresh.generate(prompts, max_new_tokens=5)] == \
+            generated_rows(expected, max(map(len, prompts)), 0, ())
+
+
+def test_one_dimensional_input_ids_are_refused_as_stock_does(model):
+    """Stock generate fails on a 1-D input_ids (an IndexError); the engine's paths say what to pass."""
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\], got shape \(3,\) \(one prompt: "
+                                         r"input_ids\[None\]\)"):
+        gen(model, torch.tensor([5, 6, 7]), max_new_tokens=2)

@@ -263,18 +263,27 @@ class Gate(LogitsProcessor):
 
 
 class CriterionFails(StoppingCriteria):
+    def __init__(self, error=ValueError):
+        self.error = error
+
     def __call__(self, input_ids, scores, **kwargs):
-        raise ValueError("criterion failed")
+        raise self.error("criterion failed")
 
 
 class ProcessorFails(LogitsProcessor):
+    def __init__(self, error=ValueError):
+        self.error = error
+
     def __call__(self, input_ids, scores):
-        raise ValueError("processor failed")
+        raise self.error("processor failed")
 
 
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt, SystemExit])
 @pytest.mark.parametrize("fault", ["criterion", "processor"])
-def test_a_fault_fails_only_its_request(engine, fault):
-    """B's criterion (or processor) raises in the step where A ends: only B fails."""
+def test_a_fault_fails_only_its_request(engine, fault, error):
+    """B's criterion (or processor) raises in the step where A ends: only B fails, its error the
+    cause of what its handle raises, whatever it is (one request's SystemExit or KeyboardInterrupt
+    included: it must not fail the loop's other requests)."""
     gate = Gate()
     held_prompt, a_prompt, b_prompt = random_prompts(3, 5, 12, seed=82)
     held = engine.add_request(held_prompt, max_new_tokens=4, eos_token_ids=(2,),
@@ -282,11 +291,12 @@ def test_a_fault_fails_only_its_request(engine, fault):
     assert gate.entered.wait(30)
     a = engine.add_request(a_prompt, max_new_tokens=1)
     b = engine.add_request(b_prompt, max_new_tokens=8, **(
-        dict(stopping_criteria=StoppingCriteriaList([CriterionFails()])) if fault == "criterion"
-        else dict(logits_processor=LogitsProcessorList([ProcessorFails()]))))
+        dict(stopping_criteria=StoppingCriteriaList([CriterionFails(error)])) if fault == "criterion"
+        else dict(logits_processor=LogitsProcessorList([ProcessorFails(error)]))))
     gate.release.set()
-    with pytest.raises(RuntimeError, match=f"{fault} failed"):
+    with pytest.raises(RuntimeError, match=f"{error.__name__}.*{fault} failed") as failed:
         b.result(timeout=30)
+    assert type(failed.value.__cause__) is error
     out = a.result(timeout=30)
     assert out.finish_reason is FinishReason.LENGTH and out.output_token_ids == stock_rows([a_prompt], 1)[0]
     assert held.result(timeout=30).output_token_ids == stock_rows([held_prompt], 4)[0]
@@ -360,9 +370,32 @@ def test_a_loop_that_stops_outside_a_step_fails_every_waiting_caller(monkeypatch
     for h in handles:
         with pytest.raises(RuntimeError, match="set-up broke"):
             h.result(timeout=10)
-    with pytest.raises(RuntimeError, match="shutting down"):
+    with pytest.raises(RuntimeError, match=r"loop stopped on an error \(RuntimeError: loop set-up broke\)"):
         engine.add_request([5, 6], max_new_tokens=2)
     engine.shutdown(timeout=10)
+
+
+def test_a_new_engine_on_a_model_whose_last_one_was_dropped_serves_at_once():
+    """A started Engine dropped without shutdown() is collected at once (no cycle through its loop),
+    and its loop, stopping, is waited for: the next Engine's loop serves right away. A second
+    Engine started while the first serves is refused in start(), where the caller sees why."""
+    model = own_model()
+    prompts = random_prompts(2, 4, 9, seed=84)
+    expected = stock_rows(prompts, 5)
+    for _ in range(3):
+        engine = Engine(model, BatchingConfig(mode="async"))
+        engine.start()
+        assert [engine.add_request(p, max_new_tokens=5).result(timeout=30).output_token_ids
+                for p in prompts] == expected
+        del engine  # no shutdown(), no gc.collect()
+    first, second = Engine(model, BatchingConfig(mode="sync")), Engine(model, BatchingConfig(mode="sync"))
+    first.start()
+    with pytest.raises(RuntimeError, match="serving another Engine's background loop"):
+        second.start()
+    first.shutdown()
+    second.start()
+    assert second.add_request(prompts[0], max_new_tokens=5).result(timeout=30).output_token_ids == expected[0]
+    second.shutdown()
 
 
 @pytest.mark.parametrize("ending", ["return", "raise"])

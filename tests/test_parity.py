@@ -94,7 +94,10 @@ def test_the_probe_runs_once_per_family_config_and_dtype(monkeypatch):
     assert len(probes) == 2
 
 
-def test_a_pool_too_small_for_the_probe_leaves_the_check_to_the_next_engine(monkeypatch):
+def test_a_pool_too_small_for_the_probe_checks_on_shorter_prompts(monkeypatch):
+    """A small pool (num_pages set small) never lets an engine run unchecked: the probe shortens its
+    prompts to fit; its pass holds for that engine only (the next one runs the whole probe), its
+    failure refuses the family. A pool without room for one prompt token is refused as such."""
     parity._VERDICTS.clear()
     model = copy.deepcopy(tiny_model("qwen2"))
     with Engine(model, BatchingConfig(num_pages=2, page_size=4)) as engine:
@@ -102,3 +105,10 @@ def test_a_pool_too_small_for_the_probe_leaves_the_check_to_the_next_engine(monk
     assert not parity._VERDICTS
     Engine(model).close()
     assert list(parity._VERDICTS.values()) == [None]
+    with pytest.raises(ValueError, match=r"KV pool \(4 tokens\) is too small for the parity check"):
+        Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(num_pages=1, page_size=4))
+    broken_cache(monkeypatch)
+    parity._VERDICTS.clear()
+    wrong = small(transformers.Qwen2Config, use_sliding_window=False)
+    with pytest.raises(ValueError, match="differ from its own forward"):
+        wrong.generate(IDS, max_new_tokens=4, batching="sync", batching_config=dict(num_pages=3, page_size=4))

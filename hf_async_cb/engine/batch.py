@@ -43,7 +43,7 @@ class StepInputs:
     # Slow path: rows whose raw logits and processed scores go back to the host (output_scores/logits).
     keep_rows: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
-    faults: dict[int, Exception] | None = None  # slow path: row -> what its logits processor raised
+    faults: dict[int, BaseException] | None = None  # slow path: row -> what its logits processor raised
     processors: HistoryProcessors | None = None  # rows whose processors read their history, else None
     token_block: TokenBlock | None = None  # tokens some rows may not sample this step, else None
     # The two device buffers every tensor above was uploaded in (int64, float32 or None): a CUDA

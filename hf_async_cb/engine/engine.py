@@ -323,6 +323,7 @@ class Engine:
         """Drive the loop until every request in `requests` has finished."""
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
+        self._check_model_unchanged()
         loop = self.pipeline(self._mode(mode))
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
@@ -351,6 +352,18 @@ class Engine:
                     raise explained from error
                 raise
 
+    def _check_model_unchanged(self) -> None:
+        """An Engine runs the model as it was built on: its fused weights, K/V pools of its dtype and
+        CUDA graphs over its storages. A weight given new storage since then (`p.data = ...`), a dtype
+        or device move, or a config change would run stale weights or fail inside a step: refused.
+        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)"""
+        if not self.prepared_model.matches(self.model):
+            raise RuntimeError(
+                "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
+                "a dtype or device move, or a config change): close() this engine and build a new one. Updates in "
+                "place (optimizer steps, load_state_dict, copy_) need no rebuild; model.generate(batching=...) "
+                "rebuilds on its own.")
+
     def _mode(self, mode: str | None) -> str:
         """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its
         loops: "off" (stock generate) is a model.generate(batching="off") matter, refused here."""
@@ -370,6 +383,8 @@ class Engine:
 
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
+        if self._background is not None and self._background.ended:  # it stopped on an error: a new one
+            self.shutdown(timeout=0)
         if self._background is not None:
             if self._background.stopping:
                 raise RuntimeError("the engine's background loop is still stopping (a shutdown() that timed out): "
@@ -378,10 +393,12 @@ class Engine:
         if self.tensor_parallel is not None:
             raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
-        self._background = BackgroundLoop(self, self._mode(mode))
+        self._check_model_unchanged()
+        background = BackgroundLoop(self, self._mode(mode))
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
-        self._background.start()
+        background.start()  # (refused when another engine's loop serves the model: then none is kept)
+        self._background = background
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
                     stopping_criteria=None, on_token=None, **param_kwargs) -> RequestHandle:

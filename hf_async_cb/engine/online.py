@@ -34,6 +34,7 @@ from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, Re
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
+from hf_async_cb.model.prepared import model_guard
 
 logger = logging.getLogger(__name__)
 
@@ -216,24 +217,30 @@ class _Worker:
         self.wake = threading.Event()
         self.stopping = False
         self.cancel = False
+        self.error: BaseException | None = None  # what ended the loop, if an error did
         self.lock = threading.Lock()
+        self.thread_id: int | None = None
 
     def request_stop(self, cancel: bool) -> None:
         with self.lock:
             self.stopping = True
             self.cancel = self.cancel or cancel
+        if self.thread_id is not None:  # a stopping loop is waited for, not refused (ModelGuard)
+            model_guard(self.runner.model).stop_serving(self.thread_id)
         self.wake.set()
 
     def run(self) -> None:
         """The loop; should it stop on an error outside a step (which _loop() reports to the step's
         requests and goes on from), every request it holds or has yet to take fails with that error
         and later submissions are refused: no caller waits on a loop that is gone."""
+        self.thread_id = threading.get_ident()
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 - reported to every waiting caller
             logger.exception("the background loop stopped")
             with self.lock:
                 self.stopping = True
+                self.error = error
             while not self.intake.empty():  # taken, not scheduled: they fail with the rest
                 handle = self.intake.get_nowait()
                 self.active[id(handle.request)] = handle
@@ -247,6 +254,8 @@ class _Worker:
     def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
         with self.runner.prepared("the background loop", serving=True):
+            if self.stopping:  # asked to stop before it held the model: it must not serve then
+                model_guard(self.runner.model).stop_serving(self.thread_id)
             while True:
                 self._admit()
                 self._apply_aborts(cancel_all=self.cancel)
@@ -321,7 +330,8 @@ class BackgroundLoop:
     """The engine's side of the loop thread: submit, abort, stop."""
 
     def __init__(self, engine, mode: str) -> None:
-        self.engine = engine
+        # No reference to the engine (it holds this): an engine dropped without shutdown() is then
+        # collected at once, and its finalizer below stops the loop.
         self.pipeline = engine.pipeline(mode)
         self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config)
         self.thread = threading.Thread(target=self._worker.run, name="hf_async_cb-loop", daemon=True)
@@ -329,12 +339,19 @@ class BackgroundLoop:
         self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)
 
     def start(self) -> None:
+        # Refused here, not on the loop thread where no caller would see why (another loop that is
+        # stopping is waited for there instead: ModelGuard.stop_serving).
+        if model_guard(self._worker.runner.model).serving_elsewhere():
+            raise RuntimeError("the model is serving another Engine's background loop; shutdown() that one first.")
         self.thread.start()
         _RUNNING.add(self)
 
     def submit(self, handle: RequestHandle) -> None:
         worker = self._worker
         with worker.lock:
+            if worker.error is not None:
+                raise RuntimeError(f"the engine's loop stopped on an error ({type(worker.error).__name__}: "
+                                   f"{worker.error}); shutdown() it, then start() again.") from worker.error
             if worker.stopping:
                 raise RuntimeError("the engine's loop is shutting down (or a shutdown() timed out): wait for it "
                                    "with shutdown(), then start() it again to add requests.")
@@ -345,6 +362,11 @@ class BackgroundLoop:
     @property
     def stopping(self) -> bool:
         return self._worker.stopping
+
+    @property
+    def ended(self) -> bool:
+        """Whether the loop's thread ran and is gone (stopped on an error, with no shutdown())."""
+        return self.thread.ident is not None and not self.thread.is_alive()
 
     def abort(self, handle: RequestHandle) -> None:
         handle._abort = True

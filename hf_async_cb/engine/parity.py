@@ -35,7 +35,6 @@ PROBE_LENGTHS = (37, 11)
 PROBE_NEW_TOKENS = 4
 
 _VERDICTS: dict[tuple, str | None] = {}  # key -> None (passed) or the reason for refusing
-_SKIPPED = "skipped"
 
 
 def probe_pages(page_size: int) -> int:
@@ -51,48 +50,54 @@ def check_parity(engine) -> None:
     """Raise ValueError if `engine`'s model does not reproduce its own forward on the engine."""
     model = engine.model
     key = _key(model, engine.dtype, engine.device)
-    if key not in _VERDICTS:
-        verdict = _probe(engine, model)
-        if verdict is _SKIPPED:  # the pool cannot hold the probe: the next engine checks
-            return
-        _VERDICTS[key] = verdict
-        if verdict is None:
+    if key in _VERDICTS:
+        reason = _VERDICTS[key]
+    else:
+        reason, whole = _probe(engine, model)
+        if reason is not None or whole:  # a pass on prompts shortened to a small pool is this engine's only
+            _VERDICTS[key] = reason
+        if reason is None:
             logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)
-    reason = _VERDICTS[key]
     if reason is not None:
         family = getattr(model.config, "model_type", None) or type(model).__name__
         raise ValueError(f"{type(model).__name__} (model_type {family!r}) cannot run on hf_async_cb: {reason}. "
                          "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
 
 
-def _prompts(vocab: int, limit: int | None) -> list[list[int]]:
+def _prompts(vocab: int, limit: int | None, room: int | None = None) -> list[list[int]]:
+    """The probe's prompts: PROBE_LENGTHS, shortened to half the model's positions (`limit`) and to
+    what the pool holds beside the probe's new tokens (`room`)."""
     g = torch.Generator().manual_seed(0)
     lengths = [n if limit is None else max(1, min(n, limit // 2)) for n in PROBE_LENGTHS]
+    if room is not None:
+        lengths = [max(1, min(n, room)) for n in lengths]
     low = min(3, vocab - 1)
     return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @torch.no_grad()
-def _probe(engine, model: torch.nn.Module) -> str | None:
-    """None if the engine's logits match the model's own; else why not (_SKIPPED: it did not fit)."""
-    prompts = _prompts(engine.vocab_size, engine.max_positions)
+def _probe(engine, model: torch.nn.Module) -> tuple[str | None, bool]:
+    """(None if the engine's logits match the model's own, else why not; whether the probe ran its
+    whole prompts). A pool too small for them (num_pages set small) takes shorter ones: an engine
+    never runs unchecked."""
+    room = engine.scheduler.allocator.num_pages * engine.scheduler.page_size - PROBE_NEW_TOKENS
+    if room < 1:  # this engine's pool, not the family: no verdict to keep
+        raise ValueError(f"{type(model).__name__}: the KV pool ({room + PROBE_NEW_TOKENS} tokens) is too small for "
+                         f"the parity check's {PROBE_NEW_TOKENS + 1} tokens; raise BatchingConfig.num_pages.")
+    prompts = _prompts(engine.vocab_size, engine.max_positions, room)
+    whole = [len(p) for p in prompts] == [len(p) for p in _prompts(engine.vocab_size, engine.max_positions)]
     config = engine.config
     engine.config = dataclasses.replace(config, progress=False, profile=False)
     try:
-        try:
-            requests = [engine.make_request(p, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS)) for p in prompts]
-        except ValueError as error:  # the probe does not fit this engine's pool (num_pages set small)
-            logger.warning("hf_async_cb: the parity check of %s could not run on this engine (%s); it runs on "
-                           "the next one", type(model).__name__, error)
-            return _SKIPPED
+        requests = [engine.make_request(p, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS)) for p in prompts]
         for r in requests:
             r.keep_scores = True  # each step's raw logits, on the host
         engine.run(requests, "sync")
     except ValueError as error:
-        return f"the parity check could not run it ({error})"
+        return f"the parity check could not run it ({error})", whole
     except Exception as error:  # noqa: BLE001 - a crash inside the model or the cache is the verdict
         first = str(error).splitlines()[0] if str(error) else ""
-        return f"the parity check failed inside the model ({type(error).__name__}: {first})"
+        return f"the parity check failed inside the model ({type(error).__name__}: {first})", whole
     finally:
         engine.config = config
     worst = 0.0
@@ -109,5 +114,5 @@ def _probe(engine, model: torch.nn.Module) -> str | None:
                 tolerance)
     if not worst <= tolerance:  # NaN fails too
         return (f"its logits on the engine differ from its own forward by {worst:.3g} of the largest logit "
-                f"(tolerance {tolerance:g} in {str(engine.dtype).removeprefix('torch.')})")
-    return None
+                f"(tolerance {tolerance:g} in {str(engine.dtype).removeprefix('torch.')})"), whole
+    return None, whole

@@ -53,7 +53,7 @@ class InFlight:
     download: Download
     keep_rows: list[int]
     kept: tuple[torch.Tensor, torch.Tensor] | None  # device (raw logits, processed scores) of keep_rows
-    faults: dict[int, Exception] | None  # row -> what its request's logits processor raised
+    faults: dict[int, BaseException] | None  # row -> what its request's logits processor raised
 
 
 class Pipeline:
@@ -212,11 +212,14 @@ class Pipeline:
                     finished.append(req)
                 if req.on_token is not None:
                     req.on_token(req, token)
-            except Exception as error:  # the request's stopping criterion or callback: fail it alone
+            # The request's stopping criterion or callback: fail it alone. BaseException too: one
+            # request's SystemExit must not take the loop's other requests down (a foreground run
+            # re-raises it after the step, so a KeyboardInterrupt still stops the call).
+            except BaseException as error:  # noqa: BLE001
                 self._fail(req, error, "stopping criterion or token callback", finished)
         return finished
 
-    def _fail(self, req: Request, error: Exception, source: str, finished: list[Request]) -> None:
+    def _fail(self, req: Request, error: BaseException, source: str, finished: list[Request]) -> None:
         """End `req` (ABORTED, pages freed: no queued step reads them, as for EOS) with `error`."""
         error.add_note(f"hf_async_cb: raised by the {source} of request {req.request_id}, which was aborted")
         req.error = error

@@ -108,7 +108,7 @@ class ModelRunner:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
             try:
                 logits[row] = processor(history[None], logits[row : row + 1])[0]
-            except Exception as error:  # this request's own code: the pipeline fails it alone
+            except BaseException as error:  # noqa: BLE001 - this request's own code: the pipeline fails it alone
                 if inputs.faults is None:
                     inputs.faults = {}
                 inputs.faults[row] = error

@@ -170,10 +170,9 @@ def check_input_ids(inputs, model) -> torch.Tensor:
         raise ValueError(f"input_ids must be a torch.LongTensor, got {type(inputs).__name__}.")
     if inputs.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}.")
-    if inputs.dim() == 1:
-        inputs = inputs[None]
-    if inputs.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(inputs.shape)}.")
+    if inputs.dim() != 2:  # stock fails on a 1-D tensor too (an IndexError)
+        hint = " (one prompt: input_ids[None])" if inputs.dim() == 1 else ""
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(inputs.shape)}{hint}.")
     if inputs.shape[0] == 0:
         raise ValueError("The batch is empty: input_ids has no rows.")
     if inputs.shape[1] == 0:

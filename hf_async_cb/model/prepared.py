@@ -74,6 +74,17 @@ class ModelGuard:
             self._lock.release()
 
 
+    def serving_elsewhere(self) -> bool:
+        """Whether another thread holds the model for a background loop that is not stopping."""
+        return self._serving and self._owner != threading.get_ident()
+
+    def stop_serving(self, owner: int) -> None:
+        """The background loop on thread `owner` is stopping: from now on other calls wait for it to
+        end, as for any call, instead of being refused (it releases the model once it has stopped)."""
+        if self._owner == owner:
+            self._serving = False
+
+
 _GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.WeakKeyDictionary()
 _GUARDS_LOCK = threading.Lock()
 

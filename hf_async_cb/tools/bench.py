@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Its real 128K context (llama3 rope scaling), so that long-prompt runs (a 32K prompt) fit.
     "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                                      "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
                         tie_word_embeddings=True),
     # A mixture of experts: Qwen3-30B-A3B's layer (128 experts, 8 active, GQA 32/4 of head_dim 128),
     # 12 of its 48 layers (7.6B parameters, 1.1B active per token), so that stock finishes in minutes.
