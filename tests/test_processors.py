@@ -434,3 +434,21 @@ def test_top_p_edges_run_as_stock_runs_them(mode):
     for batching in ("off", mode):
         with pytest.raises(ValueError, match="top_p"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_p=-0.5, batching=batching)
+
+
+def test_ngram_sizes_past_the_history_ban_nothing_as_stock(plain_rows, monkeypatch):
+    """no_repeat_ngram_size longer than any row's history (here past the step's history width, 64
+    and more) bans nothing, as stock; and in the online loop it fails no one, the option's request
+    nor the one sharing its steps."""
+    prompts, _ = plain_rows
+    unbanned = stock_generate(tiny_model("llama"), prompts, max_new_tokens=16, eos_token_id=2, pad_token_id=0)
+    for n in (40, 70, 200):
+        expected = on_the_device(monkeypatch, prompts, max_new_tokens=16, eos_token_id=2, pad_token_id=0,
+                                 no_repeat_ngram_size=n)
+        assert torch.equal(expected, unbanned)
+    engine = Engine(tiny_model("llama"), BatchingConfig(mode="async"))
+    engine.start()
+    plain = engine.add_request(prompts[0], max_new_tokens=12)
+    long_ngram = engine.add_request(prompts[1], max_new_tokens=12, no_repeat_ngram_size=100)
+    assert plain.result(timeout=60).finish_reason is not None and long_ngram.result(timeout=60).finish_reason is not None
+    engine.shutdown()

@@ -224,7 +224,8 @@ class HistoryProcessors:
         windows = padded.unfold(1, longest, 1)[:, :width]  # [R, width, longest]
         offsets = torch.arange(longest - 1, device=tokens.device)
         before = (n - 1).clamp(min=0)
-        suffix = tokens.gather(1, ((width - before)[:, None] + offsets).clamp(max=width - 1))
+        # (clamped from below too: with n - 1 past the history's width nothing is banned, see `inside`)
+        suffix = tokens.gather(1, ((width - before)[:, None] + offsets).clamp(0, width - 1))
         compared = offsets[None, :] < before[:, None]
         matches = ((windows[..., : longest - 1] == suffix[:, None, :]) | ~compared[:, None, :]).all(dim=-1)
         columns = torch.arange(width, device=tokens.device)
