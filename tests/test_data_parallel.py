@@ -92,6 +92,8 @@ def test_copies_processors_and_stopping_criteria_pass_through():
             assert [o.prompt_token_ids for o in outs] == [p for p in PROMPTS[:5] for _ in range(2)]
             runs.append(_tokens(outs))
     assert runs[0] == runs[1]
+    # ... and are one Engine's copies: seeded by their index in the whole call.
+    assert _tokens(Engine(model, config).generate(PROMPTS[:5], params, num_return_sequences=2)) == runs[0]
 
     class HistoryOf42(StoppingCriteria):  # stops a request once its history (prompt + output) has 42 tokens
         def __call__(self, input_ids, scores, **kwargs):

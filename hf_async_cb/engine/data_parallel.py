@@ -11,8 +11,8 @@ on one replica, split the prompts once, up front (`balance`).
 A request's tokens do not depend on the replica it lands on: sampled requests without a seed of
 their own get theirs here, from the engine seed and their index in the call, exactly as one Engine
 would give them (engine.seed_requests), so a DataParallel call and one Engine's call with the same
-BatchingConfig.seed draw the same tokens. (With num_return_sequences > 1 the copies of a prompt
-derive their seeds from the prompt's: still the same on any replica, but not one Engine's.)
+BatchingConfig.seed draw the same tokens; with num_return_sequences > 1 each replica seeds the
+copies by their index in the whole call (Engine.generate's seed_indices).
 
 Where the replicas run (`workers`):
 - "processes" (the default for several CUDA devices): a process per replica
@@ -114,21 +114,25 @@ class DataParallel:
                   **param_kwargs) -> list[RequestOutput]:
         prompts = as_token_lists(prompts)
         per_prompt = params_per_prompt(prompts, params, param_kwargs)
-        per_prompt = self._seeded(per_prompt)
         options = dict(mode=mode, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                        num_return_sequences=num_return_sequences)
         if num_return_sequences == 1:  # balanced as requests finish
             stream = self._stream if self.workers == "processes" else self._stream_threads
-            return stream(prompts, per_prompt, options)
+            return stream(prompts, self._seeded(per_prompt), options)
         # Copies share their prompt's pages on one replica: the prompts are split once, up front.
+        # Each replica seeds the copies by their index in the whole call, as one Engine would.
+        if any(sp.do_sample and sp.seed is None for sp in per_prompt):
+            options["engine_seed"] = self.config.seed if self.config.seed is not None else _random_seed()
         assignment = balance([len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)], len(self.devices))
         self.last_assignment = assignment
-        calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen]) for chosen in assignment]
+        calls = [([prompts[i] for i in chosen], [per_prompt[i] for i in chosen], chosen) for chosen in assignment]
         if self.workers == "processes":
             results = self._run_processes(calls, options)
         else:
             def run(replica: int) -> list[RequestOutput]:
-                return self.engines[replica].generate(*calls[replica], **options) if calls[replica][0] else []
+                chosen_prompts, chosen_params, chosen = calls[replica]
+                return self.engines[replica].generate(chosen_prompts, chosen_params, seed_indices=chosen,
+                                                      **options) if chosen_prompts else []
 
             with ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="hf_async_cb-dp") as pool:
                 results = list(pool.map(run, range(len(self.engines))))  # raises the first replica's error
@@ -242,14 +246,14 @@ class DataParallel:
         except Exception:  # noqa: BLE001 (a dead replica: nothing left to read; its error is the call's)
             pass
 
-    def _run_processes(self, calls: list[tuple[list, list]], options: dict) -> list[list[RequestOutput]]:
+    def _run_processes(self, calls: list[tuple[list, list, list]], options: dict) -> list[list[RequestOutput]]:
         """Send each replica its share, then collect every answer before raising the first error, so
         that no answer is left in a pipe for the next call to read."""
         sent = []
         try:
-            for replica, (prompts, params) in zip(self.replicas, calls):
+            for replica, (prompts, params, chosen) in zip(self.replicas, calls):
                 if prompts:
-                    replica.submit(prompts, params, **options)
+                    replica.submit(prompts, params, seed_indices=chosen, **options)
                 sent.append(bool(prompts))
         except BaseException:  # (arguments that do not pickle: nothing of them was sent) drain the others
             for replica, busy in zip(self.replicas, sent):

@@ -292,6 +292,8 @@ class Engine:
         logits_processor=None,
         stopping_criteria=None,
         num_return_sequences: int = 1,
+        seed_indices: Sequence[int] | None = None,
+        engine_seed: int | None = None,
         **param_kwargs,
     ) -> list[RequestOutput]:
         """Generate for every prompt (lists of token ids); outputs come back in prompt order.
@@ -301,18 +303,29 @@ class Engine:
         `stopping_criteria` (transformers lists) apply to every request, each on its own history.
         `num_return_sequences` copies of each prompt come back next to each other (as stock orders
         them); the copies share the first copy's cached prompt pages instead of recomputing them.
+        `seed_indices` and `engine_seed` (DataParallel's): each prompt's index in a larger call and
+        that call's engine seed, so that sampled requests without a seed of their own get the seeds
+        one Engine gives the whole call (request i of it: derive_seed(engine seed, i)).
         """
         prompts = as_token_lists(prompts)
         per_prompt = params_per_prompt(prompts, params, param_kwargs)
         if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
                 or num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
+        if seed_indices is not None and len(seed_indices) != len(prompts):
+            raise ValueError(f"seed_indices has {len(seed_indices)} entries for {len(prompts)} prompts.")
+        n = num_return_sequences
+        if seed_indices is not None and engine_seed is None and any(sp.do_sample and sp.seed is None
+                                                                    for sp in per_prompt):
+            engine_seed = self.config.seed if self.config.seed is not None else self._draw_seed()
         requests = []
-        for p, sp in zip(prompts, per_prompt):
+        for k, (p, sp) in enumerate(zip(prompts, per_prompt)):
             leader = None
-            for copy in range(num_return_sequences):
+            for copy in range(n):
                 req = self.make_request(p, copy_params(sp, copy), logits_processor=logits_processor,
                                         stopping_criteria=stopping_criteria)
+                if seed_indices is not None:  # its index in the whole call
+                    seed_requests([req], engine_seed, first_index=seed_indices[k] * n + copy)
                 req.share_from = leader
                 leader = leader or req
                 requests.append(req)
