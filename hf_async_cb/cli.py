@@ -86,9 +86,10 @@ def _bench_workload(args: argparse.Namespace, device: torch.device) -> tuple:
 
     workload = b.default_workload(device)
     chosen = {k: getattr(args, k) for k in workload}
-    if device.type != "cuda" and any(v is None for v in chosen.values()):
-        print(f"On {device.type} the default workload is a short check, not a measurement: "
-              + ", ".join(f"--{k} {v}" for k, v in workload.items()))
+    defaulted = [k for k, v in chosen.items() if v is None]
+    if device.type != "cuda" and defaulted:
+        print(f"On {device.type} the defaults are a short check, not a measurement: "
+              + ", ".join(f"--{k} {workload[k]}" for k in defaulted))
     shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
     limit = b.SHAPES[shape].get("max_position_embeddings")
     longest = prompt * 3 // 2 if getattr(args, "serve", False) and args.lengths == "uniform" else prompt

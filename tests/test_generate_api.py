@@ -209,7 +209,11 @@ def test_uninstall_warns_once_when_batching_is_still_asked_for(model, batch, cap
     assert not hasattr(GenerationMixin.generate.__wrapped__, "__hf_async_cb_stock__")
     calls = []
     original = hf_async_cb.Engine.run
-    monkeypatch.setattr(hf_async_cb.Engine, "run", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    def counted(self, requests, *a, **k):  # the call's runs (not the parity probe's, which keeps scores)
+        calls.extend([1] if not any(r.keep_scores for r in requests) else [])
+        return original(self, requests, *a, **k)
+
+    monkeypatch.setattr(hf_async_cb.Engine, "run", counted)
     model.generation_config.batching = "sync"
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4), expected)
     assert calls == [1]
@@ -227,8 +231,11 @@ def test_uninstall_and_install():
         assert not hf_async_cb.is_installed()
         assert not getattr(GenerationMixin.generate, "__hf_async_cb__", False)
         model = tiny_model("gpt2")
-        with pytest.raises(ValueError, match="batching"):
-            model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, batching="sync")
+        ids = torch.tensor([[3, 4]])
+        expected = model.generate(ids, max_new_tokens=2)
+        for batching in ("sync", "off"):  # ignored, as the guard's warning says: stock runs
+            assert torch.equal(model.generate(ids, max_new_tokens=2, batching=batching,
+                                              batching_config=BatchingConfig(seed=1)), expected)
     finally:
         hf_async_cb.install()
     assert GenerationMixin.generate.__hf_async_cb__

@@ -132,6 +132,8 @@ def _make_guard(original):
                 warned = True
                 logger.warning("hf_async_cb is uninstalled: %s is ignored and stock generate runs. Call "
                                "hf_async_cb.install() to batch again.", asked)
+        for key in _BATCHING_KEYS:  # ignored, as the warning says (stock would refuse them as unknown)
+            kwargs.pop(key, None)
         return original(self, *args, **kwargs)
 
     generate.__hf_async_cb_stock__ = original
@@ -142,7 +144,7 @@ def _asks_for_batching(model, signature: inspect.Signature, args: tuple, kwargs:
     """Where this call asks for batching, in words; None when it does not."""
     for key in _BATCHING_KEYS:
         if kwargs.get(key) not in OFF_MODES:
-            return f"generate({key}=...)"  # stock then refuses the unknown keyword itself
+            return f"generate({key}=...)"
     try:
         generation_config = signature.bind(model, *args, **kwargs).arguments.get("generation_config")
     except TypeError:
