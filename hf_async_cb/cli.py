@@ -92,7 +92,7 @@ def _bench_workload(args: argparse.Namespace, device: torch.device) -> tuple:
               + ", ".join(f"--{k} {workload[k]}" for k in defaulted))
     shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
     limit = b.SHAPES[shape].get("max_position_embeddings")
-    longest = prompt * 3 // 2 if getattr(args, "serve", False) and args.lengths == "uniform" else prompt
+    longest = prompt * 3 // 2 if args.serve and args.lengths == "uniform" else prompt
     if limit is not None and longest > limit:
         raise SystemExit(f"--prompt {prompt}: prompts of up to {longest} tokens are longer than the {shape} shape's "
                          f"{limit} positions")

@@ -207,7 +207,7 @@ class BatchBuilder:
                     pads = len(logits_rows) - len(params)
                     params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
                 sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
-            unseeded = any(p.do_sample and p.seed is None for p in params)
+            unseeded = any(p.unseeded for p in params)
         ints = [input_ids, carry, positions, slot_mapping, logits_rows, table, query_start, context_lens,
                 *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)

@@ -121,7 +121,7 @@ class DataParallel:
             return stream(prompts, self._seeded(per_prompt), options)
         # Copies share their prompt's pages on one replica: the prompts are split once, up front.
         # Each replica seeds the copies by their index in the whole call, as one Engine would.
-        if any(sp.do_sample and sp.seed is None for sp in per_prompt):
+        if any(sp.unseeded for sp in per_prompt):
             options["engine_seed"] = self.config.seed if self.config.seed is not None else _random_seed()
         assignment = balance([len(p) + sp.max_new_tokens for p, sp in zip(prompts, per_prompt)], len(self.devices))
         self.last_assignment = assignment
@@ -276,7 +276,7 @@ class DataParallel:
 
     def _seeded(self, per_prompt: list[SamplingParams]) -> list[SamplingParams]:
         """Each sampled prompt without a seed gets the one a single Engine would give it."""
-        unseeded = [i for i, sp in enumerate(per_prompt) if sp.do_sample and sp.seed is None]
+        unseeded = [i for i, sp in enumerate(per_prompt) if sp.unseeded]
         if not unseeded:
             return per_prompt
         base = self.config.seed if self.config.seed is not None else _random_seed()

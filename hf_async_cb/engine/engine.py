@@ -65,7 +65,7 @@ def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_in
     prompt, parameters and that index, never on the requests sharing its batches. No engine seed:
     one is drawn from torch's generator (only when a request needs it), through `draw` if given
     (tensor-parallel ranks agree on one: engine/distributed.py)."""
-    unseeded = [(i, r) for i, r in enumerate(requests, first_index) if r.params.do_sample and r.params.seed is None]
+    unseeded = [(i, r) for i, r in enumerate(requests, first_index) if r.params.unseeded]
     if not unseeded:
         return
     base = engine_seed if engine_seed is not None else (draw or _random_seed)()
@@ -315,8 +315,7 @@ class Engine:
         if seed_indices is not None and len(seed_indices) != len(prompts):
             raise ValueError(f"seed_indices has {len(seed_indices)} entries for {len(prompts)} prompts.")
         n = num_return_sequences
-        if seed_indices is not None and engine_seed is None and any(sp.do_sample and sp.seed is None
-                                                                    for sp in per_prompt):
+        if seed_indices is not None and engine_seed is None and any(sp.unseeded for sp in per_prompt):
             engine_seed = self.config.seed if self.config.seed is not None else self._draw_seed()
         requests = []
         for k, (p, sp) in enumerate(zip(prompts, per_prompt)):
@@ -369,8 +368,9 @@ class Engine:
         """An Engine runs the model as it was built on: its fused weights, K/V pools of its dtype and
         CUDA graphs over its storages. A weight given new storage since then (`p.data = ...`), a dtype
         or device move, or a config change would run stale weights or fail inside a step: refused.
-        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)"""
-        if not self.prepared_model.matches(self.model):
+        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)
+        A preparation that a generate() runtime owns is its runtime's to check (fits(), per call)."""
+        if self._owns_preparation and not self.prepared_model.matches(self.model):
             raise RuntimeError(
                 "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
                 "a dtype or device move, or a config change): close() this engine and build a new one. Updates in "

@@ -64,13 +64,13 @@ def check_parity(engine) -> None:
                          "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
 
 
-def _prompts(vocab: int, limit: int | None, room: int | None = None) -> list[list[int]]:
-    """The probe's prompts: PROBE_LENGTHS, shortened to half the model's positions (`limit`) and to
-    what the pool holds beside the probe's new tokens (`room`)."""
+def _lengths(limit: int | None) -> list[int]:
+    """The probe's prompt lengths: PROBE_LENGTHS, at most half the model's positions (`limit`)."""
+    return [n if limit is None else max(1, min(n, limit // 2)) for n in PROBE_LENGTHS]
+
+
+def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    lengths = [n if limit is None else max(1, min(n, limit // 2)) for n in PROBE_LENGTHS]
-    if room is not None:
-        lengths = [max(1, min(n, room)) for n in lengths]
     low = min(3, vocab - 1)
     return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
 
@@ -84,8 +84,9 @@ def _probe(engine, model: torch.nn.Module) -> tuple[str | None, bool]:
     if room < 1:  # this engine's pool, not the family: no verdict to keep
         raise ValueError(f"{type(model).__name__}: the KV pool ({room + PROBE_NEW_TOKENS} tokens) is too small for "
                          f"the parity check's {PROBE_NEW_TOKENS + 1} tokens; raise BatchingConfig.num_pages.")
-    prompts = _prompts(engine.vocab_size, engine.max_positions, room)
-    whole = [len(p) for p in prompts] == [len(p) for p in _prompts(engine.vocab_size, engine.max_positions)]
+    lengths = _lengths(engine.max_positions)
+    whole = max(lengths) <= room  # else shortened to what the pool holds beside the new tokens
+    prompts = _prompts(engine.vocab_size, [min(n, room) for n in lengths])
     config = engine.config
     engine.config = dataclasses.replace(config, progress=False, profile=False)
     try:

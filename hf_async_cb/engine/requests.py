@@ -51,6 +51,11 @@ class SamplingParams:
     sampler_ints: bytes = field(init=False, repr=False, compare=False)
     sampler_floats: bytes = field(init=False, repr=False, compare=False)
 
+    @property
+    def unseeded(self) -> bool:
+        """Samples without a seed of its own: the engine gives it one (engine.seed_requests)."""
+        return self.do_sample and self.seed is None
+
     def __post_init__(self) -> None:
         """Check every field's type and range (a ValueError naming the field, not a struct.error or
         a TypeError later) and normalise them: ints, floats, tuples of token ids. Values already in

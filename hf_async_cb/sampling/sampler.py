@@ -81,7 +81,7 @@ class SamplingTensors:
               token_index: Sequence[int] | None = None) -> "SamplingTensors | None":
         """Direct construction (tests, callers outside the pipeline)."""
         ints, floats = cls.host_parts(params, token_index)
-        unseeded = any(p.do_sample and p.seed is None for p in params)
+        unseeded = any(p.unseeded for p in params)
         return cls.from_device([torch.from_numpy(t.copy()).to(device) for t in ints],
                                [torch.from_numpy(t.copy()).to(device) for t in floats], unseeded)
 
