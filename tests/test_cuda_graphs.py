@@ -99,6 +99,34 @@ def test_large_prefill_steps_run_eagerly():
     assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS + 1)) is None
 
 
+def test_tall_query_steps_get_buckets_of_their_own():
+    """The Triton attention's tile height follows the step's longest query, and a graph keeps the
+    tile of its capture: a step with a long prefill chunk must not share a bucket with one of short
+    chunks of the same token count."""
+    graphs = DecodeGraphs(None, 8, is_cuda=False, prefill=True, tall_query_len=64)
+
+    def plan(*sizes):
+        return StepPlan([ScheduledChunk(Request([3] * 200, SamplingParams()), 0, n, True) for n in sizes], [])
+
+    short, tall, decodes_and_tall = plan(40, 40, 40), plan(100, 10, 10), plan(1, 1, 118)
+    assert {graphs.key_for(p).tokens for p in (short, tall, decodes_and_tall)} == {128}
+    assert not graphs.key_for(short).tall and graphs.key_for(tall).tall and graphs.key_for(decodes_and_tall).tall
+    assert graphs.key_for(plan(63)).tall is False and graphs.key_for(plan(64)).tall is True
+    assert not DecodeGraphs(None, 8, is_cuda=False, prefill=True).key_for(tall).tall  # other backends: one kind
+
+
+def test_tall_and_short_buckets_replay_stock_tokens():
+    model = tiny_model("llama")
+    prompts = random_prompts(1, 40, 41, seed=4) + random_prompts(8, 3, 12, seed=5)  # one tall step, then short ones
+    engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, page_size=4, max_batch_tokens=64,
+                                          max_running_requests=4))
+    engine.graphs.tall_query_len = 16
+    outs = engine.generate(prompts, max_new_tokens=10, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 10)
+    kinds = {key.tall for key in engine.graphs._graphs if key.tokens}
+    assert kinds == {False, True}, engine.graphs._graphs.keys()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_seeded_sampling_replays_graphs_with_the_eager_tokens(mode):
     """Sampled and greedy requests (different warpers) share graph buckets, decode and prefill, and

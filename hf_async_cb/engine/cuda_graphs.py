@@ -88,6 +88,7 @@ class GraphKey:
     # the padded shapes of the sequence-bias and bad-words key lists or None).
     penalty: tuple | None = None
     blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
+    tall: bool = False  # a prefill/mixed step whose longest query takes the attention's tall tiles
 
 
 def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -208,12 +209,17 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool, prefill: bool = False,
-                 max_prefill_graphs: int = 16) -> None:
+                 max_prefill_graphs: int = 16, tall_query_len: int | None = None) -> None:
         """prefill: also replay prefill and mixed steps from graphs (at most `max_prefill_graphs`
-        buckets; later new buckets run eagerly)."""
+        buckets; later new buckets run eagerly). tall_query_len: prefill/mixed steps whose longest
+        query has at least this many tokens get buckets of their own. The Triton attention takes
+        taller tiles for them (kernels/attention_launch.tile_shape), and a graph keeps the tile of the
+        step it was captured on: without the split, a bucket first captured on short chunks would
+        replay its long ones at half speed, and one first captured on long chunks its decodes."""
         self.runner = runner
         self.max_batch = _pow2(max_batch)
         self.prefill = prefill
+        self.tall_query_len = tall_query_len
         self.max_prefill_graphs = max_prefill_graphs
         self.num_prefill_graphs = 0
         self.pool = torch.cuda.graph_pool_handle() if is_cuda else None
@@ -275,8 +281,9 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
+            tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
-                           blocked and block_bucket(blocked))
+                           blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 return None
         return None if key in self.failed else key

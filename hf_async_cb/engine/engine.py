@@ -199,9 +199,13 @@ class Engine:
         use_graphs = self.config.cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
+        tall_query_len = None
+        if self.attention_backend == "triton":
+            from hf_async_cb.kernels.attention_launch import TALL_TILE_QUERY_LEN as tall_query_len
         self.graphs = DecodeGraphs(
             self.runner, self.config.max_running_requests, is_cuda=self.device.type == "cuda",
             prefill=self.config.prefill_graphs and (self.attention_backend == "triton" or self.device.type != "cuda"),
+            tall_query_len=tall_query_len,
         ) if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
