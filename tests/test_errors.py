@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from models import generated_rows, left_pad, random_prompts, stock_generate, tiny_model
+from models import generated_rows, left_pad, random_prompts, scaled, stock_generate, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from hf_async_cb import BatchingConfig, Engine, SamplingParams
@@ -48,14 +48,14 @@ def test_prompt_longer_than_the_pool(engine):
 
 def test_learned_positions_cannot_be_exceeded():
     gpt2 = tiny_model("gpt2")
-    with pytest.raises(ValueError, match="learned positions"):
+    with pytest.raises(ValueError, match="positions of its position table"):
         Engine(gpt2, BatchingConfig(mode="sync")).generate([[5] * 500], max_new_tokens=20)
 
 
-@pytest.mark.parametrize("family", ["opt", "biogpt", "ctrl", "gpt_bigcode"])
+@pytest.mark.parametrize("family", ["opt", "biogpt", "ctrl", "gpt_bigcode", "codegen", "gptj"])
 def test_every_fixed_position_table_is_a_limit_up_front(family):
     """Position tables other than GPT-2's wpe (OPT's and BioGPT's embed_positions, CTRL's
-    pos_encoding) are limits too: a request running past one is refused before any work, so it
+    pos_encoding, CodeGen's and GPT-J's precomputed rotary table) are limits too: a request running past one is refused before any work, so it
     cannot fail a step that other requests share (stock raises IndexError mid-run); one that
     ends at the table's last position runs."""
     from model_configs import tiny_model as sweep_model
@@ -67,7 +67,7 @@ def test_every_fixed_position_table_is_a_limit_up_front(family):
     assert has_learned_positions(model)
     limit = max_positions(model.config)
     engine = Engine(model, BatchingConfig(mode="sync"))
-    with pytest.raises(ValueError, match="learned positions"):
+    with pytest.raises(ValueError, match="positions of its position table"):
         engine.generate([[5] * (limit - 5)], max_new_tokens=20)
     assert len(engine.generate([[5] * (limit - 5)], max_new_tokens=6)[0].output_token_ids) == 6
 
@@ -310,3 +310,38 @@ def test_one_dimensional_input_ids_are_refused_as_stock_does(model):
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\], got shape \(3,\) \(one prompt: "
                                          r"input_ids\[None\]\)"):
         gen(model, torch.tensor([5, 6, 7]), max_new_tokens=2)
+
+
+def _rope_model(kind: str):
+    params = {"rope_type": kind, "rope_theta": 10000.0}
+    if kind == "longrope":  # Phi-3-128k's form: short factors up to 48 positions, long ones past
+        params.update(short_factor=[1.0] * 8, long_factor=[3.0] * 8)
+        config = transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
+                                         original_max_position_embeddings=48, pad_token_id=0, rope_parameters=params)
+    else:
+        params["factor"] = 4.0
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+                                          rope_parameters=params)
+    torch.manual_seed(0)
+    return scaled(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_rope_that_switches_with_the_longest_sequence_is_kept_below_its_switch(kind):
+    """Dynamic NTK and LongRoPE pick a forward's frequencies from its largest position: past their
+    original length stock's tokens depend on the batch and on when the cache was filled (Phi-3
+    refills it at the crossing), so such requests are refused up front; below it every token is
+    stock's, whatever the chunking."""
+    model = _rope_model(kind)
+    prompts = random_prompts(3, 20, 38, seed=2)
+    ids, mask = left_pad(prompts)
+    new = 48 - ids.shape[1] + 1  # the last fed position is 47: short factors throughout
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    for config in (BatchingConfig(), BatchingConfig(max_batch_tokens=16, page_size=4)):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                             batching="async", batching_config=config)
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=rf"runs past 48 positions, where the model's '{kind}' RoPE"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=new + 1, batching="sync")

@@ -81,7 +81,7 @@ def test_a_crash_inside_the_model_is_a_refusal_not_an_internal_error(monkeypatch
 def test_the_probe_runs_once_per_family_config_and_dtype(monkeypatch):
     probes = []
     original = parity._probe
-    monkeypatch.setattr(parity, "_probe", lambda engine, model: probes.append(1) or original(engine, model))
+    monkeypatch.setattr(parity, "_probe", lambda engine, model, **kw: probes.append(1) or original(engine, model, **kw))
     model = copy.deepcopy(tiny_model("llama"))
     parity._VERDICTS.clear()
     for _ in range(2):
@@ -112,3 +112,36 @@ def test_a_pool_too_small_for_the_probe_checks_on_shorter_prompts(monkeypatch):
     wrong = small(transformers.Qwen2Config, use_sliding_window=False)
     with pytest.raises(ValueError, match="differ from its own forward"):
         wrong.generate(IDS, max_new_tokens=4, batching="sync", batching_config=dict(num_pages=3, page_size=4))
+
+
+def test_a_model_in_train_mode_is_judged_without_dropout():
+    """The probe judges the family: dropout (a model left in train mode) must not refuse it, for
+    this model or any other of its config, and the model's modes are left as they were."""
+    parity._VERDICTS.clear()
+    model = small(transformers.LlamaConfig, attention_dropout=0.5).train()
+    model.generate(IDS, max_new_tokens=2, batching="sync")  # dropout on: tokens of chance, as stock's
+    assert model.training and all(m.training for m in model.modules())
+    assert list(parity._VERDICTS.values()) == [None]
+    model.eval()
+    assert torch.equal(model.generate(IDS, max_new_tokens=6, batching="async"),
+                       model.generate(IDS, max_new_tokens=6, batching="off"))
+
+
+def test_a_hooked_model_is_judged_with_its_hooks_for_itself_alone():
+    """A forward hook that depends on the batch layout (here: on the sequence position) makes the
+    engine's logits differ: refused, naming the hooks; the verdict is not the family's, so the same
+    model without the hook, or another of its config, runs."""
+    parity._VERDICTS.clear()
+    model = small(transformers.LlamaConfig)
+    ramp = model.model.norm.register_forward_hook(
+        lambda module, args, out: out + torch.arange(out.shape[1], dtype=out.dtype)[None, :, None])
+    with pytest.raises(ValueError, match=r"differ from its own forward .* \(with the forward hooks of 1 module:"):
+        model.generate(IDS, max_new_tokens=4, batching="sync")
+    assert not parity._VERDICTS
+    ramp.remove()
+    assert torch.equal(model.generate(IDS, max_new_tokens=6, batching="sync"),
+                       model.generate(IDS, max_new_tokens=6, batching="off"))
+    kept = model.model.norm.register_forward_hook(lambda module, args, out: out * 2)  # position-free: runs
+    assert torch.equal(model.generate(IDS, max_new_tokens=6, batching="async"),
+                       model.generate(IDS, max_new_tokens=6, batching="off"))
+    kept.remove()

@@ -152,6 +152,64 @@ def test_reassigned_weight_and_config_change_rebuild():
     assert runtime_module._RUNTIMES[model] is not second
 
 
+class _Scaled(torch.nn.Module):
+    """A user's wrapper around a projection (as adapters and quantisers put in place)."""
+
+    def __init__(self, inner: torch.nn.Module, factor: float) -> None:
+        super().__init__()
+        self.inner, self.factor = inner, factor
+
+    def forward(self, x):
+        return self.inner(x) * self.factor
+
+
+def test_hooks_and_modules_changed_between_calls_run_as_in_stock():
+    """Fused projections bypass their members' calls and CUDA graphs replay no Python: a forward hook
+    added or removed, or a module wrapped, since the last call must take effect (a new preparation),
+    and the user's wrapper must stay where it was put."""
+    model = fresh()
+    engine_generate(model, PROMPTS)
+    attn = model.model.layers[0].self_attn
+    handle = attn.q_proj.register_forward_hook(lambda module, args, out: out * 5)
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    assert not torch.equal(expected, stock_generate(fresh(), PROMPTS, max_new_tokens=6))  # the hook matters
+    assert torch.equal(engine_generate(model, PROMPTS), expected)
+    handle.remove()
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+    pre = model.model.layers[1].mlp.up_proj.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+    pre.remove()
+    wrapper = attn.v_proj = _Scaled(attn.v_proj, 3.0)
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    assert torch.equal(engine_generate(model, PROMPTS, mode="sync"), expected)
+    assert attn.v_proj is wrapper  # not put back to the Linear the first preparation fused
+    assert torch.equal(stock_generate(model, PROMPTS, max_new_tokens=6), expected)
+    attn.v_proj = wrapper.inner
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(fresh(), PROMPTS, max_new_tokens=6))
+
+
+def test_a_hooked_projection_is_not_fused():
+    from hf_async_cb.model.fusion import fuse_projections
+
+    model = fresh()
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda module, args, out: out)
+    with fuse_projections(model) as fused:
+        assert fused.counts == {"qkv": 2, "gate_up": 1}  # every group but the hooked one
+        assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+
+
+def test_a_held_engine_refuses_hooks_added_under_it():
+    model = fresh()
+    engine = hf_async_cb.Engine(model, FUSED)
+    engine.generate(PROMPTS, max_new_tokens=2)
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match="a forward hook added or removed"):
+        engine.generate(PROMPTS, max_new_tokens=2)
+    handle.remove()
+    assert len(engine.generate(PROMPTS, max_new_tokens=2)) == len(PROMPTS)
+    engine.close()
+
+
 def test_release_frees_and_the_next_call_rebuilds():
     model = fresh()
     assert hf_async_cb.release(model) is False

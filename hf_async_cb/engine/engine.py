@@ -35,11 +35,11 @@ from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import has_learned_positions, max_positions, text_config_of
+from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length, text_config_of
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_layout import measured_layout
-from hf_async_cb.model.prepared import PreparedModel
+from hf_async_cb.model.prepared import PreparedModel, model_guard
 from hf_async_cb.sampling.sampler import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class Engine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = max_positions(text_config)
         self._learned_positions = has_learned_positions(model)
+        self.rope_switch = rope_switch_length(model)  # (length, rope type) or None
         page_size = self.config.page_size
         num_pages = self._num_pages()
         if self.config.num_pages is None and max_pages_needed is not None:
@@ -280,8 +281,16 @@ class Engine:
             if self._learned_positions and len(ids) + params.max_new_tokens - 1 > self.max_positions:
                 raise ValueError(
                     f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
-                    f"{self.max_positions} learned positions; lower max_new_tokens."
+                    f"{self.max_positions} positions of its position table; lower max_new_tokens."
                 )
+        if self.rope_switch is not None and len(ids) + params.max_new_tokens - 1 > self.rope_switch[0]:
+            length, kind = self.rope_switch
+            raise ValueError(
+                f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "
+                f"the model's {kind!r} RoPE starts to pick its frequencies by the longest sequence in a forward: past "
+                "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
+                "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
+                f"{length + 1}, or run stock generate (batching='off').")
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                           history_prefix=[int(t) for t in history_prefix], on_token=on_token)
         self.scheduler.check_fits(request)
@@ -339,7 +348,6 @@ class Engine:
         """Drive the loop until every request in `requests` has finished."""
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
-        self._check_model_unchanged()
         loop = self.pipeline(self._mode(mode))
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
@@ -367,19 +375,6 @@ class Engine:
                 if explained is not error:
                     raise explained from error
                 raise
-
-    def _check_model_unchanged(self) -> None:
-        """An Engine runs the model as it was built on: its fused weights, K/V pools of its dtype and
-        CUDA graphs over its storages. A weight given new storage since then (`p.data = ...`), a dtype
-        or device move, or a config change would run stale weights or fail inside a step: refused.
-        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)
-        A preparation that a generate() runtime owns is its runtime's to check (fits(), per call)."""
-        if self._owns_preparation and not self.prepared_model.matches(self.model):
-            raise RuntimeError(
-                "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
-                "a dtype or device move, or a config change): close() this engine and build a new one. Updates in "
-                "place (optimizer steps, load_state_dict, copy_) need no rebuild; model.generate(batching=...) "
-                "rebuilds on its own.")
 
     def _mode(self, mode: str | None) -> str:
         """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its
@@ -410,7 +405,8 @@ class Engine:
         if self.tensor_parallel is not None:
             raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
-        self._check_model_unchanged()
+        if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
+            self.runner.check_model_unchanged()
         background = BackgroundLoop(self, self._mode(mode))
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()

@@ -10,17 +10,21 @@ modeling code or the cache layout cannot take the engine's inputs), the engine r
 with a ValueError naming the family and the reason, before any of the caller's work.
 
 Verdicts are cached per (class, config, dtype, device type), so the check costs nothing after the
-first engine; BatchingConfig(trust_untested_model=True) skips it.
+first engine; BatchingConfig(trust_untested_model=True) skips it. The probe runs in eval mode (a
+model left in train mode would fail on its dropout); a model with forward hooks is checked with
+them, per engine, its verdict kept for no other model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.model.fusion import has_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +54,35 @@ def check_parity(engine) -> None:
     """Raise ValueError if `engine`'s model does not reproduce its own forward on the engine."""
     model = engine.model
     key = _key(model, engine.dtype, engine.device)
-    if key in _VERDICTS:
+    hooked = sum(map(has_hooks, model.modules()))  # this instance's own: its verdict is not the family's
+    if key in _VERDICTS and not hooked:
         reason = _VERDICTS[key]
     else:
-        reason, whole = _probe(engine, model)
-        if reason is not None or whole:  # a pass on prompts shortened to a small pool is this engine's only
+        with _eval_mode(model):  # the family is judged without dropout, whatever mode the model is in
+            reason, whole = _probe(engine, model, hooks_raise=bool(hooked))
+        if (reason is not None or whole) and not hooked:  # a pass on shortened prompts is this engine's only
             _VERDICTS[key] = reason
         if reason is None:
             logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)
     if reason is not None:
         family = getattr(model.config, "model_type", None) or type(model).__name__
+        if hooked:
+            reason += (f" (with the forward hooks of {hooked} module{'s' * (hooked > 1)}: the engine runs every request "
+                       "packed into one [1, tokens] row, so a hook that reads or changes outputs by batch or sequence "
+                       "position sees other shapes than in stock generate)")
         raise ValueError(f"{type(model).__name__} (model_type {family!r}) cannot run on hf_async_cb: {reason}. "
                          "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _lengths(limit: int | None) -> list[int]:
@@ -76,15 +97,17 @@ def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _probe(engine, model: torch.nn.Module) -> tuple[str | None, bool]:
+def _probe(engine, model: torch.nn.Module, hooks_raise: bool = False) -> tuple[str | None, bool]:
     """(None if the engine's logits match the model's own, else why not; whether the probe ran its
     whole prompts). A pool too small for them (num_pages set small) takes shorter ones: an engine
-    never runs unchecked."""
+    never runs unchecked. hooks_raise: the model has forward hooks, so an error inside the model may
+    be a hook's own; it reaches the caller as it would from stock generate."""
     room = engine.scheduler.allocator.num_pages * engine.scheduler.page_size - PROBE_NEW_TOKENS
     if room < 1:  # this engine's pool, not the family: no verdict to keep
         raise ValueError(f"{type(model).__name__}: the KV pool ({room + PROBE_NEW_TOKENS} tokens) is too small for "
                          f"the parity check's {PROBE_NEW_TOKENS + 1} tokens; raise BatchingConfig.num_pages.")
-    lengths = _lengths(engine.max_positions)
+    limits = [engine.max_positions, engine.rope_switch and engine.rope_switch[0]]
+    lengths = _lengths(min((n for n in limits if n), default=None))
     whole = max(lengths) <= room  # else shortened to what the pool holds beside the new tokens
     prompts = _prompts(engine.vocab_size, [min(n, room) for n in lengths])
     config = engine.config
@@ -97,6 +120,8 @@ def _probe(engine, model: torch.nn.Module) -> tuple[str | None, bool]:
     except ValueError as error:
         return f"the parity check could not run it ({error})", whole
     except Exception as error:  # noqa: BLE001 - a crash inside the model or the cache is the verdict
+        if hooks_raise:
+            raise
         first = str(error).splitlines()[0] if str(error) else ""
         return f"the parity check failed inside the model ({type(error).__name__}: {first})", whole
     finally:

@@ -23,6 +23,7 @@ class ModelRunner:
         """hold_model=False: keep only a weak reference (a runtime cached on the model must not keep
         it alive)."""
         self._model = (lambda: model) if hold_model else weakref.ref(model)
+        self._owns_preparation = hold_model  # a held Engine's; a generate() runtime checks its own (fits())
         self.prepared_model = prepared
         self.cache = cache
         self.num_layers = cache.layout.num_layers
@@ -40,14 +41,29 @@ class ModelRunner:
     @contextlib.contextmanager
     def prepared(self, what: str = "generate", serving: bool = False) -> Iterator[None]:
         """The model's fused modules and the paged attention for one call (under the model's
-        guard: one engine call at a time); the model is stock again afterwards. Outside inference
-        mode even when the caller is in it: what the call allocates and keeps (pool growth, graph
-        buffers, I/O slots) must stay writable by later calls made outside it."""
+        guard: one engine call at a time; the model checked unchanged once it is held); the model
+        is stock again afterwards. Outside inference mode even when the caller is in it: what the
+        call allocates and keeps (pool growth, graph buffers, I/O slots) must stay writable by later
+        calls made outside it."""
         try:
-            with torch.inference_mode(False), self.prepared_model.using(self.model, what=what, serving=serving):
+            with torch.inference_mode(False), self.prepared_model.using(self.model, what=what, serving=serving,
+                                                                         check=self.check_model_unchanged):
                 yield
         finally:
             self.cache.step = None
+
+    def check_model_unchanged(self) -> None:
+        """A held Engine runs the model as it was built on: its fused weights, K/V pools of its dtype
+        and CUDA graphs over its storages, around its modules and hooks. A weight given new storage
+        since then (`p.data = ...`), a dtype or device move, a module replaced, a hook added or removed
+        or a config change would run stale weights, skip the hooks or fail inside a step: refused.
+        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)"""
+        if self._owns_preparation and not self.prepared_model.matches(self.model):
+            raise RuntimeError(
+                "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
+                "a dtype or device move, a module replaced, a forward hook added or removed, or a config change): "
+                "close() this engine and build a new one. Updates in place (optimizer steps, load_state_dict, "
+                "copy_) need no rebuild; model.generate(batching=...) rebuilds on its own.")
 
     @torch.no_grad()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:

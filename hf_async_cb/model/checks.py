@@ -77,10 +77,11 @@ def max_positions(config) -> int | None:
 
 def has_learned_positions(model: torch.nn.Module) -> bool:
     """Whether the model looks positions up in a fixed table (GPT-2's wpe, OPT's and BioGPT's
-    embed_positions, CTRL's pos_encoding), which cannot go past its length, unlike RoPE or ALiBi:
-    an embedding other than the token one whose name speaks of positions, or a fixed position
-    encoding tensor. (Sinusoidal tables that grow on demand, XGLM's, are modules of their own kind,
-    not embeddings, and are not limits.)"""
+    embed_positions, CTRL's pos_encoding, CodeGen's and GPT-J's precomputed rotary table), which
+    cannot go past its length, unlike RoPE computed on the fly or ALiBi: an embedding other than
+    the token one whose name speaks of positions, a fixed position encoding tensor, or a buffer
+    named for positions with one row per position. (Sinusoidal tables that grow on demand, XGLM's,
+    are modules of their own kind, not embeddings, and are not limits.)"""
     tokens = model.get_input_embeddings()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1].lower()
@@ -88,4 +89,33 @@ def has_learned_positions(model: torch.nn.Module) -> bool:
             return True
         if isinstance(getattr(module, "pos_encoding", None), torch.Tensor):
             return True
-    return False
+    limit = max_positions(text_config_of(model.config))
+    return limit is not None and any(
+        "pos" in name.rsplit(".", 1)[-1].lower() and buffer.dim() >= 2 and buffer.shape[0] == limit
+        for name, buffer in model.named_buffers())
+
+
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_switch_length(model: torch.nn.Module) -> tuple[int, str] | None:
+    """(length, rope type) where the model's RoPE starts to depend on the longest sequence of a
+    forward, or None. Dynamic NTK and LongRoPE (transformers' dynamic_rope_update) pick their
+    frequencies for a whole forward from its largest position: past their original length the
+    result depends on which sequences share a forward and on when the cache was filled (Phi-3's
+    generate even refills it at the crossing), which the engine's batches cannot reproduce."""
+    found = None
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        kinds = kinds if isinstance(kinds, dict) else {None: kinds}
+        for layer_type, kind in kinds.items():
+            if not isinstance(kind, str) or not any(k in kind for k in _LENGTH_DEPENDENT_ROPE):
+                continue
+            length = getattr(module, "original_max_seq_len", None)
+            if "longrope" in kind:
+                params = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
+                params = params.get(layer_type, params) if layer_type is not None else params
+                length = params.get("original_max_position_embeddings", length) if isinstance(params, dict) else length
+            if isinstance(length, int) and length > 0 and (found is None or length < found[0]):
+                found = (length, kind)
+    return found

@@ -36,7 +36,7 @@ from torch import nn
 
 from hf_async_cb.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu_mul  # noqa: F401 (add_rms_norm: residual_fusion)
 from hf_async_cb.kernels.paged_attention import runs_on
-from hf_async_cb.model.fusion import FusedPart
+from hf_async_cb.model.fusion import FusedPart, has_hooks
 
 
 
@@ -194,6 +194,9 @@ def _patchable(m: nn.Module):
     if not name.endswith("MLP") or not hasattr(m, "down_proj"):
         return None
     gate, up, gate_up = (getattr(m, a, None) for a in ("gate_proj", "up_proj", "gate_up_proj"))
+    act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+    if isinstance(act, nn.Module) and (has_hooks(act) or "forward" in act.__dict__):  # the kernel bypasses its call
+        return None
     if (isinstance(gate, FusedPart) and isinstance(up, FusedPart) and gate.group is up.group
             and (gate.index, up.index) == (0, 1) and len(gate.group.sizes) == 2
             and gate.group.sizes[0] == gate.group.sizes[1] and _activation(getattr(m, "act_fn", None))):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
@@ -109,14 +110,17 @@ class FusedProjections:
         return list({id(part.group): part.group for part in self._parts}.values())
 
     def attach(self) -> None:
-        """Swap the fused parts in (the engine's forward)."""
-        for (parent, name, _), part in zip(self._members, self._parts):
-            setattr(parent, name, part)
+        """Swap the fused parts in (the engine's forward) where the original Linears still are."""
+        for (parent, name, linear), part in zip(self._members, self._parts):
+            if getattr(parent, name, None) is linear:
+                setattr(parent, name, part)
 
     def detach(self) -> None:
-        """Put the original Linears back; their weights stay views of the fused tensors (no copy)."""
-        for parent, name, linear in self._members:
-            setattr(parent, name, linear)
+        """Put the original Linears back; their weights stay views of the fused tensors (no copy).
+        Only where a fused part is in place: a module the user has put there since stays."""
+        for (parent, name, linear), part in zip(self._members, self._parts):
+            if getattr(parent, name, None) is part:
+                setattr(parent, name, linear)
 
     def intact(self) -> bool:
         """Whether every member's weight (and bias) is still the view of its fused tensor."""
@@ -131,8 +135,9 @@ class FusedProjections:
     def restore(self) -> None:
         """Put the original Linears back, each with its own storage again (idempotent)."""
         with torch.no_grad():
-            for parent, name, linear in self._members:
-                setattr(parent, name, linear)
+            for (parent, name, linear), part in zip(self._members, self._parts):
+                if getattr(parent, name, None) is part:
+                    setattr(parent, name, linear)
                 linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
                 if linear.bias is not None:
                     linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
@@ -146,8 +151,17 @@ class FusedProjections:
         self.restore()
 
 
+def has_hooks(m: nn.Module) -> bool:
+    """Whether calling m runs forward hooks or pre-hooks (its own or global ones): a fusion that
+    bypasses the module's call would silently drop them."""
+    return bool(m._forward_hooks or m._forward_pre_hooks
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def _fusable(members: list) -> bool:
     if not all(type(m) is nn.Linear for m in members) or len({id(m) for m in members}) != len(members):
+        return False
+    if any(has_hooks(m) or "forward" in m.__dict__ for m in members):  # a fused part never calls the member
         return False
     first = members[0]
     return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
@@ -159,7 +173,8 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     """Fuse every q/k/v and gate/up group of plain nn.Linears in `model`, in place.
 
     Groups whose members differ in type, in_features, dtype, device or bias presence are left
-    alone, as are models whose projections are already fused. Returns the handle that restores.
+    alone, as are groups with a member whose call runs hooks or a forward of its own, and models whose projections are already
+    fused. Returns the handle that restores.
     """
     fused = FusedProjections()
     for _, parent in list(model.named_modules()):

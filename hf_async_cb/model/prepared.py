@@ -7,8 +7,9 @@ steps reach both). `using()` attaches the fused modules and the paged attention 
 the model's guard, and detaches them on the way out, errors included.
 
 `signature()` is what the preparation depends on: every parameter's identity, storage, dtype and
-device, and the config. A `.to()`, a reassigned `.data`, a new parameter or a config change gives a
-new signature; the runtime then prepares the model again.
+device, the modules and their forward hooks, and the config. A `.to()`, a reassigned `.data`, a new
+parameter, a module replaced (a wrapper, an adapter), a hook added or removed or a config change
+gives a new signature; the runtime then prepares the model again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import weakref
 from typing import Iterator
 
 import torch
+from torch.nn.modules import module as _module
 
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
@@ -74,6 +76,11 @@ class ModelGuard:
             self._lock.release()
 
 
+    def held_elsewhere(self) -> bool:
+        """Whether another thread holds the model now (its modules may be swapped for that call)."""
+        owner = self._owner
+        return owner is not None and owner != threading.get_ident()
+
     def serving_elsewhere(self) -> bool:
         """Whether another thread holds the model for a background loop that is not stopping."""
         return self._serving and self._owner != threading.get_ident()
@@ -99,9 +106,15 @@ def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | Non
 
 
 def signature(model: torch.nn.Module) -> tuple:
-    """What a preparation of `model` depends on (cheap: one pass over the parameters)."""
+    """What a preparation of `model` depends on (cheap: one pass over the parameters and one over
+    the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
+    module put in place of another, a class swapped, a forward set on an instance or a forward hook
+    added or removed (global ones too) counts as a change, as do parameters and the config."""
     params = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in model.parameters())
-    return params, _config_snapshot(model.config)
+    modules = tuple((id(m), type(m), m.__dict__.get("forward"), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+                    for m in model.modules())
+    hooks = tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks)
+    return params, modules, hooks, _config_snapshot(model.config)
 
 
 def _config_snapshot(config) -> dict:
@@ -153,10 +166,14 @@ class PreparedModel:
 
     @contextlib.contextmanager
     def using(self, model: torch.nn.Module, guard: ModelGuard | None = None, what: str = "generate",
-              serving: bool = False) -> Iterator[None]:
-        """The fused modules and the paged attention, for one call, under the model's guard."""
+              serving: bool = False, check=None) -> Iterator[None]:
+        """The fused modules and the paged attention, for one call, under the model's guard.
+        `check()`, if given, runs once the guard is held and before anything is swapped in: the
+        model as this call finds it (another thread's call may have it swapped until then)."""
         guard = guard or model_guard(model)
         with guard.held(what, serving=serving):
+            if check is not None:
+                check()
             config = model.config
             previous = config._attn_implementation
             try:

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model import elementwise_fusion as ew
+from hf_async_cb.model.fusion import has_hooks
 
 
 @dataclass(frozen=True)
@@ -233,11 +233,6 @@ def _stashed_rms_forward(norm: nn.Module, stash: _Stash):
     return forward
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks
-                or _module._global_forward_hooks or _module._global_forward_pre_hooks)
-
-
 def _fits(x, residual: torch.Tensor, norm: nn.Module, forward) -> bool:
     """Whether add_rms_norm(x, residual, norm's weight) can stand in for `residual + x` and norm's
     (attached, fused) forward of the sum."""
@@ -259,7 +254,7 @@ def _layer_forward(layer: nn.Module, form: LayerForm, post_forward, following: n
         normed = layer.input_layernorm(x)
         hidden, _ = layer.self_attn(**{form.attn_keyword: normed}, **passes, **spread)
         post = layer.post_attention_layernorm
-        if _fits(hidden, x, post, post_forward) and not _hooked(post):
+        if _fits(hidden, x, post, post_forward) and not has_hooks(post):
             total, normed = ew.add_rms_norm(hidden, x, post.weight, post.variance_epsilon)
         else:
             total = x + hidden
