@@ -386,3 +386,105 @@ def test_stock_generate_nests_in_stock_generate_as_in_transformers():
 
     out = stock_generate(model, PROMPTS, max_new_tokens=3, logits_processor=LogitsProcessorList([Nested()]))
     assert torch.equal(out, stock_generate(model, PROMPTS, max_new_tokens=3)) and len(inner) == 3
+
+
+class _Gate:
+    """A logits processor that holds its call on its second step until released."""
+
+    def __init__(self):
+        self.inside, self.release, self.steps = threading.Event(), threading.Event(), 0
+
+    def __call__(self, input_ids, scores):
+        self.steps += 1
+        if self.steps == 2:
+            self.inside.set()
+            self.release.wait(60)
+        return scores
+
+
+def test_models_sharing_one_config_object_take_turns():
+    """Two models built from one config object (a policy and its reference model) share the config
+    that a call switches to the paged attention: their calls take turns, and the config ends as it
+    began. (Overlapping calls used to restore each other's setting: the config stayed on the paged
+    attention and every later forward of both models failed.)"""
+    from transformers import LogitsProcessorList
+
+    config = copy.deepcopy(tiny_model("llama").config)
+    policy, reference = (type(tiny_model("llama"))(config).eval() for _ in range(2))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(1.5)
+    expected = [stock_generate(m, PROMPTS, max_new_tokens=6) for m in (policy, reference)]
+    before = config._attn_implementation
+    gate, order, results = _Gate(), [], {}
+
+    def first():
+        results["policy"] = engine_generate(policy, PROMPTS, logits_processor=LogitsProcessorList([gate]))
+        order.append("policy")
+
+    def second():
+        results["reference"] = engine_generate(reference, PROMPTS, mode="sync")
+        order.append("reference")
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert gate.inside.wait(60)
+    threads.append(threading.Thread(target=second))
+    threads[1].start()
+    threads[1].join(0.5)
+    assert threads[1].is_alive() and not order  # waits for the policy's call
+    gate.release.set()
+    for t in threads:
+        t.join(120)
+    assert order == ["policy", "reference"]
+    assert torch.equal(results["policy"], expected[0]) and torch.equal(results["reference"], expected[1])
+    assert config._attn_implementation == before
+    with torch.no_grad():
+        assert policy(torch.tensor([PROMPTS[0]])).logits.shape[1] == len(PROMPTS[0])
+
+
+def test_a_call_gives_every_sub_config_its_own_attention_setting_back():
+    """transformers' setter spreads one value over a composite config's sub-configs; a call must
+    give each its own setting back, not the top-level one."""
+    from transformers import Gemma3Config
+
+    from hf_async_cb.model import attention
+
+    config = Gemma3Config()
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation_internal = "sdpa"
+    with attention.implementation(config, attention.ATTENTION_NAME):
+        assert config.text_config._attn_implementation == attention.ATTENTION_NAME
+        assert config.vision_config._attn_implementation == attention.ATTENTION_NAME
+    assert (config._attn_implementation, config.text_config._attn_implementation,
+            config.vision_config._attn_implementation) == ("eager", "sdpa", "eager")
+
+
+def test_two_models_measuring_their_layouts_at_once():
+    """The K/V layout probe switches the config for a forward: it runs under the model's guard, and
+    two models probing at once do not take each other's attention function away."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(LlamaConfig(vocab_size=253, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    b = Qwen2ForCausalLM(Qwen2Config(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1)).eval()
+    expected = stock_generate(a, PROMPTS, max_new_tokens=6)
+    inside, go = threading.Event(), threading.Event()
+
+    def slow_layer(module, args):  # holds a's layout probe in its forward
+        if str(a.config._attn_implementation).startswith("hf_async_cb_layout_probe") and not inside.is_set():
+            inside.set()
+            go.wait(60)
+
+    handle = a.model.layers[1].register_forward_pre_hook(slow_layer)
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(a=engine_generate(a, PROMPTS, config=BatchingConfig())))
+    thread.start()
+    assert inside.wait(60)
+    engine_generate(b, PROMPTS, config=BatchingConfig())  # b's first call: its own probe, meanwhile
+    go.set()
+    thread.join(120)
+    handle.remove()
+    assert torch.equal(results["a"], expected)

@@ -83,6 +83,38 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return out, None
 
 
+_MISSING = object()
+
+
+def _config_tree(config) -> list:
+    """`config` and every sub-config under it, each once."""
+    found, stack = {}, [config]
+    while stack:
+        c = stack.pop()
+        if c is None or id(c) in found:
+            continue
+        found[id(c)] = c
+        stack.extend(getattr(c, key, None) for key in (getattr(c, "sub_configs", None) or {}))
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def implementation(config, name: str) -> Iterator[None]:
+    """`name` as the attention implementation of `config` (and, through transformers' setter, its
+    sub-configs) for a block. Each config's own setting is given back after: setting the saved
+    top-level value back would spread it over sub-configs that had settings of their own."""
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _config_tree(config)]
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for c, value in saved:
+            if value is _MISSING:
+                c.__dict__.pop("_attn_implementation_internal", None)
+            else:
+                c._attn_implementation_internal = value
+
+
 def resolve_backend(choice: str, device: torch.device) -> str:
     """BatchingConfig.attention -> the kernel the engine runs: "auto" takes the Triton kernels on
     CUDA when Triton is installed, the pure-torch reference otherwise."""
@@ -117,5 +149,5 @@ def unregister() -> None:
     AttentionInterface._global_mapping.pop(ATTENTION_NAME, None)
 
 
-__all__ = ["ATTENTION_NAME", "METADATA_KWARG", "StepMetadata", "current_step", "paged_attention_forward",
+__all__ = ["ATTENTION_NAME", "METADATA_KWARG", "StepMetadata", "current_step", "implementation", "paged_attention_forward",
            "paged_attention_reference", "register", "resolve_backend", "unregister"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -58,6 +59,7 @@ class KVLayout:
 
 
 _LAYOUTS: dict[tuple, KVLayout] = {}
+_PROBES = itertools.count()
 
 
 def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> KVLayout:
@@ -70,7 +72,10 @@ def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
     key = (type(model), model.config.to_json_string(use_diff=False), dtype, device.type,
            tensor_parallel_size(model))  # a tensor-parallel rank holds its own heads
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _measure(model, device)
+        from hf_async_cb.model.prepared import model_guard
+
+        with model_guard(model).held("measuring the K/V layout"):  # a forward with the config switched
+            _LAYOUTS[key] = _measure(model, device)
     return _LAYOUTS[key]
 
 
@@ -128,16 +133,17 @@ def _attention(model: torch.nn.Module, function) -> Iterator[None]:
     from transformers import AttentionInterface
 
     from hf_async_cb.model.adapters import AttentionAdapters
+    from hf_async_cb.model.attention import implementation
 
-    name = "hf_async_cb_layout_probe"
+    name = f"hf_async_cb_layout_probe_{next(_PROBES)}"  # one per probe: two models may probe at once
     AttentionInterface.register(name, function)
-    previous = model.config._attn_implementation
     adapters = AttentionAdapters(model)
-    model.config._attn_implementation = name
-    adapters.attach()
     try:
-        yield
+        with implementation(model.config, name):
+            adapters.attach()
+            try:
+                yield
+            finally:
+                adapters.detach()
     finally:
-        adapters.detach()
-        model.config._attn_implementation = previous
         AttentionInterface._global_mapping.pop(name, None)

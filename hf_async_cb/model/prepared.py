@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelGuard:
-    """One engine call at a time on a model: others wait their turn; a model busy serving a
+    """One engine call at a time on a model (and on the models sharing its config object, which a
+    call switches to the paged attention): others wait their turn; a model busy serving a
     background loop refuses at once (that loop runs until shutdown()); a call made from inside an
     engine call on the same thread (a processor or streamer calling generate) is refused, never a
     deadlock.
@@ -41,7 +42,8 @@ class ModelGuard:
     whole run ("outer") and its engine's own hold ("engine") nests inside; stock generate calls
     ("stock") nest in each other as they do in stock transformers."""
 
-    def __init__(self) -> None:
+    def __init__(self, config=None) -> None:
+        self.config = weakref.ref(config) if config is not None else (lambda: None)  # the config it guards
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._holds: list[str] = []  # the owner's nested holds, outermost first
@@ -96,12 +98,26 @@ _GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.Weak
 _GUARDS_LOCK = threading.Lock()
 
 
+# Models built from one config object share it (from_config twice, a policy and its reference
+# model): a call sets the paged attention on that config, so such models share one guard too.
+_CONFIG_GUARDS: "weakref.WeakValueDictionary[int, ModelGuard]" = weakref.WeakValueDictionary()
+
+
 def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | None:
-    """The model's guard (made on first use; None when `create` is False and there is none yet)."""
+    """The model's guard, which models sharing its config object share (made on first use; None
+    when `create` is False and there is none yet)."""
     guard = _GUARDS.get(model)
     if guard is None and create:
         with _GUARDS_LOCK:
-            guard = _GUARDS.setdefault(model, ModelGuard())
+            guard = _GUARDS.get(model)
+            if guard is None:
+                config = getattr(model, "config", None)
+                guard = _CONFIG_GUARDS.get(id(config)) if config is not None else None
+                if guard is None or guard.config() is not config:  # (an id reused by a new config)
+                    guard = ModelGuard(config)
+                    if config is not None:
+                        _CONFIG_GUARDS[id(config)] = guard
+                _GUARDS[model] = guard
     return guard
 
 
@@ -174,8 +190,6 @@ class PreparedModel:
         with guard.held(what, serving=serving):
             if check is not None:
                 check()
-            config = model.config
-            previous = config._attn_implementation
             try:
                 if self.fusion is not None:
                     self.fusion.attach()
@@ -185,10 +199,9 @@ class PreparedModel:
                     self.decode_gemms.attach()
                 self.adapters.attach()
                 attention.register()
-                config._attn_implementation = attention.ATTENTION_NAME
-                yield
+                with attention.implementation(model.config, attention.ATTENTION_NAME):
+                    yield
             finally:
-                config._attn_implementation = previous
                 self._detach()
 
     def _detach(self) -> None:
