@@ -488,3 +488,23 @@ def test_two_models_measuring_their_layouts_at_once():
     thread.join(120)
     handle.remove()
     assert torch.equal(results["a"], expected)
+
+
+def test_a_second_preparation_of_a_fused_model_keeps_the_first_ones_weights():
+    """A held Engine with fused projections, then another Engine or a generate(batching=...) call on
+    the same model: the second preparation fuses the same weights again, in place (they already are
+    one tensor), so the first engine keeps running on them; a new storage would make it refuse."""
+    model = fresh()
+    expected = [o for o in stock_generate(model, PROMPTS, max_new_tokens=4)]
+    first = hf_async_cb.Engine(model, FUSED)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    second = hf_async_cb.Engine(model, FUSED)
+    engine_generate(model, PROMPTS, max_new_tokens=4)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    rows = generated_rows(torch.stack(expected), max(map(len, PROMPTS)), 0, ())
+    for engine in (first, second, first):
+        assert [o.output_token_ids for o in engine.generate(PROMPTS, max_new_tokens=4)] == rows
+    second.close()  # the first still runs on the fused weights: they stay its views
+    assert [o.output_token_ids for o in first.generate(PROMPTS, max_new_tokens=4)] == rows
+    first.close()
+    assert torch.equal(stock_generate(model, PROMPTS, max_new_tokens=4), torch.stack(expected))

@@ -18,12 +18,31 @@ restore() gives every weight its own storage back.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+_LIVE: "weakref.WeakSet[FusedProjections]" = weakref.WeakSet()  # every fusion not yet garbage
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along their first dimension. Where they already are consecutive
+    blocks of one storage (members an earlier preparation fused, which another Engine or the
+    generate() runtime still runs on), that storage itself: a copy would give the weights new
+    storage under the engine that fused them first."""
+    first = tensors[0].detach()
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in tensors:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.device == first.device
+                and t.untyped_storage().data_ptr() == storage.data_ptr() and t.storage_offset() == offset):
+            return torch.cat(tensors)
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
 class _Group:
@@ -33,8 +52,8 @@ class _Group:
         self.sizes = [m.out_features for m in linears]
         has_bias = linears[0].bias is not None
         with torch.no_grad():
-            self.weight = torch.cat([m.weight for m in linears])
-            self.bias = torch.cat([m.bias for m in linears]) if has_bias else None
+            self.weight = _joined([m.weight for m in linears])
+            self.bias = _joined([m.bias for m in linears]) if has_bias else None
             start = 0
             for m, size in zip(linears, self.sizes):  # the old storages are freed here
                 m.weight.data = self.weight[start:start + size]
@@ -133,11 +152,16 @@ class FusedProjections:
         return True
 
     def restore(self) -> None:
-        """Put the original Linears back, each with its own storage again (idempotent)."""
+        """Put the original Linears back, each with its own storage again (idempotent). While another
+        fusion of the same weights lives (another Engine's), they stay views for it: it restores last."""
+        others = [f for f in _LIVE if f is not self and f._members and
+                  {id(m) for m in f.members()} & {id(m) for m in self.members()}]
         with torch.no_grad():
             for (parent, name, linear), part in zip(self._members, self._parts):
                 if getattr(parent, name, None) is part:
                     setattr(parent, name, linear)
+                if others:
+                    continue
                 linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
                 if linear.bias is not None:
                     linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
@@ -177,6 +201,7 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     fused. Returns the handle that restores.
     """
     fused = FusedProjections()
+    _LIVE.add(fused)
     for _, parent in list(model.named_modules()):
         for kind, names in GROUPS.items():
             members = [getattr(parent, name, None) for name in names]
