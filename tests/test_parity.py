@@ -145,3 +145,33 @@ def test_a_hooked_model_is_judged_with_its_hooks_for_itself_alone():
     assert torch.equal(model.generate(IDS, max_new_tokens=6, batching="async"),
                        model.generate(IDS, max_new_tokens=6, batching="off"))
     kept.remove()
+
+
+def test_weights_trained_in_place_during_the_check_leave_no_verdict(monkeypatch):
+    """A training step in another thread beside the first call changes the weights between the
+    engine's logits and the reference's: the check compared two models, so whatever it says is not
+    kept for the family (a later call, or another model of its config, is checked afresh)."""
+    parity._VERDICTS.clear()
+    model = small(transformers.LlamaConfig)
+    original = parity._probe
+
+    def trained_meanwhile(engine, model, **kw):
+        engine_run = engine.run
+
+        def run(requests, mode=None):
+            engine_run(requests, mode)
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.5)  # the optimizer step that lands mid-check
+        engine.run = run
+        try:
+            return original(engine, model, **kw)
+        finally:
+            del engine.run
+
+    monkeypatch.setattr(parity, "_probe", trained_meanwhile)
+    with pytest.raises(ValueError, match="weights changed in place while the check ran"):
+        Engine(model)
+    assert not parity._VERDICTS
+    monkeypatch.undo()
+    assert torch.equal(model.generate(IDS, max_new_tokens=5, batching="sync"),
+                       model.generate(IDS, max_new_tokens=5, batching="off"))

@@ -508,3 +508,26 @@ def test_a_second_preparation_of_a_fused_model_keeps_the_first_ones_weights():
     assert [o.output_token_ids for o in first.generate(PROMPTS, max_new_tokens=4)] == rows
     first.close()
     assert torch.equal(stock_generate(model, PROMPTS, max_new_tokens=4), torch.stack(expected))
+
+
+def test_max_time_starts_when_the_call_has_the_model():
+    """max_time counts the call's own generation, as stock's clock does: not the time it waited
+    for another thread's call on the model."""
+    import time
+
+    from transformers import LogitsProcessorList
+
+    model = fresh()
+    expected = stock_generate(model, PROMPTS, max_new_tokens=12, max_time=30.0)
+    gate, results = _Gate(), {}
+    holder = threading.Thread(target=lambda: engine_generate(model, PROMPTS, logits_processor=LogitsProcessorList([gate])))
+    holder.start()
+    assert gate.inside.wait(60)
+    waiter = threading.Thread(target=lambda: results.update(
+        out=engine_generate(model, PROMPTS, max_new_tokens=12, max_time=2.0, eos_token_id=2, pad_token_id=0)))
+    waiter.start()
+    time.sleep(2.5)  # longer than its max_time, spent waiting for the model
+    gate.release.set()
+    for t in (holder, waiter):
+        t.join(120)
+    assert torch.equal(results["out"], expected)

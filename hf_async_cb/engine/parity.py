@@ -58,9 +58,14 @@ def check_parity(engine) -> None:
     if key in _VERDICTS and not hooked:
         reason = _VERDICTS[key]
     else:
+        versions = _versions(model)
         with _eval_mode(model):  # the family is judged without dropout, whatever mode the model is in
             reason, whole = _probe(engine, model, hooks_raise=bool(hooked))
-        if (reason is not None or whole) and not hooked:  # a pass on shortened prompts is this engine's only
+        if _versions(model) != versions:  # trained in place meanwhile (another thread): no verdict
+            if reason is not None:
+                reason += (" (its weights changed in place while the check ran, a training step in another "
+                           "thread?, so it compared two different models; call again once they are still)")
+        elif (reason is not None or whole) and not hooked:  # a pass on shortened prompts is this engine's only
             _VERDICTS[key] = reason
         if reason is None:
             logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)
@@ -72,6 +77,11 @@ def check_parity(engine) -> None:
                        "position sees other shapes than in stock generate)")
         raise ValueError(f"{type(model).__name__} (model_type {family!r}) cannot run on hf_async_cb: {reason}. "
                          "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
+
+
+def _versions(model: torch.nn.Module) -> list[int]:
+    """The parameters' version counters: an in-place update (an optimizer step) bumps them."""
+    return [p._version for p in model.parameters()]
 
 
 @contextlib.contextmanager

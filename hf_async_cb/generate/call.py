@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hf_async_cb.config import BatchingConfig
@@ -33,10 +35,23 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
     pages_needed = sum(-(-(len(p) + max_new) // page) for p in call.prompts) * call.copies
     with runtime_engine(model, config.with_mode(mode), pages_needed) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
+        _start_clocks(options.criteria, call.arguments.get("stopping_criteria"))
         engine.run(requests)
         if streamer is not None:
             streamer.end()
     return stock_output(call, input_ids, requests)
+
+
+def _start_clocks(criteria, own) -> None:
+    """max_time's clock (stock's MaxTimeCriteria, made from the generation config) starts when the
+    call has the model and its engine, as stock's starts in its own generate: not while the call
+    waited for another thread's call, nor while the engine was built. A criterion the caller made
+    keeps the clock the caller gave it."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    for c in criteria or ():
+        if isinstance(c, MaxTimeCriteria) and not any(c is mine for mine in own or ()):
+            c.initial_timestamp = time.time()
 
 
 def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
