@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -112,6 +112,13 @@ class BatchingConfig:
             _bool(name, getattr(self, name), optional=False)
         for name in ("cuda_graphs", "fuse_projections", "fuse_elementwise", "skinny_gemm"):
             _bool(name, getattr(self, name), optional=True)
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict. transformers serialises a dataclass on a GenerationConfig
+        (`generation_config.batching_config = BatchingConfig(...)`) through its to_dict(), and
+        writes null for one without: saved and loaded, the config then ran stock silently. The
+        dict form is what `batching_config` takes back."""
+        return asdict(self)
 
     def with_mode(self, mode: str) -> "BatchingConfig":
         return replace(self, mode=mode)

@@ -82,6 +82,20 @@ def test_batching_config_is_used(model, batch, monkeypatch):
     assert seen[1].mode == "async"
 
 
+def test_a_batching_config_on_a_generation_config_survives_save_and_load(model, batch, monkeypatch, tmp_path):
+    """transformers writes a dataclass on a GenerationConfig through its to_dict() (null without
+    one): saved and loaded, the config still runs on the engine, with its fields."""
+    prompts, ids, mask = batch
+    seen = []
+    original = hf_async_cb.Engine.run
+    monkeypatch.setattr(hf_async_cb.Engine, "run", lambda self, *a, **k: seen.append(self.config) or original(self, *a, **k))
+    GenerationConfig(max_new_tokens=4, batching_config=BatchingConfig(mode="sync", page_size=4)).save_pretrained(tmp_path)
+    loaded = GenerationConfig.from_pretrained(tmp_path)
+    assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=loaded),
+                       stock_generate(model, prompts, max_new_tokens=4))
+    assert seen and seen[-1].mode == "sync" and seen[-1].page_size == 4
+
+
 def test_batching_config_as_a_dict(model, batch, monkeypatch):
     """A dict is read as BatchingConfig(**dict), from the call or a GenerationConfig: never dropped."""
     prompts, ids, mask = batch
