@@ -6,7 +6,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import time
 import weakref
 from typing import Sequence
 
@@ -21,6 +20,7 @@ from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.profiling import StepProfile
+from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
     FinishReason,
     Request,
@@ -78,33 +78,6 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.float32
-
-
-class _Progress:
-    """A tqdm bar over finished requests, with generated tokens per second; a no-op when off."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="req", desc="hf_async_cb")
-            self.tokens = 0
-            self.start = time.perf_counter()
-
-    def update(self, finished: list[Request]) -> None:
-        if self.bar is not None and finished:
-            self.tokens += sum(len(r.output_token_ids) for r in finished)
-            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
-            self.bar.update(len(finished))
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 _LOGGED_DEFAULTS: set = set()
@@ -357,7 +330,7 @@ class Engine:
             try:
                 for r in requests:
                     self.scheduler.add(r)
-                with _Progress(len(requests), self.config.progress) as progress:
+                with Progress(requests, self.config.progress) as progress:
                     while remaining:
                         done = [r for r in loop.step() if id(r) in remaining]
                         for r in done:
@@ -446,11 +419,15 @@ class Engine:
 
     def shutdown(self, cancel: bool = False, timeout: float | None = 60.0) -> None:
         """Stop the background loop: cancel=True aborts what is queued or running, else it finishes
-        first. Waits at most `timeout` seconds; raises TimeoutError if the loop is still busy then."""
+        first. Waits at most `timeout` seconds; raises TimeoutError if the loop is still busy then.
+        Called on the loop's thread (from on_token or a done-callback), it only asks: the loop stops
+        as it would otherwise, without the wait, and a shutdown() from another thread joins it."""
         if self._background is None:
             return
         background = self._background
         if not background.stop(cancel, timeout):
+            if background.on_loop_thread:  # asked, not joined: a thread cannot wait for itself
+                return
             raise TimeoutError(f"the engine's loop did not stop within {timeout} s")
         self._background = None
 
@@ -459,6 +436,9 @@ class Engine:
         the model back as it was (each weight in its own storage again, unless a runtime owns the
         preparation). Idempotent; the engine is unusable afterwards."""
         if self._background is not None:
+            if self._background.on_loop_thread:  # the loop would go on with the model given back
+                raise RuntimeError("close() cannot run on the engine's loop thread (a callback): call "
+                                   "shutdown() there, and close() from another thread.")
             self.shutdown(cancel=True)
         self.graphs = None
         self._pipelines.clear()

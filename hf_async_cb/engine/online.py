@@ -12,10 +12,11 @@ Requests join the running batches at the next step. Aborts and new requests are 
 loop thread between steps; a request aborted while a step computing it is in flight simply has
 that token dropped. A request's own logits processor or stopping criterion raising fails that
 request alone (its handle re-raises the error); an exception of the step itself fails the requests
-that were active, and the loop goes on serving new ones. While the loop runs, the model's attention
-is routed to the engine: do not run the model elsewhere meanwhile. An engine dropped without
-shutdown() is collected like any object: its loop then cancels what it holds, gives the model its
-attention back and ends.
+in that step (running, or with a token in flight), those still queued are served after, and the
+loop goes on. shutdown() from the loop's own thread (a callback) asks for the stop without waiting.
+While the loop runs, the model's attention is routed to the engine: do not run the model elsewhere
+meanwhile. An engine dropped without shutdown() is collected like any object: its loop then cancels
+what it holds, gives the model its attention back and ends.
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class _Worker:
         self.config = config
         self.intake: queue.Queue[RequestHandle] = queue.Queue()
         self.active: dict[int, RequestHandle] = {}
+        self.aborts: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()  # asked by abort(), not yet applied
         self.wake = threading.Event()
         self.stopping = False
         self.cancel = False
@@ -270,8 +272,7 @@ class _Worker:
                     finished = pipeline.step(isolate_faults=True)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
                     logger.exception("a step failed; failing its requests")
-                    pipeline.abandon()
-                    self._fail_active(explain_out_of_memory(error, self.config))
+                    self._fail_step(explain_out_of_memory(error, self.config))
                     continue
                 for req in finished:
                     handle = self.active.pop(id(req), None)
@@ -290,16 +291,56 @@ class _Worker:
             except ValueError as error:
                 self.active.pop(id(handle.request))
                 handle._finish(error)
+                continue
+            if handle._abort:  # its abort() was drained before it was taken in
+                self.aborts.put(handle)
 
     def _apply_aborts(self, cancel_all: bool) -> None:
+        """Abort the handles abort() queued since the last pass (all those held on a cancel): a
+        pass costs what was aborted, not a scan of the backlog, which it runs between every step."""
+        handles = []
+        while True:
+            try:
+                handles.append(self.aborts.get_nowait())
+            except queue.Empty:
+                break
+        if cancel_all:
+            handles = list(self.active.values())
+        for handle in handles:
+            req = handle.request
+            if self.active.get(id(req)) is not handle:  # ended already, or not taken in yet (_admit)
+                continue
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.ABORTED)
+                req.finish_reason = FinishReason.ABORTED
+            del self.active[id(req)]
+            handle._finish()
+
+    def _fail_step(self, error: BaseException) -> None:
+        """Fail the requests of the step that raised: those running and those with a token in flight
+        (in the async loop, the step before it too; a request preempted since is queued again with
+        its token pending). Those only queued were in no step: they stay, to be served after. An
+        error no request explains fails all the loop holds, rather than coming back every step."""
+        scheduler = self.scheduler
+        in_step = [*scheduler.running, *(r for f in self.pipeline.in_flight for r in f.sample_requests),
+                   *(r for r in scheduler.waiting if r.num_pending)]
+        self.pipeline.abandon()
+        failed = {id(r): r for r in in_step if not r.is_finished}
+        if not failed:
+            self._fail_active(error)
+            return
+        for key, req in failed.items():
+            scheduler.finish(req, RequestStatus.ABORTED)
+            req.finish_reason = FinishReason.ABORTED
+            req.num_pending = 0
+            handle = self.active.pop(key, None)
+            if handle is not None:
+                handle._finish(error)
+        # Requests the step's update ended before the error (a token, or their own fault): as usual.
         for key, handle in list(self.active.items()):
-            if handle._abort or cancel_all:
-                req = handle.request
-                if not req.is_finished:
-                    self.scheduler.finish(req, RequestStatus.ABORTED)
-                    req.finish_reason = FinishReason.ABORTED
+            if handle.request.is_finished:
                 del self.active[key]
-                handle._finish()
+                handle._finish(handle.request.error)
 
     def _fail_active(self, error: BaseException) -> None:
         for handle in self.active.values():
@@ -370,10 +411,20 @@ class BackgroundLoop:
 
     def abort(self, handle: RequestHandle) -> None:
         handle._abort = True
+        self._worker.aborts.put(handle)
         self._worker.wake.set()
 
+    @property
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop's thread (a token or done callback)."""
+        return threading.current_thread() is self.thread
+
     def stop(self, cancel: bool, timeout: float | None) -> bool:
+        """Ask the loop to stop and wait at most `timeout` for it; whether it has stopped. On the
+        loop's own thread it only asks (a thread cannot wait for itself): a later stop() joins it."""
         self._worker.request_stop(cancel)
+        if self.on_loop_thread:
+            return False
         self.thread.join(timeout)
         stopped = not self.thread.is_alive()
         if stopped:
