@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_triton_attention import CUDA, RAGGED, launch, make_step, needs_cuda, triton_paged
 
-from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
+from hf_async_cb.kernels.paged_attention_reference import _padded_attention, paged_attention_reference
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -122,6 +122,56 @@ def test_reference_in_bf16_and_explicit_scaling(variant):
     out = paged_attention_reference(q, k, v, meta, 0.3, 8, **kw)
     assert out.dtype == torch.bfloat16
     assert rel(out, dense_oracle(q, k, v, meta, 0.3, 8, **kw)) < 1e-2
+
+
+# Steps of several query lengths, which the reference pads per group of alike requests: ragged
+# queries and contexts at and across the 16-token page boundaries, decodes next to long chunks.
+MIXED_STEPS = {
+    "decodes around a long chunk": ([1, 1, 40, 1, 1], [17, 160, 40, 33, 16]),
+    "chunks at page boundaries": ([16, 1, 17, 15, 2, 1, 32], [32, 16, 49, 15, 18, 1, 64]),
+    "chunks after cached pages": ([7, 1, 20, 3, 9], [30, 100, 20, 64, 200]),
+}
+
+
+@pytest.mark.parametrize("step", list(MIXED_STEPS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("window", [None, 1, 8])
+def test_grouped_padding_matches_one_padded_batch(step, variant, window):
+    """Padded per group, a mixed step gives the results of one padded batch of the whole step (the
+    math before the split) to fp32 rounding, GQA and Dv != Dk included, and the dense oracle's."""
+    q, k, v, meta = make_step(*MIXED_STEPS[step], 8, 2, 24, 16, torch.float32, DEVICE, seed=7, head_dim_v=20)
+    kw = variant_kwargs(variant, 8)
+    grouped = paged_attention_reference(q, k, v, meta, None, window, **kw)
+    assert len(meta.padded_groups()) > 1
+    whole = _padded_attention(q, k, v, meta, None, window, kw.get("softcap"), kw.get("sinks"), kw.get("alibi_slopes"))
+    assert grouped.shape == whole.shape == (1, q.shape[2], 8, 20)
+    torch.testing.assert_close(grouped, whole, rtol=1e-5, atol=1e-6)
+    assert rel(grouped, dense_oracle(q, k, v, meta, None, window, **kw)) < 1e-5
+
+
+def test_groups_bound_the_padded_work():
+    """60 decodes of 1000-2000 tokens of context next to a 512-token chunk: the groups cover every
+    token once, each request of a group is one of the step's, and the padded work is within 4x
+    the sum of query length x context length (one padded batch: over 50x). Decode steps are not split
+    (no host sync, so that a CUDA graph can capture them)."""
+    g = torch.Generator().manual_seed(0)
+    contexts = torch.randint(1000, 2000, (60,), generator=g).tolist() + [1536]
+    query_lens = [1] * 60 + [512]
+    *_, meta = make_step(query_lens, contexts, 2, 1, 8, 16, torch.float32, DEVICE)
+    groups = meta.padded_groups()
+    tokens = torch.cat([t for t, _ in groups])
+    assert torch.equal(tokens.sort().values.cpu(), torch.arange(sum(query_lens)))
+    needed = sum(ql * c for ql, c in zip(query_lens, contexts))
+    padded = sum(group.num_requests * group.max_query_len * group.max_context for _, group in groups)
+    assert padded <= 4 * needed and 50 * needed < meta.num_requests * meta.max_query_len * meta.max_context
+    for rows, group in groups:
+        first = rows[group.query_start[:-1]]  # each request's first token in the whole step
+        owner = torch.searchsorted(meta.query_start[1:], first, right=True)
+        assert torch.equal(group.context_lens, meta.context_lens[owner])
+        assert torch.equal(group.block_table, meta.block_table[owner, :group.block_table.shape[1]])
+    decode = make_step([1] * 5, [3, 70, 150, 16, 17], 4, 2, 16, 16, torch.float32, DEVICE)
+    paged_attention_reference(*decode, None)
+    assert "groups" not in decode[3]._derived
 
 
 def test_variants_change_the_output():

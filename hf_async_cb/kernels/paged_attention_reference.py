@@ -4,6 +4,13 @@ The packed step is viewed as a padded batch (requests x their longest query x th
 context) through index tensors derived once per step (StepMetadata.padded_view); each layer then does one gather of its K/V
 and one scaled_dot_product_attention call, whatever the number of requests.
 
+That padding is cheap when the queries have one length (decode steps: always one batched call, with
+no host sync, so that CUDA graphs can capture it) but not in a step that mixes decodes with a long
+prefill chunk, where every one-token row would be padded to the chunk's length. Steps with several
+query lengths are therefore padded per group of requests of alike query and context lengths
+(StepMetadata.padded_groups): the work stays within 4x the sum of query length x context length,
+in one call per group (a handful per step).
+
 Two variants SDPA cannot express take an explicit path instead (scores, softmax and the value
 product in fp32, the K/V heads broadcast over their query-head groups without a copy):
 
@@ -46,14 +53,32 @@ def paged_attention_reference(
     """query [1, H, T, Dk] (packed), pools [slots, KVH, Dk] and [slots, KVH, Dv] -> output
     [1, T, H, Dv] in query's dtype. `scaling` None means 1 / sqrt(Dk). `softcap` None or 0.0: no
     capping; `sinks` [H] (any float dtype, used in fp32) or None; `alibi_slopes` [H] or None."""
-    _, num_heads, _, head_dim = query.shape
-    num_kv_heads = key_pool.shape[1]
-    head_dim_v = value_pool.shape[-1]
+    num_heads, num_tokens = query.shape[1], query.shape[2]
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, num_heads)
     alibi_slopes = check_sinks(alibi_slopes, num_heads, "alibi_slopes")
     check_shapes(query, key_pool, value_pool)
-    n_rep = num_heads // num_kv_heads
+    variants = (scaling, sliding_window, softcap, sinks, alibi_slopes)
+    if meta.is_decode:
+        return _padded_attention(query, key_pool, value_pool, meta, *variants)
+    groups = meta.padded_groups()
+    if len(groups) == 1:  # every request alike: the group is the whole step, in order
+        return _padded_attention(query, key_pool, value_pool, groups[0][1], *variants)
+    out = None
+    for tokens, group in groups:
+        part = _padded_attention(query[:, :, tokens], key_pool, value_pool, group, *variants)
+        if out is None:  # in the parts' dtype: under autocast, SDPA's, not the query's
+            out = part.new_empty(1, num_tokens, num_heads, part.shape[-1])
+        out[:, tokens] = part
+    return out
+
+
+def _padded_attention(query, key_pool, value_pool, meta, scaling, sliding_window, softcap, sinks, alibi_slopes):
+    """The attention of `meta`'s requests (query [1, H, T, Dk] their packed rows) over one padded
+    batch of [requests, longest query, longest context] -> [1, T, H, Dv]."""
+    _, num_heads, _, head_dim = query.shape
+    n_rep = num_heads // key_pool.shape[1]
+    head_dim_v = value_pool.shape[-1]
     view = meta.padded_view()
     batch, max_q = view["q_index"].shape
     q = query[0].transpose(0, 1)[view["q_index"]].permute(0, 2, 1, 3)  # [B, H, max_q, Dk]

@@ -20,7 +20,8 @@ class StepMetadata:
 
     This is what the paged kernels read directly. The pure-torch reference instead needs a padded
     view ([B, max_query_len] queries x [B, max_context] keys); `padded_view()` derives it on the
-    device, once per forward, so that the host uploads only the compact block table.
+    device, once per forward, so that the host uploads only the compact block table. A step whose
+    queries differ in length is first split into groups of alike requests (`padded_groups()`).
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
@@ -85,6 +86,42 @@ class StepMetadata:
                 "out_index": owner * self.max_query_len + (t - starts[owner]),
             }
         return self._derived["view"]
+
+    def padded_groups(self) -> list[tuple[torch.Tensor, StepMetadata]]:
+        """The step split into groups of requests whose query lengths and context lengths fall in
+        the same power-of-two classes: (token_rows, group) each, token_rows [T_g] the group's rows of
+        the packed stream and `group` those requests as a step of their own, whose bounds are the
+        group's longest query and context.
+
+        The reference attention pads each group rather than the whole step: one padded view costs
+        requests x longest query x longest context, so that in a mixed step every one-token decode
+        would be padded to the length of the prefill chunk. Within a group, a request's padded work
+        is at most 4x its query length x context length. Requests without tokens are left out.
+        Reads the lengths on the host (one device sync per forward, none on the CPU)."""
+        if "groups" not in self._derived:
+            starts, contexts = self.query_start.tolist(), self.context_lens.tolist()
+            members: dict[tuple[int, int], list[int]] = {}
+            for i, context in enumerate(contexts):
+                query_len = starts[i + 1] - starts[i]
+                if query_len:
+                    members.setdefault(((query_len - 1).bit_length(), (context - 1).bit_length()), []).append(i)
+            dev = self.block_table.device
+            groups = []
+            for key in sorted(members):
+                rows = members[key]
+                query_lens = [starts[i + 1] - starts[i] for i in rows]
+                tokens = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in rows])).to(dev)
+                longest = max(contexts[i] for i in rows)
+                requests = torch.tensor(rows, device=dev)
+                group = dataclasses.replace(
+                    self, slot_mapping=self.slot_mapping[tokens],
+                    block_table=self.block_table[requests, : -(-longest // self.page_size)],
+                    query_start=torch.tensor([0, *itertools.accumulate(query_lens)], device=dev),
+                    context_lens=self.context_lens[requests], max_query_len=max(query_lens), max_context=longest,
+                    attention_calls=0, kv_gathered=False, _derived={})
+                groups.append((tokens, group))
+            self._derived["groups"] = groups
+        return self._derived["groups"]
 
     def gathered_view(self) -> dict:
         """For layers that receive their contexts gathered (PagedKVCache.update): `index` [B * max_ctx],
