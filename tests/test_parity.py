@@ -175,3 +175,45 @@ def test_weights_trained_in_place_during_the_check_leave_no_verdict(monkeypatch)
     monkeypatch.undo()
     assert torch.equal(model.generate(IDS, max_new_tokens=5, batching="sync"),
                        model.generate(IDS, max_new_tokens=5, batching="off"))
+
+
+@pytest.mark.parametrize("hook", ["first row", "a vector per row"])
+def test_a_hook_that_treats_batch_rows_apart_is_refused(hook):
+    """Per-example steering (a hook changing row 0 only, or adding a vector per row) sees one
+    packed row on the engine: the check probes a hooked model against its forward on a padded
+    batch, as stock generate runs it, and refuses it by name rather than give other tokens."""
+    parity._VERDICTS.clear()
+    model = small(transformers.LlamaConfig)
+    vectors = torch.randn(8, 1, 32) * 3
+
+    def first_row(module, args, out):
+        out = out.clone()
+        out[0] += vectors[0]
+        return out
+
+    def per_row(module, args, out):
+        return out + vectors[: out.shape[0]]
+
+    handle = model.model.layers[0].mlp.register_forward_hook(first_row if hook == "first row" else per_row)
+    with pytest.raises(ValueError, match=r"with the forward hooks of 1 module.*by batch row"):
+        model.generate(torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]]), attention_mask=torch.tensor([[1] * 4, [0, 1, 1, 1]]),
+                       max_new_tokens=4, batching="sync")
+    handle.remove()
+
+
+def test_a_first_call_under_autocast_judges_the_family_outside_it():
+    """The check compares logits at the model's own dtype: a first call made inside an autocast
+    region must not refuse the family (for the process) over autocast's rounding."""
+    parity._VERDICTS.clear()
+    model = small(transformers.LlamaConfig)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.generate(IDS, max_new_tokens=4, batching="sync")
+    assert list(parity._VERDICTS.values()) == [None]
+    assert torch.equal(model.generate(IDS, max_new_tokens=6, batching="async"),
+                       model.generate(IDS, max_new_tokens=6, batching="off"))
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 8, 7, 6, 5, 4]])  # mixed steps under autocast: bf16 attention
+    mask = (ids != 0).long()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync", pad_token_id=0,
+                                          batching_config=BatchingConfig(max_batch_tokens=4, page_size=2)),
+                           model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0))

@@ -80,24 +80,27 @@ def test_join_skip_and_preempt_keep_stock_tokens(max_running, budget, pages):
 
 def test_error_inside_a_step_leaves_the_engine_usable():
     model = tiny_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async"))
     prompts = random_prompts(4, 3, 10, seed=4)
-    calls = {"n": 0}
+    calls = {"n": None}  # armed once the engine is built (a hook added after would be refused)
 
     def fail_on_third(*args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault")
+        if calls["n"] is not None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault")
 
     handle = model.model.norm.register_forward_hook(fail_on_third)
+    engine = Engine(model, BatchingConfig(mode="async"))
+    calls["n"] = 0
     try:
         with pytest.raises(RuntimeError, match="injected fault"):
             engine.generate(prompts, max_new_tokens=8)
     finally:
-        handle.remove()
+        calls["n"] = None
     assert not engine.scheduler.has_work
     assert engine.allocator.num_free == engine.allocator.num_pages
     outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
+    handle.remove()
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 8)
 
 
@@ -121,16 +124,18 @@ def test_out_of_memory_in_a_step_says_what_to_change_and_the_engine_recovers(onl
     """A (simulated) CUDA OOM inside a step: the caller gets an OutOfMemoryError naming the knobs,
     the step's requests end, no page is held, and the engine then serves stock's tokens."""
     model = tiny_model("llama")
-    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=32))
     prompts = random_prompts(4, 3, 10, seed=4)
-    calls = {"n": 0}
+    calls = {"n": None}  # armed once the engine is built (a hook added after would be refused)
 
     def oom_on_third(*args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise (torch.OutOfMemoryError if "Tried" in message else RuntimeError)(message)
+        if calls["n"] is not None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise (torch.OutOfMemoryError if "Tried" in message else RuntimeError)(message)
 
     handle = model.model.norm.register_forward_hook(oom_on_third)
+    engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=32))
+    calls["n"] = 0
     try:
         # The online handle raises a RuntimeError naming the request, caused by the step's error.
         with pytest.raises(RuntimeError) as caught:
@@ -145,11 +150,12 @@ def test_out_of_memory_in_a_step_says_what_to_change_and_the_engine_recovers(onl
             else:
                 engine.generate(prompts, max_new_tokens=8)
     finally:
-        handle.remove()
+        calls["n"] = None
     error = caught.value.__cause__ if online else caught.value
     assert isinstance(error, torch.OutOfMemoryError)
     assert message in str(error) and "max_batch_tokens" in str(error)
     assert not engine.scheduler.has_work
     assert engine.allocator.num_free == engine.allocator.num_pages
     outs = engine.generate(prompts, max_new_tokens=8, eos_token_ids=(2,))
+    handle.remove()
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 8)

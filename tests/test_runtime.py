@@ -531,3 +531,27 @@ def test_max_time_starts_when_the_call_has_the_model():
     for t in (holder, waiter):
         t.join(120)
     assert torch.equal(results["out"], expected)
+
+
+def test_transformers_own_hooks_are_not_the_users():
+    """Asking the model for hidden states (or enabling gradient checkpointing) makes transformers
+    install hooks of its own for good, no-ops outside those features: a held Engine keeps running,
+    the runtime is not rebuilt, and the family's parity verdict is still kept."""
+    from hf_async_cb.engine import parity
+
+    model = fresh()
+    engine = hf_async_cb.Engine(model, FUSED)
+    engine_generate(model, PROMPTS)
+    first = runtime_module._RUNTIMES[model]
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0]]), output_hidden_states=True, output_attentions=True)
+    assert any(m._forward_hooks for m in model.modules())  # transformers' capturing hooks
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+    assert torch.equal(engine_generate(model, PROMPTS), expected)
+    assert runtime_module._RUNTIMES[model] is first
+    rows = generated_rows(expected, max(map(len, PROMPTS)), 0, ())
+    assert [o.output_token_ids for o in engine.generate(PROMPTS, max_new_tokens=6)] == rows
+    engine.close()
+    parity._VERDICTS.clear()
+    hf_async_cb.Engine(model).close()
+    assert parity._VERDICTS  # kept: the model counts as unhooked

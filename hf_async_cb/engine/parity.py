@@ -59,7 +59,9 @@ def check_parity(engine) -> None:
         reason = _VERDICTS[key]
     else:
         versions = _versions(model)
-        with _eval_mode(model):  # the family is judged without dropout, whatever mode the model is in
+        # The family is judged in fp32 arithmetic of its own dtype, without dropout: whatever mode the
+        # model is in, and outside any autocast region the first call happens to run in.
+        with _eval_mode(model), torch.autocast(engine.device.type, enabled=False):
             reason, whole = _probe(engine, model, hooks_raise=bool(hooked))
         if _versions(model) != versions:  # trained in place meanwhile (another thread): no verdict
             if reason is not None:
@@ -73,10 +75,32 @@ def check_parity(engine) -> None:
         family = getattr(model.config, "model_type", None) or type(model).__name__
         if hooked:
             reason += (f" (with the forward hooks of {hooked} module{'s' * (hooked > 1)}: the engine runs every request "
-                       "packed into one [1, tokens] row, so a hook that reads or changes outputs by batch or sequence "
-                       "position sees other shapes than in stock generate)")
+                       "packed into one [1, tokens] row, so a hook that reads or changes outputs by batch row or "
+                       "sequence position sees other shapes than in stock generate)")
         raise ValueError(f"{type(model).__name__} (model_type {family!r}) cannot run on hf_async_cb: {reason}. "
                          "BatchingConfig(trust_untested_model=True) skips this check, at your own risk.")
+
+
+def _reference_logits(model: torch.nn.Module, sequences: list[list[int]], device, batched: bool) -> list[torch.Tensor]:
+    """The model's own forward's logits over each sequence, [len, V] in fp32. `batched`: in one
+    left-padded batch (positions from the mask, as stock generate gives them), as a hooked model's
+    hooks see a batch in stock generate: a hook that treats rows apart (steering one row, a vector
+    per row) then differs from the engine, where every request shares one packed row."""
+    if not batched:
+        out = []
+        for sequence in sequences:
+            ids = torch.tensor([sequence], device=device)
+            out.append(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float())
+        return out
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, width - len(sequence):] = torch.tensor(sequence, device=device)
+        mask[row, width - len(sequence):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    return [logits[row, width - len(sequence):] for row, sequence in enumerate(sequences)]
 
 
 def _versions(model: torch.nn.Module) -> list[int]:
@@ -137,11 +161,10 @@ def _probe(engine, model: torch.nn.Module, hooks_raise: bool = False) -> tuple[s
     finally:
         engine.config = config
     worst = 0.0
-    for request in requests:
+    sequences = [r.prompt_token_ids + r.output_token_ids[:-1] for r in requests]
+    references = _reference_logits(model, sequences, engine.device, batched=hooks_raise)
+    for request, reference in zip(requests, references):
         ours = torch.stack([t.float().cpu() for t in request.output_logits])
-        sequence = request.prompt_token_ids + request.output_token_ids[:-1]
-        ids = torch.tensor([sequence], device=engine.device)
-        reference = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
         reference = reference[len(request.prompt_token_ids) - 1:].cpu()
         scale = max(1.0, float(reference.abs().max()))
         worst = max(worst, float((ours - reference).abs().max()) / scale)

@@ -7,7 +7,8 @@ through the forward kwargs. Some modeling code (StableLM, Nemotron) does not pas
 the attention function: the step is then read from `current_step`, which the runner sets around
 every forward. Per-layer options arrive as keywords: `sliding_window`, `softcap` (Gemma 2's
 attention-logit softcapping), `s_aux` / `sinks` (gpt-oss's attention sinks) and `alibi_slopes`
-(Bloom's and MPT's ALiBi, from model/adapters.py).
+(Bloom's and MPT's ALiBi, from model/adapters.py). Where a layer's `sliding_window` keyword and its
+stock mask disagree, the mask's window wins (model/mask_semantics.py).
 
 No mask function is registered on purpose: transformers skips building a dense mask for an
 attention implementation that has none, and the paged attention derives causality (and sliding
@@ -24,6 +25,7 @@ import torch
 
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.mask_semantics import window_override
 from hf_async_cb.model.step_metadata import StepMetadata
 
 ATTENTION_NAME = "hf_async_cb_paged"
@@ -61,6 +63,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         options["sinks"] = sinks
     if kwargs.get("alibi_slopes") is not None:  # model/adapters.py: Bloom, MPT
         options["alibi_slopes"] = kwargs["alibi_slopes"]
+    window = window_override(module, kwargs.get("sliding_window"))  # the mask's, where the keyword differs
     key_pool, value_pool = PagedKVCache.pool_of(key), PagedKVCache.pool_of(value)
     # This layer's new K/V, which PagedKVCache.update left to the attention kernel to store.
     pending = meta.pending_kv.pop(key_pool.data_ptr(), None)
@@ -75,11 +78,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         from hf_async_cb.kernels.paged_attention import paged_attention_triton
 
         new_kv = None if pending is None else pending[:2]
-        out = paged_attention_triton(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
-                                     new_kv=new_kv, **options)
+        out = paged_attention_triton(query, key_pool, value_pool, meta, scaling, window, new_kv=new_kv, **options)
     else:
-        out = paged_attention_reference(query, key_pool, value_pool, meta, scaling, kwargs.get("sliding_window"),
-                                        **options)
+        out = paged_attention_reference(query, key_pool, value_pool, meta, scaling, window, **options)
     return out, None
 
 

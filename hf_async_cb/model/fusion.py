@@ -175,11 +175,23 @@ class FusedProjections:
         self.restore()
 
 
+def _users(hooks: dict) -> tuple:
+    """The keys of the hooks in `hooks` that are not transformers' own (the output-capturing hooks
+    it installs for good once hidden states or attentions are asked for, gradient checkpointing's
+    input hook: no-ops outside those features)."""
+    return tuple(key for key, hook in hooks.items()
+                 if not getattr(getattr(hook, "func", hook), "__module__", "").startswith("transformers."))
+
+
+def user_hooks(m: nn.Module) -> tuple:
+    """m's own forward hooks and pre-hooks, transformers' own left out: (hook keys, pre-hook keys)."""
+    return _users(m._forward_hooks), _users(m._forward_pre_hooks)
+
+
 def has_hooks(m: nn.Module) -> bool:
-    """Whether calling m runs forward hooks or pre-hooks (its own or global ones): a fusion that
-    bypasses the module's call would silently drop them."""
-    return bool(m._forward_hooks or m._forward_pre_hooks
-                or _module._global_forward_hooks or _module._global_forward_pre_hooks)
+    """Whether calling m runs forward hooks or pre-hooks of the user's (its own or global ones): a
+    fusion that bypasses the module's call would silently drop them."""
+    return bool(any(user_hooks(m)) or _module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 def _fusable(members: list) -> bool:

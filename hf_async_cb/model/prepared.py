@@ -26,7 +26,8 @@ from torch.nn.modules import module as _module
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
-from hf_async_cb.model.fusion import FusedProjections, fuse_projections
+from hf_async_cb.model.fusion import FusedProjections, fuse_projections, user_hooks
+from hf_async_cb.model.mask_semantics import apply_masks
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +126,10 @@ def signature(model: torch.nn.Module) -> tuple:
     """What a preparation of `model` depends on (cheap: one pass over the parameters and one over
     the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
     module put in place of another, a class swapped, a forward set on an instance or a forward hook
-    added or removed (global ones too) counts as a change, as do parameters and the config."""
+    added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
+    their feature, are not counted) counts as a change, as do parameters and the config."""
     params = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in model.parameters())
-    modules = tuple((id(m), type(m), m.__dict__.get("forward"), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
-                    for m in model.modules())
+    modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
     hooks = tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks)
     return params, modules, hooks, _config_snapshot(model.config)
 
@@ -147,6 +148,8 @@ class PreparedModel:
                  fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
                  skinny_gemm: bool | None = None) -> None:
         check_model_supported(model, trust_untested_model)
+        with model_guard(model).held("reading its attention masks"):  # a forward with the config switched
+            apply_masks(model)
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         self.fusion: FusedProjections | None = None

@@ -1,0 +1,136 @@
+"""What a model's own attention masks do, layer by layer, learned from one short forward.
+
+Stock attention (eager, sdpa) applies a sliding window, and anything else a family folds into
+its mask, through the mask transformers builds for each layer; the `sliding_window` keyword that
+attention modules pass along is read by flash-attention alone. The engine builds no mask: its
+paged attention takes the window from that keyword. Most families pass both, and they agree.
+Some do not: PhiMoE's and Qwen2-MoE's attention pass no keyword while their masks slide, so the
+engine would attend past the window; a config with a stray `sliding_window` can make a module pass
+a window that its masks never apply. Some families add a learned bias to the mask (Doge), or
+build a bidirectional one (Gemma 3 with use_bidirectional_attention), which no keyword tells.
+
+So, once per preparation, a 12-token forward runs with a recording attention on the model's own
+eager masks, with the config's window shrunk to 4 tokens so that it shows: per attention module,
+whether its mask slides, whether it lets a query see later keys, and whether it holds anything
+but 0 and -inf. The engine then takes each layer's window from its mask (window_override) and
+refuses the last two with their reason (check_masks). A model whose forward cannot run this way
+is left to the parity check (engine/parity.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOKENS = 12
+PROBE_WINDOW = 4
+_PROBES = itertools.count()
+# Attention module -> the window the engine uses for it, where its keyword and its mask disagree.
+_OVERRIDES: "weakref.WeakKeyDictionary[torch.nn.Module, int | None]" = weakref.WeakKeyDictionary()
+_UNSET = object()
+
+
+@dataclass
+class MaskSemantics:
+    windows: dict = field(default_factory=dict)  # id(module) -> (module, its mask slides, its keyword window)
+    bias: list = field(default_factory=list)  # names of modules whose masks carry a bias
+    bidirectional: list = field(default_factory=list)  # names of modules whose masks see later keys
+    config_windows: list = field(default_factory=list)  # the configs' own sliding windows
+
+
+def window_override(module: torch.nn.Module, keyword_window):
+    """The sliding window the engine applies for `module`: its mask's, where the keyword says
+    otherwise; else the keyword's."""
+    override = _OVERRIDES.get(module, _UNSET)
+    return keyword_window if override is _UNSET else override
+
+
+def _config_tree(config) -> list:
+    from hf_async_cb.model.attention import _config_tree as tree
+
+    return tree(config)
+
+
+def _configs_with_windows(config) -> list:
+    return [c for c in _config_tree(config)
+            if isinstance(getattr(c, "sliding_window", None), int) and c.sliding_window > PROBE_WINDOW]
+
+
+@torch.no_grad()
+def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
+    """The per-module mask semantics of `model` (see the module docstring), or None when its
+    forward does not run with a recording attention (its kind is then left to the parity check)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    from hf_async_cb.model.attention import implementation
+
+    names = {id(m): n for n, m in model.named_modules()}
+    found = MaskSemantics()
+    masked = torch.finfo(torch.float32).min / 2
+
+    def recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2] == PROBE_TOKENS:
+            mask = mask.float()
+            slides = bool((mask[..., -1, 0] <= masked).any())
+            if bool((mask[..., 0, -1] > masked).any()):
+                found.bidirectional.append(names.get(id(module), type(module).__name__))
+            if bool(((mask != 0) & (mask > masked)).any()):
+                found.bias.append(names.get(id(module), type(module).__name__))
+            found.windows[id(module)] = (module, slides, kwargs.get("sliding_window"))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    name = f"hf_async_cb_mask_probe_{next(_PROBES)}"
+    windows = [(c, c.sliding_window) for c in _configs_with_windows(model.config)]
+    AttentionInterface.register(name, recording_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, eager_mask)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(PROBE_TOKENS, device=model.get_input_embeddings().weight.device)[None] % vocab
+    try:
+        for c, _ in windows:
+            c.sliding_window = PROBE_WINDOW
+        with implementation(model.config, name):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception as error:  # noqa: BLE001 - a forward this cannot run: left to the parity check
+        logger.debug("hf_async_cb: the mask probe of %s did not run (%s: %s)", type(model).__name__,
+                     type(error).__name__, error)
+        return None
+    finally:
+        for c, window in windows:
+            c.sliding_window = window
+        AttentionInterface._global_mapping.pop(name, None)
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+    found.config_windows = [w for _, w in windows] or [
+        c.sliding_window for c in _config_tree(model.config) if isinstance(getattr(c, "sliding_window", None), int)]
+    return found
+
+
+def apply_masks(model: torch.nn.Module) -> None:
+    """Read `model`'s masks; refuse what the engine cannot reproduce (a bias in the mask, a
+    bidirectional mask) with a ValueError; make each layer's window its mask's."""
+    found = read_masks(model)
+    if found is None:
+        return
+    family = type(model).__name__
+    if found.bias:
+        raise ValueError(f"{family} cannot run on hf_async_cb: its attention adds a bias to the scores through the "
+                         f"mask ({', '.join(found.bias[:3])}{', ...' if len(found.bias) > 3 else ''}), which the "
+                         "paged attention does not read.")
+    if found.bidirectional:
+        raise ValueError(f"{family} cannot run on hf_async_cb: its attention is bidirectional (its masks let a token "
+                         "see later ones), which the paged cache and causal attention cannot reproduce.")
+    window = max(found.config_windows, default=None)  # the config's window (one per model)
+    for module, slides, keyword in found.windows.values():
+        if slides and keyword is None and window is not None:
+            _OVERRIDES[module] = window
+        elif not slides and keyword is not None:
+            _OVERRIDES[module] = None
+        else:
+            _OVERRIDES.pop(module, None)
