@@ -555,3 +555,44 @@ def test_transformers_own_hooks_are_not_the_users():
     parity._VERDICTS.clear()
     hf_async_cb.Engine(model).close()
     assert parity._VERDICTS  # kept: the model counts as unhooked
+
+
+def test_a_ctrl_c_during_cleanup_is_delivered_after_it():
+    import signal
+
+    from hf_async_cb.interrupts import deferred_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            done.append("the block ran to its end")
+    assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_while_the_model_is_given_back_leaves_it_stock(monkeypatch):
+    """SIGINT landing in the middle of giving the model back its modules and attention setting
+    (here: as the first of them is put back) still leaves it stock, then interrupts the caller;
+    the guard is free for the next call."""
+    import signal
+
+    from hf_async_cb.model.fusion import FusedProjections
+
+    model = fresh()
+    before = snapshot(model)
+    detach = FusedProjections.detach
+    fired = []
+
+    def interrupted_detach(self):
+        if not fired:
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)
+        detach(self)
+
+    engine_generate(model, PROMPTS)  # the runtime built (its preparation detaches once)
+    monkeypatch.setattr(FusedProjections, "detach", interrupted_detach)
+    with pytest.raises(KeyboardInterrupt):
+        engine_generate(model, PROMPTS)
+    monkeypatch.undo()
+    assert fired and snapshot(model) == before
+    assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))

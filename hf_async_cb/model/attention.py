@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 
+from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.mask_semantics import window_override
@@ -109,11 +110,12 @@ def implementation(config, name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for c, value in saved:
-            if value is _MISSING:
-                c.__dict__.pop("_attn_implementation_internal", None)
-            else:
-                c._attn_implementation_internal = value
+        with deferred_interrupts():  # a config left on the engine's attention fails every later forward
+            for c, value in saved:
+                if value is _MISSING:
+                    c.__dict__.pop("_attn_implementation_internal", None)
+                else:
+                    c._attn_implementation_internal = value
 
 
 def resolve_backend(choice: str, device: torch.device) -> str:

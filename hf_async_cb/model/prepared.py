@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 from torch.nn.modules import module as _module
 
+from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
@@ -67,16 +68,18 @@ class ModelGuard:
             return
         if self._serving:
             raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
-        self._lock.acquire()
-        try:
-            if self._serving:  # the loop started while this call waited
-                raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
-            self._owner, self._serving, self._holds = me, serving, [kind]
-            yield
-        finally:
-            if self._owner == me:
-                self._owner, self._serving, self._holds = None, False, []
-            self._lock.release()
+        # `with` releases the lock whatever interrupts the block, a Ctrl-C included; an acquire()
+        # before a `try` would leave it held by a Ctrl-C landing in between, and every later call waiting.
+        with self._lock:
+            try:
+                if self._serving:  # the loop started while this call waited
+                    raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() "
+                                       "it first.")
+                self._owner, self._serving, self._holds = me, serving, [kind]
+                yield
+            finally:
+                if self._owner == me:
+                    self._owner, self._serving, self._holds = None, False, []
 
 
     def held_elsewhere(self) -> bool:
@@ -205,7 +208,8 @@ class PreparedModel:
                 with attention.implementation(model.config, attention.ATTENTION_NAME):
                     yield
             finally:
-                self._detach()
+                with deferred_interrupts():  # half given back, the model would fail every later forward
+                    self._detach()
 
     def _detach(self) -> None:
         self.adapters.detach()
