@@ -300,7 +300,7 @@ def test_generate_inside_a_processor_of_the_same_model_is_refused():
             return scores
 
     before = snapshot(model)
-    with pytest.raises(RuntimeError, match="inside an engine call"):
+    with pytest.raises(RuntimeError, match="inside a generate call"):
         engine_generate(model, PROMPTS, logits_processor=LogitsProcessorList([Reentrant()]))
     assert snapshot(model) == before
     assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
@@ -596,3 +596,42 @@ def test_a_ctrl_c_while_the_model_is_given_back_leaves_it_stock(monkeypatch):
     monkeypatch.undo()
     assert fired and snapshot(model) == before
     assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
+
+
+def test_stock_calls_share_the_model_and_wait_only_for_engine_calls():
+    """With the hook installed, stock generate calls from several threads run side by side as in
+    stock transformers (a stopping criterion may even run the same model from a worker thread),
+    while an engine call still waits for them and they for it."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    model = fresh()
+    ids, mask = left_pad(PROMPTS)
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6)
+
+    class RunsTheModelElsewhere(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            worker = threading.Thread(target=lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1))
+            worker.start()
+            worker.join(30)
+            assert not worker.is_alive(), "a stock call waited for another stock call"
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
+                         stopping_criteria=StoppingCriteriaList([RunsTheModelElsewhere()]))
+    assert torch.equal(out, expected)
+    gate = _Gate()
+    from transformers import LogitsProcessorList
+
+    holder = threading.Thread(target=lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
+                                                            logits_processor=LogitsProcessorList([gate])))
+    holder.start()
+    assert gate.inside.wait(60)  # a stock call in progress
+    engine_results = {}
+    engine_call = threading.Thread(target=lambda: engine_results.update(out=engine_generate(model, PROMPTS)))
+    engine_call.start()
+    engine_call.join(0.5)
+    assert engine_call.is_alive()  # waits for the stock call
+    gate.release.set()
+    for t in (holder, engine_call):
+        t.join(120)
+    assert torch.equal(engine_results["out"], expected)

@@ -40,47 +40,67 @@ class ModelGuard:
     engine call on the same thread (a processor or streamer calling generate) is refused, never a
     deadlock.
 
-    Holds nest on the owning thread in two ways only: a generate call holds the guard across its
-    whole run ("outer") and its engine's own hold ("engine") nests inside; stock generate calls
-    ("stock") nest in each other as they do in stock transformers."""
+    Stock generate calls ("stock" holds) share the model with each other, from any thread, as in
+    stock transformers: they only wait for an engine call to end, and an engine call waits for them.
+    Holds nest on the owning thread in one way: a generate call holds the guard across its whole run
+    ("outer") and its engine's own hold ("engine") nests inside."""
 
     def __init__(self, config=None) -> None:
         self.config = weakref.ref(config) if config is not None else (lambda: None)  # the config it guards
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # the thread of the engine call holding the model
         self._holds: list[str] = []  # the owner's nested holds, outermost first
         self._serving = False
+        self._stock: dict[int, int] = {}  # thread -> its stock calls in progress
+
+    def _busy(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what} was called from inside a generate call on the same model (a logits "
+                            "processor, stopping criterion or streamer?): the model is busy on this thread.")
 
     @contextlib.contextmanager
     def held(self, what: str, kind: str = "engine", serving: bool = False) -> Iterator[None]:
         me = threading.get_ident()
         if self._owner == me:
-            nests = self._holds == ["outer"] if kind == "engine" else \
-                kind == "stock" and all(h == "stock" for h in self._holds)
-            if not nests:
-                raise RuntimeError(f"{what} was called from inside an engine call on the same model (a logits "
-                                   "processor, stopping criterion or streamer?): the model is busy on this thread.")
+            if not (kind == "engine" and self._holds == ["outer"]):
+                raise self._busy(what)
             self._holds.append(kind)
             try:
                 yield
             finally:
                 self._holds.pop()
             return
+        if kind != "stock" and self._stock.get(me):  # an engine call inside a stock call of this thread
+            raise self._busy(what)
         if self._serving:
             raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
-        # `with` releases the lock whatever interrupts the block, a Ctrl-C included; an acquire()
-        # before a `try` would leave it held by a Ctrl-C landing in between, and every later call waiting.
-        with self._lock:
-            try:
-                if self._serving:  # the loop started while this call waited
-                    raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() "
-                                       "it first.")
-                self._owner, self._serving, self._holds = me, serving, [kind]
-                yield
-            finally:
-                if self._owner == me:
-                    self._owner, self._serving, self._holds = None, False, []
-
+        # Every change of the state is made inside a `with` block, and marked done in the same block,
+        # so that a Ctrl-C landing anywhere cannot leave the model held (every later call waiting).
+        entered = False
+        try:
+            with self._cond:
+                while self._owner is not None or (kind != "stock" and self._stock):
+                    if self._serving:  # the loop started while this call waited
+                        raise RuntimeError(f"{what}: the model is serving an Engine's background loop; "
+                                           "shutdown() it first.")
+                    self._cond.wait()
+                if kind == "stock":
+                    self._stock[me] = self._stock.get(me, 0) + 1
+                else:
+                    self._owner, self._serving, self._holds = me, serving, [kind]
+                    if serving:  # waiting calls are refused now, not kept waiting for the loop's end
+                        self._cond.notify_all()
+                entered = True
+            yield
+        finally:
+            if entered:
+                with self._cond:
+                    if kind == "stock":
+                        left = self._stock.pop(me) - 1
+                        if left:
+                            self._stock[me] = left
+                    elif self._owner == me:
+                        self._owner, self._serving, self._holds = None, False, []
+                    self._cond.notify_all()
 
     def held_elsewhere(self) -> bool:
         """Whether another thread holds the model now (its modules may be swapped for that call)."""
