@@ -345,3 +345,12 @@ def test_rope_that_switches_with_the_longest_sequence_is_kept_below_its_switch(k
         assert torch.equal(out, expected)
     with pytest.raises(ValueError, match=rf"runs past 48 positions, where the model's '{kind}' RoPE"):
         model.generate(ids, attention_mask=mask, max_new_tokens=new + 1, batching="sync")
+
+
+def test_a_hybrid_model_is_refused_naming_only_its_other_layers():
+    from model_configs import tiny_model as sweep_model
+
+    model, why = sweep_model("bamba")
+    assert model is not None, why
+    with pytest.raises(ValueError, match=r"other than full or sliding-window attention \(\['linear_attention'\]\)"):
+        Engine(model)

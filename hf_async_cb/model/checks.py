@@ -39,8 +39,10 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
         if getattr(config, attr, None):
             raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
     layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-        raise ValueError(f"{name} has non-attention layers ({sorted(set(layer_types))}); hf_async_cb does not support them.")
+    other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ValueError(f"{name} has layers of a kind other than full or sliding-window attention ({other}); "
+                         "hf_async_cb does not support them.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
 
