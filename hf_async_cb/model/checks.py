@@ -8,6 +8,9 @@ import torch
 # Config attributes that change attention or logits in ways the engine does not implement.
 _UNSUPPORTED_CONFIG = {
     "alibi": "ALiBi position biases",
+    # Llama 4's NoPE layers scale queries by positions counted from the cache's length plus the
+    # token's index in the forward, which a packed step of several requests does not give.
+    "attn_temperature_tuning": "attention temperature tuning (its positions are counted from the cache's length)",
 }
 
 
