@@ -366,3 +366,13 @@ def test_llama4_temperature_tuning_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match="attention temperature tuning"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, batching="sync")
+
+
+def test_cross_attention_layers_in_the_middle_are_refused_as_such():
+    """Llama 3.2 Vision's text model: its cross-attention layers write no K/V without an image."""
+    config = transformers.MllamaTextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                                           pad_token_id=0)
+    model = transformers.MllamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"only layers \[0, 2\] write a K/V cache of their own \(the others write none"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, batching="sync")

@@ -123,7 +123,8 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
         raise ValueError(f"{name} cannot run on hf_async_cb: none of its layers writes a K/V cache.")
     if sorted(shapes) != list(range(len(shapes))):
         raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)} write a K/V cache of "
-                         "their own (the others share one), which the paged cache does not support.")
+                         "their own (the others write none, as cross-attention layers without an image, or share "
+                         "another layer's), which the paged cache does not support.")
     return KVLayout(tuple(dataclasses.replace(shapes[i], gathered=i in transformed) for i in range(len(shapes))))
 
 
