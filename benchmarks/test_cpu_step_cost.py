@@ -77,3 +77,42 @@ def test_tiny_model_end_to_end(benchmark, mode):
     prompts = [[3 + (i * 7 + j) % 250 for j in range(16)] for i in range(32)]
     outputs = benchmark(lambda: engine.generate(prompts, max_new_tokens=16))
     assert all(len(o.output_token_ids) == 16 for o in outputs)
+
+
+def test_mixed_prefill_and_decode_steps(benchmark):
+    """Long prompts admitted beside decoding requests: steps mixing one-token rows with prefill
+    chunks, where the reference attention's padding once cost 8-30x the needed work (CPU path)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=2048)).eval()
+    engine = Engine(model, BatchingConfig(mode="sync", max_batch_tokens=512))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist()
+               for n in torch.randint(300, 900, (16,), generator=g)]
+    outputs = benchmark(lambda: engine.generate(prompts, max_new_tokens=8))
+    assert all(len(o.output_token_ids) == 8 for o in outputs)
+
+
+def test_online_backlog(benchmark):
+    """10,000 tiny requests queued on the background loop at once: the loop's per-step work must not
+    grow with the backlog (each pass once scanned every queued handle for aborts)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    engine = Engine(model, BatchingConfig(mode="async", max_running_requests=64))
+
+    def run():
+        engine.start()
+        try:
+            handles = [engine.add_request([3 + i % 200, 5, 7], max_new_tokens=2) for i in range(10000)]
+            return [h.result(timeout=600) for h in handles]
+        finally:
+            engine.shutdown(timeout=600)
+
+    outputs = benchmark.pedantic(run, rounds=1, iterations=1)
+    assert len(outputs) == 10000 and all(len(o.output_token_ids) == 2 for o in outputs)
