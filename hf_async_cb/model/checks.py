@@ -38,14 +38,14 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
                          "runs a model on one device, or tensor-parallel across processes (from_pretrained(..., "
                          "tp_plan='auto') under torchrun); load it on one device, or with a tp_plan.")
     config = text_config_of(config)
-    for attr, what in _UNSUPPORTED_CONFIG.items():
-        if getattr(config, attr, None):
-            raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
     layer_types = getattr(config, "layer_types", None)
     other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
     if other:
         raise ValueError(f"{name} has layers of a kind other than full or sliding-window attention ({other}); "
                          "hf_async_cb does not support them.")
+    for attr, what in _UNSUPPORTED_CONFIG.items():
+        if getattr(config, attr, None):
+            raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
 
