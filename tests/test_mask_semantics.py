@@ -81,3 +81,13 @@ def test_a_bidirectional_mask_is_refused():
                                                 use_bidirectional_attention=True))
     with pytest.raises(ValueError, match="its attention is bidirectional"):
         gemma.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, batching="sync")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_masks_are_read_as_such(dtype):
+    """Eager masks hold their own dtype's minimum where masked (fp16's is -65504): neither taken for
+    a bias nor missed as a window."""
+    model = build(WINDOWED["mistral"]()).to(dtype)
+    found = mask_semantics.read_masks(model)
+    assert not found.bias and not found.bidirectional
+    assert [slides for _, slides, _ in found.windows.values()] == [True] * 3

@@ -26,7 +26,7 @@ import torch
 from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
 from hf_async_cb.model.kv_cache import PagedKVCache
-from hf_async_cb.model.mask_semantics import window_override
+from hf_async_cb.model.mask_semantics import config_tree, window_override
 from hf_async_cb.model.step_metadata import StepMetadata
 
 ATTENTION_NAME = "hf_async_cb_paged"
@@ -88,24 +88,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 _MISSING = object()
 
 
-def _config_tree(config) -> list:
-    """`config` and every sub-config under it, each once."""
-    found, stack = {}, [config]
-    while stack:
-        c = stack.pop()
-        if c is None or id(c) in found:
-            continue
-        found[id(c)] = c
-        stack.extend(getattr(c, key, None) for key in (getattr(c, "sub_configs", None) or {}))
-    return list(found.values())
-
-
 @contextlib.contextmanager
 def implementation(config, name: str) -> Iterator[None]:
     """`name` as the attention implementation of `config` (and, through transformers' setter, its
     sub-configs) for a block. Each config's own setting is given back after: setting the saved
     top-level value back would spread it over sub-configs that had settings of their own."""
-    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _config_tree(config)]
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in config_tree(config)]
     config._attn_implementation = name
     try:
         yield

@@ -51,14 +51,20 @@ def window_override(module: torch.nn.Module, keyword_window):
     return keyword_window if override is _UNSET else override
 
 
-def _config_tree(config) -> list:
-    from hf_async_cb.model.attention import _config_tree as tree
-
-    return tree(config)
+def config_tree(config) -> list:
+    """`config` and every sub-config under it, each once."""
+    found, stack = {}, [config]
+    while stack:
+        c = stack.pop()
+        if c is None or id(c) in found:
+            continue
+        found[id(c)] = c
+        stack.extend(getattr(c, key, None) for key in (getattr(c, "sub_configs", None) or {}))
+    return list(found.values())
 
 
 def _configs_with_windows(config) -> list:
-    return [c for c in _config_tree(config)
+    return [c for c in config_tree(config)
             if isinstance(getattr(c, "sliding_window", None), int) and c.sliding_window > PROBE_WINDOW]
 
 
@@ -73,11 +79,12 @@ def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
 
     names = {id(m): n for n, m in model.named_modules()}
     found = MaskSemantics()
-    masked = torch.finfo(torch.float32).min / 2
 
     def recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         mask = attention_mask
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2] == PROBE_TOKENS:
+        if (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4
+                and mask.shape[-1] == mask.shape[-2] == PROBE_TOKENS):
+            masked = torch.finfo(mask.dtype).min / 2  # eager masks hold their dtype's min where masked
             mask = mask.float()
             slides = bool((mask[..., -1, 0] <= masked).any())
             if bool((mask[..., 0, -1] > masked).any()):
@@ -108,7 +115,7 @@ def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
         AttentionInterface._global_mapping.pop(name, None)
         ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
     found.config_windows = [w for _, w in windows] or [
-        c.sliding_window for c in _config_tree(model.config) if isinstance(getattr(c, "sliding_window", None), int)]
+        c.sliding_window for c in config_tree(model.config) if isinstance(getattr(c, "sliding_window", None), int)]
     return found
 
 
