@@ -246,17 +246,18 @@ class Engine:
             outside = [t for t in sequences.get(name, getattr(params, name)) if not 0 <= t < self.vocab_size]
             if outside:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+        fed_positions = len(ids) + params.max_new_tokens - 1  # (the last token is sampled, never fed)
         if self.max_positions is not None:
             if len(ids) > self.max_positions:
                 raise ValueError(
                     f"prompt of {len(ids)} tokens is longer than the model's maximum of {self.max_positions}."
                 )
-            if self._learned_positions and len(ids) + params.max_new_tokens - 1 > self.max_positions:
+            if self._learned_positions and fed_positions > self.max_positions:
                 raise ValueError(
                     f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
                     f"{self.max_positions} positions of its position table; lower max_new_tokens."
                 )
-        if self.rope_switch is not None and len(ids) + params.max_new_tokens - 1 > self.rope_switch[0]:
+        if self.rope_switch is not None and fed_positions > self.rope_switch[0]:
             length, kind = self.rope_switch
             raise ValueError(
                 f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "

@@ -188,10 +188,15 @@ def user_hooks(m: nn.Module) -> tuple:
     return _users(m._forward_hooks), _users(m._forward_pre_hooks)
 
 
+def global_hooks() -> tuple:
+    """The keys of the forward hooks and pre-hooks registered for every module."""
+    return tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks)
+
+
 def has_hooks(m: nn.Module) -> bool:
     """Whether calling m runs forward hooks or pre-hooks of the user's (its own or global ones): a
     fusion that bypasses the module's call would silently drop them."""
-    return bool(any(user_hooks(m)) or _module._global_forward_hooks or _module._global_forward_pre_hooks)
+    return any(user_hooks(m)) or any(global_hooks())
 
 
 def _fusable(members: list) -> bool:

@@ -47,6 +47,8 @@ class MaskSemantics:
 def window_override(module: torch.nn.Module, keyword_window):
     """The sliding window the engine applies for `module`: its mask's, where the keyword says
     otherwise; else the keyword's."""
+    if not _OVERRIDES:  # (most models: every layer's keyword agrees with its mask)
+        return keyword_window
     override = _OVERRIDES.get(module, _UNSET)
     return keyword_window if override is _UNSET else override
 

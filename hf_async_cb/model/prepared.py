@@ -21,13 +21,12 @@ import weakref
 from typing import Iterator
 
 import torch
-from torch.nn.modules import module as _module
 
 from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
-from hf_async_cb.model.fusion import FusedProjections, fuse_projections, user_hooks
+from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
 from hf_async_cb.model.mask_semantics import apply_masks
 
 logger = logging.getLogger(__name__)
@@ -153,8 +152,7 @@ def signature(model: torch.nn.Module) -> tuple:
     their feature, are not counted) counts as a change, as do parameters and the config."""
     params = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in model.parameters())
     modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
-    hooks = tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks)
-    return params, modules, hooks, _config_snapshot(model.config)
+    return params, modules, global_hooks(), _config_snapshot(model.config)
 
 
 def _config_snapshot(config) -> dict:
