@@ -43,3 +43,12 @@ for run in "${RUNS[@]}"; do
     --new "$new" --compare "$compare" --no-progress ${extra:-} --json "$OUT/bench-$shape-$req-$new-${extra//-/}.json" 2>&1 \
     | grep -v -i "warn" | tail -14 | tee -a "$OUT/bench.txt"
 done
+# Shared prefixes (tools/shared_prefix.py): SHARED_PREFIX="shape:workloads:paths;...", e.g.
+# SHARED_PREFIX="llama3.2-1b:group,few-shot,none:stock,hf-cb-sync,cache-off,cache-on"
+IFS=';' read -ra PREFIX_RUNS <<< "${SHARED_PREFIX:-}"
+for run in "${PREFIX_RUNS[@]}"; do
+  IFS=: read -r shape workloads paths <<< "$run"
+  timeout ${PREFIX_TIMEOUT:-300} python3 -m hf_async_cb.tools.shared_prefix --shape "$shape" --workloads "$workloads" \
+    --paths "${paths:-stock,hf-cb-sync,cache-off,cache-on}" --json "$OUT/shared-prefix-$shape.json" 2>&1 \
+    | grep -v -i "warn" | tee -a "$OUT/shared_prefix.txt"
+done

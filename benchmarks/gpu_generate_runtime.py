@@ -37,6 +37,7 @@ def timed(fn):
 
 
 def through_generate(model, prompts, new, sample=False, seed=0):
+    hf_async_cb.clear_prefix_cache(model)  # every timed call prefills its prompts, as stock's does
     ids = torch.tensor(prompts, device="cuda")
     decoding = dict(SAMPLING) if sample else dict(do_sample=False)
     config = hf_async_cb.BatchingConfig(seed=seed) if sample else None
@@ -46,6 +47,7 @@ def through_generate(model, prompts, new, sample=False, seed=0):
 
 def held(model, prompts, new, sample=False):
     engine = runtime._RUNTIMES[model].engine
+    engine.clear_prefix_cache()  # as through_generate: no reuse of an earlier call's prompts
     decoding = dict(SAMPLING) if sample else dict(do_sample=False)
     engine.config = hf_async_cb.BatchingConfig(seed=0) if sample else hf_async_cb.BatchingConfig()
     return engine.generate(prompts, max_new_tokens=new, **decoding)

@@ -90,6 +90,8 @@ def make_work(index: int, *, seed: int, vocab: int, max_prompt: int, max_new: in
         kw["begin_suppress_tokens"] = tuple(rng.randrange(3, vocab) for _ in range(3))
     if rng.random() < 0.5:
         kw["eos_token_ids"] = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(1, 2)))
+    else:  # named, not the model's default: the checks below read the ids
+        kw["eos_token_ids"] = ()
     abort_after = None
     if rng.random() < abort_share:
         abort_after = rng.choice([0.0, rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.5)])

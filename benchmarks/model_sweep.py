@@ -105,6 +105,20 @@ def render(rows: list[tuple[str, Outcome, Outcome]], command: str, seconds: floa
     return "\n".join(lines) + "\n"
 
 
+# Sections of the file written by hand (from tests/test_model_stack.py), kept when the sweep rewrites it.
+KEPT_FROM = "\n## Model stack"
+
+
+def _kept_sections(path: str) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start = text.find(KEPT_FROM)
+    return "" if start < 0 else text[start:]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: the whole mapping)")
@@ -122,8 +136,9 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(types)}] {model_type}: {default.kind} / {trusted.kind} ({time.time() - t:.1f} s)"
               f"{'  ' + _reason(default, trusted)[:160] if default.reason or trusted.reason else ''}", flush=True)
     command = "python benchmarks/model_sweep.py" + (f" --types {args.types}" if args.types else "")
+    kept = _kept_sections(args.out)
     with open(args.out, "w") as f:
-        f.write(render(rows, command, time.time() - start))
+        f.write(render(rows, command, time.time() - start) + kept)
     print(f"wrote {args.out}")
     return 0
 

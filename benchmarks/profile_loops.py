@@ -36,6 +36,7 @@ def main(shape="llama3.2-1b", requests=64, prompt=128, new=48):
     for mode in ("sync", "async"):
         engine = Engine(model, BatchingConfig(mode=mode, max_batch_tokens=8192, max_running_requests=requests))
         engine.generate(prompts, max_new_tokens=4)  # warm-up
+        engine.clear_prefix_cache()  # the profiled run prefills its prompts, as a first sight of them would
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()

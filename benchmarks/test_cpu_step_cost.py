@@ -109,7 +109,7 @@ def test_online_backlog(benchmark):
     def run():
         engine.start()
         try:
-            handles = [engine.add_request([3 + i % 200, 5, 7], max_new_tokens=2) for i in range(10000)]
+            handles = [engine.add_request([3 + i % 200, 5, 7], max_new_tokens=2, eos_token_ids=()) for i in range(10000)]
             return [h.result(timeout=600) for h in handles]
         finally:
             engine.shutdown(timeout=600)

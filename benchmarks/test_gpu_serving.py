@@ -5,7 +5,8 @@
 
 128 ShareGPT-like requests on the llama3.2-1b shape, arriving as a Poisson process of 16 requests/s
 and all at once, through our sync and async loops on a held engine whose loop is started. Each
-test first replays the workload once (graph captures, kernel compiles), then times one run; its
+test first warms up as `bench --serve` does (the workload's shapes once, with other prompts, and a
+decode step of every graph bucket: serving.OurServer.warm_up), then times one run; its
 extra_info carries what the time alone does not: TTFT and ITL p50/p99 and the throughputs. One
 round: a run at 16 requests/s lasts as long as its arrivals (~8 s), so more rounds would mostly
 measure the schedule. Skipped without CUDA; `python -m hf_async_cb bench --serve` prints the same
@@ -41,11 +42,14 @@ def test_serving_latency(benchmark, model, mode, rate):
     workload = serving.make_workload(REQUESTS, model.config.vocab_size, RATES[rate], "sharegpt", seed=0)
     server = serving.open_server(mode, model, BatchingConfig(max_running_requests=REQUESTS), sizing=workload)
     try:
-        server.serve(workload, timeout=300)  # warm-up: the same workload once
+        assert server.warm_up(workload, timeout=300)  # its shapes once (other prompts), every decode bucket
+        captures = server.counters()["captures"]
         traces = benchmark.pedantic(lambda: server.serve(workload, timeout=300)[0], rounds=1, iterations=1)
+        captures = server.counters()["captures"] - captures
     finally:
         server.close()
     assert [len(t.token_times) for t in traces] == workload.new
+    assert captures == 0, f"{captures} graphs captured during the timed run"
     m = serving.summarize(traces)
     benchmark.extra_info.update(
         request_throughput=m["request_throughput"], output_throughput=m["output_throughput"],

@@ -1,3 +1,3 @@
-from hf_async_cb.cli import main
+from hf_async_cb.cli import MODULE_PROG, main
 
-raise SystemExit(main())
+raise SystemExit(main(prog=MODULE_PROG))

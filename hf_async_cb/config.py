@@ -53,13 +53,22 @@ class BatchingConfig:
         $HF_ASYNC_CB_CACHE or ~/.cache/hf_async_cb/gemm_choices.json); shapes never measured run
         cuBLAS. True: also measure the model's shapes not yet recorded, at warm-up (seconds per
         shape, once per GPU and Triton version). False: cuBLAS only.
-    progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside).
+    progress: a tqdm progress bar over the requests of generate()/Engine.generate (tokens/s beside);
+        a string turns it on and is its label (e.g. which run it is), "hf_async_cb" otherwise.
     cuda_graphs: replay decode steps (greedy or seeded sampling, the engine's own logits processors
         included; user processors run eagerly) from CUDA graphs, one per (batch, context) bucket,
         captured on first use. None: on CUDA. On the CPU, True runs the same padded static-buffer
         path eagerly (for tests).
     prefill_graphs: with cuda_graphs, replay prefill and mixed steps from graphs too (up to
         16 buckets of token count, batch and context; on CUDA with the Triton attention only).
+    prefix_caching: requests sharing a prompt prefix compute its K/V once: a full page of prompt
+        (or of generated tokens, once its request finished) stays cached, named by its tokens and
+        those before it, until its pool space is needed (least recently used first), within a
+        call, across generate() calls on the same model and for requests added online. The cache
+        is emptied when the model's weights are written in place (their version counters), an
+        adapter is switched, enabled or disabled, or a step fails; `Engine.clear_prefix_cache()` /
+        `hf_async_cb.clear_prefix_cache(model)` empty it by hand (after writing weights through
+        `.data`, which no version counter sees). Counters: `Engine.prefix_cache_stats()`.
     """
 
     mode: str = "async"
@@ -75,10 +84,11 @@ class BatchingConfig:
     trust_untested_model: bool = False
     cuda_graphs: bool | None = None
     prefill_graphs: bool = True
+    prefix_caching: bool = True
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
     skinny_gemm: bool | None = None
-    progress: bool = False
+    progress: bool | str = False
     profile: bool = False
 
     def __post_init__(self) -> None:
@@ -108,8 +118,13 @@ class BatchingConfig:
             raise ValueError(
                 f"BatchingConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}."
             )
-        for name in ("trust_untested_model", "prefill_graphs", "progress", "profile"):
+        for name in ("trust_untested_model", "prefill_graphs", "prefix_caching", "profile"):
             _bool(name, getattr(self, name), optional=False)
+        if isinstance(self.progress, str) and self.progress.strip().lower() in _FLAG_WORDS:
+            raise ValueError(f"BatchingConfig.progress must be True, False or a label for the bar, got "
+                             f"{self.progress!r}: a flag spelled as text is ambiguous, pass True or False.")
+        if not (isinstance(self.progress, str) and self.progress):  # a label, or a flag
+            _bool("progress", self.progress, optional=False)
         for name in ("cuda_graphs", "fuse_projections", "fuse_elementwise", "skinny_gemm"):
             _bool(name, getattr(self, name), optional=True)
 
@@ -132,6 +147,8 @@ class BatchingConfig:
                        kv_memory_fraction=self.kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION)
 
 
+# progress="no" reads as "off" but would be a label: refused, with every other flag spelled as text.
+_FLAG_WORDS = frozenset({"yes", "no", "true", "false", "on", "off", "0", "1", "none"})
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 CPU_BATCH_TOKENS = 512
 # (GiB of device memory at least, step token budget): a large budget prefills long prompts in few,

@@ -22,3 +22,51 @@ def test_ablation_suffixes():
     assert bench.our_path("stock") is None and bench.our_path("async-bogus") is None
     with pytest.raises(ValueError, match="unknown path"):
         bench.check_paths(["async-bogus"])
+
+
+def test_progress_bars_say_which_path_and_phase(monkeypatch):
+    """Our paths' bars read "sync warm-up", "sync timed"...: several bars in one run say which is which."""
+    from hf_async_cb import BatchingConfig
+    from hf_async_cb.engine.progress import Progress
+
+    labels = []
+    init = Progress.__init__
+
+    def recording(self, requests, enabled):
+        init(self, requests, enabled)
+        if self.bar is not None:
+            labels.append(self.bar.desc)
+
+    monkeypatch.setattr(Progress, "__init__", recording)
+    bench.run("tiny", 2, 4, 2, paths=("sync", "generate-async"), device="cpu", config=BatchingConfig(progress=True))
+    assert labels == ["sync warm-up (first call)", "sync warm-up", "generate-async warm-up (first call)",
+                      "generate-async warm-up", "sync first call", "sync timed", "generate-async first call",
+                      "generate-async timed"]
+
+
+def test_transformers_batching_runs_without_its_eos_warning():
+    """hf-cb paths say "no EOS" as transformers' continuous batching asks (-1), so that it does not
+    warn that eos_token_id is unset, and every request still runs to its last token."""
+    import logging
+
+    import torch
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    model = bench.build_model("tiny", torch.device("cpu"), torch.float32)
+    prompts = bench._prompts(2, 6, model.config.vocab_size)
+    records = Records()
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")  # transformers' (it does not propagate)
+    cb_logger.addHandler(records)
+    try:
+        result = bench.run_path("hf-cb-sync", model, prompts, 3)
+    finally:
+        cb_logger.removeHandler(records)
+    assert result.tokens == 2 * 3
+    assert not [m for m in records.messages if "eos_token_id" in m], records.messages

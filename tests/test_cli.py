@@ -55,7 +55,8 @@ def _report(bandwidth: float | None, floor_ms: float | None) -> dict:
 def test_table_has_a_floor_only_where_one_was_measured():
     cpu = bench.format_table(_report(None, None))
     assert "nan" not in cpu.lower() and "not measured on cpu" in cpu and "floor |" not in cpu
-    assert "GPU busy" not in cpu and "| sync | 32 | 2.0 | 8 | 1.0 | -1.00 |" in cpu  # columns no row fills are left out
+    # Columns no row fills are left out; a first call faster than the timed one is noise: no extra, not -1.00.
+    assert "GPU busy" not in cpu and "| sync | 32 | 2.00 | 8 | 1.00 | 0 |" in cpu
     gpu = bench.format_table(_report(4.0, 0.5))
     assert "copy bandwidth 4.00 TB/s; floor 0.50 ms/step = 8,000 tok/s" in gpu and "| 0.4% |" in gpu
     mixed = bench.format_table(_report(4.0, None))
@@ -112,9 +113,14 @@ def test_demo_labels_each_run(capsys):
         assert cli.main(["demo", "--device", "cpu", "--max-new-tokens", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     for line in ("[1/3] stock generate: 8 prompts", '[2/3] batching="sync": 8 prompts', '[3/3] batching="async"'):
         assert line in out
+    # Each path runs a first call (set-up) before its timed one, shown apart; the bars say which run they are.
+    assert "first call s" in out and "a first call then the timed one" in out
+    for label in ('batching="sync" first call', 'batching="sync" timed', 'batching="async" timed'):
+        assert label in captured.err
 
 
 def test_conversion_is_logged_at_info_with_an_honest_estimate(tmp_path, monkeypatch, caplog):
@@ -210,3 +216,76 @@ def test_prompts_past_the_shape_positions_are_refused_before_any_work(argv):
     1.5x --prompt) stops with the reason, not a traceback after the model is built."""
     with pytest.raises(SystemExit, match="longer than the tiny shape's 2048 positions"):
         cli.main(["bench", "--device", "cpu", "--shape", "tiny", "--requests", "1", "--new", "2", *argv])
+
+
+def test_seconds_keep_three_digits_and_a_first_call_extra_is_never_negative():
+    """A fast path's time is not rounded to 0.0; the set-up a first call adds is clamped at 0."""
+    assert [bench.format_seconds(x) for x in (0.004123, 0.04123, 4.123, 41.23, 412.3, 0.0)] == \
+        ["0.00412", "0.0412", "4.12", "41.2", "412", "0"]
+    report = _report(None, None)
+    report["results"] = [dict(report["results"][0], path="stock", seconds=0.0123, extra={}),
+                         dict(report["results"][0], path="sync", seconds=2.0, extra={"warmup_s": 3.5})]
+    table = bench.format_table(report)
+    assert "| stock | 32 | 0.0123 | 8 | - | - |" in table and "| sync | 32 | 2.00 | 8 | 3.50 | 1.50 |" in table
+
+
+def test_compare_help_shows_the_default_a_run_uses_and_names_every_path(capsys, monkeypatch):
+    """--compare's default in --help is what a run without it runs (generate-async included), the
+    help names the generate-sync / generate-async paths, and an unknown path's error lists every
+    path there is."""
+    text = _help(capsys, "bench")
+    compact = text.replace(" ", "")  # (argparse may break a line after a path's hyphen)
+    assert f"(default:{','.join(bench.PATHS)},lessthepathsthedevicecannotrun" in compact
+    assert "generate-syncandgenerate-async" in compact and "generate-async" in bench.PATHS
+
+    class Ran(Exception):
+        pass
+
+    def run(shape, requests, prompt, new, paths, *args, **kwargs):
+        raise Ran(paths)
+
+    monkeypatch.setattr(bench, "run", run)
+    with pytest.raises(Ran) as ran:
+        cli.main(["bench", "--device", "cpu"])
+    assert ran.value.args[0] == bench.runnable_paths(bench.PATHS, torch.device("cpu"))[0]
+    every = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async", "generate-sync", "generate-async")
+    bench.check_paths(every)  # all of them run
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--device", "cpu", "--compare", "stock,bogus"])
+    message = str(stop.value)
+    assert message.startswith("unknown path 'bogus'")
+    assert set(message.split("choose from ")[1].split(" (")[0].split(", ")) == set(every)
+
+
+def test_usage_names_the_command_the_user_ran(capsys, monkeypatch):
+    """The console script says hf-async-cb; `python -m hf_async_cb` says so."""
+    import runpy
+
+    assert _help(capsys).startswith("usage: hf-async-cb ")
+    monkeypatch.setattr(sys, "argv", ["__main__.py", "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_module("hf_async_cb", run_name="__main__")
+    assert capsys.readouterr().out.startswith("usage: python -m hf_async_cb ")
+
+
+def test_demo_counts_new_tokens_as_the_engine_and_its_bar_do():
+    """Up to and including each row's EOS, not the padding after it, which is the EOS token itself
+    for SmolLM2 (pad = EOS): the count of the engine's outputs, which its progress bar shows."""
+    import copy
+
+    from models import random_prompts, stock_generate, tiny_model
+
+    from hf_async_cb import BatchingConfig, Engine
+
+    prompts = random_prompts(4, 3, 12, seed=31)
+    first = stock_generate(tiny_model("llama"), prompts[:1], max_new_tokens=6, eos_token_id=None)
+    eos = int(first[0, len(prompts[0]) + 2])  # the first row's third token: that row ends there
+    model = copy.deepcopy(tiny_model("llama"))
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    out = stock_generate(model, prompts, max_new_tokens=6)
+    width = max(map(len, prompts))
+    with Engine(model, BatchingConfig(mode="sync")) as engine:
+        engine_count = sum(len(o.output_token_ids) for o in engine.generate(prompts, max_new_tokens=6))
+    assert engine_count < 4 * 6  # some row stopped at its EOS
+    assert cli.generated_tokens(out, width, (eos,)) == engine_count

@@ -205,7 +205,7 @@ def test_ngram_steps_replay_graphs_with_the_eager_tokens(mode):
 
     model = tiny_model("llama")
     prompts = random_prompts(5, 3, 30, seed=9)
-    params = [SamplingParams(max_new_tokens=16, no_repeat_ngram_size=n, repetition_penalty=r)
+    params = [SamplingParams(max_new_tokens=16, no_repeat_ngram_size=n, repetition_penalty=r, eos_token_ids=())
               for n, r in [(2, 1.0), (3, 1.2), (0, 1.0), (1, 1.0), (4, 0.9)]]
     runs = []
     for graphs in (False, True):
@@ -237,7 +237,7 @@ def test_key_list_steps_replay_graphs_with_stock_tokens(mode):
                dict(),
                dict(bad_words_ids=((picks[3][0],),), sequence_bias=((tuple(picks[3][2:4]), -6.0),)),
                dict(repetition_penalty=1.2, bad_words_ids=(tuple(picks[4][1:3]),))]
-    params = [SamplingParams(max_new_tokens=14, **o) for o in options]
+    params = [SamplingParams(max_new_tokens=14, eos_token_ids=(), **o) for o in options]
     runs = []
     for graphs in (False, True):
         engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=graphs, page_size=4, max_batch_tokens=40))

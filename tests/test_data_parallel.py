@@ -100,7 +100,8 @@ def test_copies_processors_and_stopping_criteria_pass_through():
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 42, dtype=torch.bool)
 
     with DataParallel(model, devices=["cpu"] * 2) as dp:
-        outs = dp.generate(PROMPTS[:4], max_new_tokens=8, stopping_criteria=StoppingCriteriaList([HistoryOf42()]))
+        outs = dp.generate(PROMPTS[:4], max_new_tokens=8, eos_token_ids=(),
+                           stopping_criteria=StoppingCriteriaList([HistoryOf42()]))
         for prompt, out in zip(PROMPTS[:4], outs):
             assert len(out.output_token_ids) == max(1, min(8, 42 - len(prompt)))
 

@@ -250,7 +250,7 @@ def test_generate_runtime_compiles_and_captures_nothing_after_warm_up():
                                  pad_token_id=0, eos_token_id=None)
             engine = runtime._RUNTIMES[model].engine
             if pass_ == 1 and b in (1, 13, 256):
-                held = engine.generate(prompts, max_new_tokens=5)
+                held = engine.generate(prompts, max_new_tokens=5, eos_token_ids=())
                 assert out[:, ids.shape[1]:].tolist() == [o.output_token_ids for o in held]
     rt = runtime._RUNTIMES[model]
     assert (compiled_variants(), rt.engine.graphs.num_captured, rt.builds) == before

@@ -47,15 +47,16 @@ def test_greedy_packed_reads_strided_rows():
 def test_kernels_compile_for_sm90():
     """The greedy and K/V store kernels compile for an H200 (no GPU needed), without the interpreter."""
     parts = {"logits_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "sum_ptr": "*fp32",
-             "vocab": "i32", "stride_row": "i64", "chunk": "i32"}
+             "vocab": "i32", "stride_row": "i64", "chunk": "i32", "num_parts": "i32"}
     merge = {"max_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "sum_ptr": "*fp32", "tokens_ptr": "*i64",
-             "logprobs_ptr": "*fp64", "vocab": "i32"}
+             "logprobs_ptr": "*fp64", "vocab": "i32", "num_parts": "i32"}
     store = {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
     store.update({"slots_ptr": "*i64"}, **{n: "i64" for n in "stride_kh stride_kt stride_vh stride_vt stride_kpool_t "
                                                               "stride_kpool_h stride_vpool_t stride_vpool_h".split()})
     assert_compiles_for_sm90([
-        ("hf_async_cb.kernels.draw_greedy", "_greedy_parts_kernel", parts, dict(NUM_PARTS=8, BLOCK=BLOCK)),
-        ("hf_async_cb.kernels.draw_greedy", "_greedy_merge_kernel", merge, dict(NUM_PARTS=8)),
+        ("hf_async_cb.kernels.draw_greedy", "_greedy_parts_kernel", parts, dict(BLOCK=BLOCK)),
+        ("hf_async_cb.kernels.draw_greedy", "_greedy_merge_kernel", merge, dict()),
         ("hf_async_cb.kernels.store_kv", "_store_kv_kernel", store,
-         dict(K_HEADS=8, K_DIM=128, V_HEADS=8, V_DIM=128, BLOCK_KH=8, BLOCK_KD=128, BLOCK_VH=8, BLOCK_VD=128)),
+         dict(K_HEADS=8, K_DIM=128, V_HEADS=8, V_DIM=128, BLOCK_KH=8, BLOCK_KD=128, BLOCK_VH=8, BLOCK_VD=128,
+              ALIGNED=True)),
     ])

@@ -66,7 +66,7 @@ def test_streams_match_results(engine):
 
 
 def test_abort_mid_flight_keeps_the_others(engine):
-    long = engine.add_request(random_prompts(1, 10, 10, seed=73)[0], max_new_tokens=400)
+    long = engine.add_request(random_prompts(1, 10, 10, seed=73)[0], max_new_tokens=400, eos_token_ids=())
     short_prompts = random_prompts(4, 3, 12, seed=74)
     shorts = [engine.add_request(p, max_new_tokens=8, eos_token_ids=(2,)) for p in short_prompts]
     seen = []
@@ -109,7 +109,7 @@ def test_shutdown_with_queued_requests_loses_none():
         engine.add_request([5, 6], max_new_tokens=2)
     # A graceful shutdown finishes what was accepted.
     engine.start()
-    handles = [engine.add_request(p, max_new_tokens=6) for p in random_prompts(5, 5, 30, seed=77)]
+    handles = [engine.add_request(p, max_new_tokens=6, eos_token_ids=()) for p in random_prompts(5, 5, 30, seed=77)]
     engine.shutdown(timeout=30)
     assert all(len(h.result(timeout=1).output_token_ids) == 6 for h in handles)
 
@@ -140,7 +140,7 @@ def test_text_prompts_with_a_tokenizer():
     engine = Engine(own_model("gpt2"), BatchingConfig(mode="async"), tokenizer=Tok())
     engine.start()
     try:
-        out = engine.add_request("hello world", SamplingParams(max_new_tokens=4)).result(timeout=30)
+        out = engine.add_request("hello world", SamplingParams(max_new_tokens=4, eos_token_ids=())).result(timeout=30)
     finally:
         engine.shutdown(timeout=10)
     assert out.prompt_token_ids == Tok()("hello world")["input_ids"] and len(out.output_token_ids) == 4
@@ -289,7 +289,7 @@ def test_a_fault_fails_only_its_request(engine, fault, error):
     held = engine.add_request(held_prompt, max_new_tokens=4, eos_token_ids=(2,),
                               logits_processor=LogitsProcessorList([gate]))
     assert gate.entered.wait(30)
-    a = engine.add_request(a_prompt, max_new_tokens=1)
+    a = engine.add_request(a_prompt, max_new_tokens=1, eos_token_ids=())
     b = engine.add_request(b_prompt, max_new_tokens=8, **(
         dict(stopping_criteria=StoppingCriteriaList([CriterionFails(error)])) if fault == "criterion"
         else dict(logits_processor=LogitsProcessorList([ProcessorFails(error)]))))
@@ -312,7 +312,7 @@ def test_a_dropped_engine_stops_its_loop_and_gives_the_model_back(mode):
     prompts = random_prompts(2, 5, 12, seed=83)
     engine = Engine(model, BatchingConfig(mode=mode))
     engine.start()
-    handle = engine.add_request(prompts[0], max_new_tokens=400)
+    handle = engine.add_request(prompts[0], max_new_tokens=400, eos_token_ids=())
     next(iter(handle))  # running
     thread = engine._background.thread
     del engine
@@ -451,7 +451,7 @@ def test_a_handle_is_aborted_only_by_its_engine_and_off_is_not_an_engine_mode():
     first.start()
     second.start()
     try:
-        handle = first.add_request([5, 6, 7], max_new_tokens=8)
+        handle = first.add_request([5, 6, 7], max_new_tokens=8, eos_token_ids=())
         with pytest.raises(ValueError, match="not added to this engine"):
             second.abort(handle)
         assert len(handle.result(timeout=30).output_token_ids) == 8  # untouched
@@ -468,7 +468,7 @@ def test_a_callback_raising_on_the_last_token_aborts_the_request_all_the_same():
             if len(request.output_token_ids) == 3:
                 raise ValueError("callback failed")
 
-        handle = engine.add_request([5, 6, 7], max_new_tokens=3, on_token=on_token)
+        handle = engine.add_request([5, 6, 7], max_new_tokens=3, eos_token_ids=(), on_token=on_token)
         with pytest.raises(RuntimeError, match="callback failed"):
             handle.result(timeout=30)
         assert handle.request.finish_reason is FinishReason.ABORTED
@@ -479,7 +479,7 @@ def test_a_callback_raising_on_the_last_token_aborts_the_request_all_the_same():
 def test_after_a_shutdown_that_timed_out_the_messages_agree_on_what_to_do():
     engine = Engine(own_model(), BatchingConfig(mode="async"))
     engine.start()
-    handles = [engine.add_request(p, max_new_tokens=200) for p in random_prompts(4, 20, 30, seed=90)]
+    handles = [engine.add_request(p, max_new_tokens=200, eos_token_ids=()) for p in random_prompts(4, 20, 30, seed=90)]
     with pytest.raises(TimeoutError):
         engine.shutdown(timeout=0.0001)
     with pytest.raises(RuntimeError, match="shutting down.*shutdown\\(\\), then start\\(\\)"):
@@ -489,5 +489,5 @@ def test_after_a_shutdown_that_timed_out_the_messages_agree_on_what_to_do():
     engine.shutdown(timeout=60)  # waits for what was accepted
     assert all(len(h.result(timeout=1).output_token_ids) == 200 for h in handles)
     engine.start()
-    assert len(engine.add_request([5, 6], max_new_tokens=2).result(timeout=30).output_token_ids) == 2
+    assert len(engine.add_request([5, 6], max_new_tokens=2, eos_token_ids=()).result(timeout=30).output_token_ids) == 2
     engine.shutdown(timeout=30)

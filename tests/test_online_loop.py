@@ -96,7 +96,8 @@ def test_an_abort_drained_before_its_request_was_taken_in_still_lands():
     engine = Engine(own_model(), BatchingConfig(mode="sync"))
     engine.start()
     worker, gate = engine._background._worker, Gate()
-    held = engine.add_request([5, 6, 7], max_new_tokens=2, logits_processor=LogitsProcessorList([gate]))
+    held = engine.add_request([5, 6, 7], max_new_tokens=2, eos_token_ids=(),
+                              logits_processor=LogitsProcessorList([gate]))
     assert gate.entered.wait(30)  # the loop is inside a step: it takes nothing in meanwhile
     late = engine.add_request([8, 9, 10], max_new_tokens=50)
     engine.abort(late)
@@ -143,6 +144,6 @@ def test_shutdown_asked_on_the_loop_thread_stops_it_without_failing_anyone(calle
         engine.add_request([5, 6], max_new_tokens=2)
     engine.shutdown(timeout=30)
     engine.start()
-    assert len(engine.add_request([5, 6], max_new_tokens=2).result(timeout=30).output_token_ids) == 2
+    assert len(engine.add_request([5, 6], max_new_tokens=2, eos_token_ids=()).result(timeout=30).output_token_ids) == 2
     engine.shutdown(timeout=30)
     assert engine.allocator.num_free == engine.allocator.num_pages

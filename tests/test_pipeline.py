@@ -35,7 +35,7 @@ def test_async_overlaps_and_sync_does_not(mode, carry_log):
     model = tiny_model("llama")
     prompts = random_prompts(6, 4, 12, seed=1)
     engine = Engine(model, BatchingConfig(mode=mode))
-    outs = engine.generate(prompts, max_new_tokens=10)
+    outs = engine.generate(prompts, max_new_tokens=10, eos_token_ids=())
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 10, eos=())
     decode_steps = carry_log[1:]
     if mode == "async":

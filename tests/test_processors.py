@@ -338,7 +338,7 @@ def test_per_request_history_options_in_one_batch(mode, plain_rows):
     for option in options:
         option = dict(option)
         option.pop("suppress_tokens", None), option.pop("min_new_tokens", None)
-        params.append(SamplingParams(max_new_tokens=12, **option))
+        params.append(SamplingParams(max_new_tokens=12, eos_token_ids=(), **option))
     outs = engine.generate(prompts, params)
     for prompt, param, out in zip(prompts, params, outs):
         stock = model.generate(torch.tensor([prompt]), max_new_tokens=12, eos_token_id=None, batching="off",

@@ -99,34 +99,35 @@ def test_rows_without_a_seed_are_refused():
 
 def test_kernels_compile_for_sm90():
     ptr = {"logits_ptr": "*bf16"}
-    rows = {"stride_row": "i32", "vocab": "i32"}
+    rows = {"stride_row": "i32", "vocab": "i32", "num_parts": "i32"}
     params = {"temperature_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "do_sample_ptr": "*fp32"}
     ladder = {"top_ptr": "*fp32", "nan_ptr": "*i32", "cnt_ptr": "*i32", "mass_ptr": "*fp32"}
     module = "hf_async_cb.kernels.draw_sampled"
     assert_compiles_for_sm90([
         (module, "_top_kernel",
          {**ptr, **rows, "chunk": "i32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
-          "do_sample_ptr": "*fp32", "top_ptr": "*fp32", "nan_ptr": "*i32"}, {"NUM_PARTS": 4, "BLOCK": BLOCK}),
+          "do_sample_ptr": "*fp32", "top_ptr": "*fp32", "nan_ptr": "*i32"}, {"BLOCK": BLOCK}),
         (module, "_ladder_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder},
-         {"NUM_PARTS": 4, "L": LADDER, "BLOCK": LADDER_BLOCK}, {"num_warps": 8}),
+         {"L": LADDER, "BLOCK": LADDER_BLOCK}, {"num_warps": 8}),
         (module, "_gather_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder, "score_ptr": "*fp32",
                                     "col_ptr": "*i32"},
-         {"NUM_PARTS": 4, "L": LADDER, "GATHER": GATHER, "BLOCK": GATHER_BLOCK}),
+         {"L": LADDER, "GATHER": GATHER, "BLOCK": GATHER_BLOCK}),
         (module, "_resolve_kernel",
          {**ptr, **rows, **params, "min_p_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", **ladder,
           "score_ptr": "*fp32", "col_ptr": "*i32", "cand_ptr": "*fp32", "cut_ptr": "*i32", "done_ptr": "*i32",
           "done_token_ptr": "*i32", "done_logprob_ptr": "*fp32"},
-         {"NUM_PARTS": 4, "L": LADDER, "GATHER": GATHER, "CAP": CAP, "BLOCK": CUT_BLOCK}, {"num_warps": 8}),
+         {"L": LADDER, "GATHER": GATHER, "CAP": CAP, "BLOCK": CUT_BLOCK}, {"num_warps": 8}),
         (module, "_draw_parts_kernel",
          {**ptr, **rows, "chunk": "i32", "temperature_ptr": "*fp32", "do_sample_ptr": "*fp32", "seed_ptr": "*i64",
           "index_ptr": "*i64", "cut_ptr": "*i32", "done_ptr": "*i32", "value_ptr": "*fp32", "token_ptr": "*i32",
           "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
-         {"NUM_PARTS": 4, "BLOCK": BLOCK}),
+         {"BLOCK": BLOCK}),
         (module, "_draw_merge_kernel",
          {"value_ptr": "*fp32", "token_ptr": "*i32", "nan_ptr": "*i32", "score_ptr": "*fp32", "max_ptr": "*fp32",
           "sum_ptr": "*fp32", "do_sample_ptr": "*fp32", "done_ptr": "*i32", "done_token_ptr": "*i32",
-          "done_logprob_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32"},
-         {"INVALID": -1, "NUM_PARTS": 4}),
+          "done_logprob_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp64", "vocab": "i32",
+          "num_parts": "i32"},
+         {"INVALID": -1}),
     ], options={"num_warps": 4})
 
 

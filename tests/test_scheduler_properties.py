@@ -521,6 +521,6 @@ def test_generate_with_a_prefill_cap_equals_stock(mode):
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 60, seed=13)
     engine = Engine(model, BatchingConfig(mode=mode, max_batch_tokens=64, mixed_prefill_tokens=8, page_size=4))
-    outs = engine.generate(prompts, max_new_tokens=6)
+    outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=())
     expected = stock_generate(model, prompts, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     assert [o.output_token_ids for o in outs] == expected[:, max(map(len, prompts)):].tolist()

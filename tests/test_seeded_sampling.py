@@ -61,7 +61,7 @@ def _seeded_outputs(engine, prompts, params):
 def test_seeded_request_ignores_its_batch_mates_mode_and_preemption():
     model = tiny_model("llama")
     target_prompt = random_prompts(1, 12, 12, seed=51)[0]
-    target = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.2, top_k=50, seed=1234)
+    target = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.2, top_k=50, seed=1234, eos_token_ids=())
     alone = _seeded_outputs(Engine(model, BatchingConfig(mode="sync")), [target_prompt], [target])[0]
     assert len(set(alone)) > 3, "the request should really sample"
 

@@ -130,3 +130,86 @@ def test_paths():
         serving.check_paths(["stock"])
     kept, notes = serving.runnable_paths(serving.PATHS, torch.device("cpu"))
     assert "hf-cb-async" not in kept and "sync" in kept and any("hf-cb-async" in note for note in notes)
+
+
+def test_the_replay_warm_up_keeps_the_shapes_and_not_the_prompts():
+    workload = serving.make_workload(6, 256, 30.0, "uniform", 12, 6, seed=1)
+    warm = serving.fresh_prompts(workload, 256)
+    assert [len(p) for p in warm.prompts] == [len(p) for p in workload.prompts]
+    assert warm.arrivals == workload.arrivals and warm.new == workload.new
+    assert all(a != b for a, b in zip(warm.prompts, workload.prompts))  # nothing for a prefix cache to serve
+
+
+def test_the_decode_grid_meets_every_decode_bucket_the_run_can_meet(tiny):
+    """Counted on the graph keys the steps compute (the CPU computes them too): every (batch, context)
+    decode bucket a run of the workload can meet is met by the grid, also when its prompts take
+    several steps to prefill (a small step budget)."""
+    workload = serving.make_workload(12, tiny.config.vocab_size, 50.0, "uniform", 40, 30, seed=3)
+    batches, contexts = serving.decode_buckets(workload, max_running=12)
+    assert batches == [1, 2, 4, 8, 16] and contexts == [64, 128]
+    assert serving.decode_buckets(workload, max_running=5)[0] == [1, 2, 4, 8]
+    engine = Engine(tiny, BatchingConfig(mode="sync", cuda_graphs=True, max_running_requests=12, max_batch_tokens=48))
+    met, key_for = set(), engine.graphs.key_for
+
+    def record(plan):
+        key = key_for(plan)
+        met.add(key)
+        return key
+
+    engine.graphs.key_for = record
+    for group in serving.decode_grid(workload, 12, 48, tiny.config.vocab_size):
+        engine.generate(group.prompts, [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in group.new])
+    decode = {(k.batch, k.context) for k in met if k is not None and k.tokens == 0}
+    assert {(b, c) for b in batches for c in contexts} <= decode
+    assert all(c in contexts for _, c in decode)  # no bucket the run cannot meet
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_replay_warmed_run_captures_no_graph(tiny, mode):
+    """After the replay warm-up (with the decode grid, and no new prefill bucket), the timed run
+    captures nothing, however its arrivals interleave; the report counts its steps, eager ones and
+    the steps from each submission to its first token."""
+    workload = serving.make_workload(16, tiny.config.vocab_size, 400.0, "uniform", 24, 12, seed=4)
+    config = BatchingConfig(cuda_graphs=True, max_running_requests=16, max_batch_tokens=96)
+    run = serving.run_path(mode, tiny, workload, config, timeout=120)
+    assert run.extra["graphs_captured_in_run"] == 0 and run.note is None
+    assert run.extra["steps_in_run"] > 0 and 0 <= run.extra["eager_steps_in_run"] <= run.extra["steps_in_run"]
+    assert run.extra["first_token_steps"]["p50"] >= 1
+    assert [len(t.output_token_ids) for t in run.traces] == workload.new
+
+
+@pytest.mark.skipif(serving.hf_online_missing() is not None, reason=str(serving.hf_online_missing()))
+def test_a_peer_past_its_time_limit_or_failing_still_gets_its_row(monkeypatch):
+    """transformers' manager out of time (a limit of 0 s) gets a row with a note, and so does one
+    that fails; the other paths' rows are there, and the table prints."""
+    monkeypatch.setattr(serving, "PEER_LIMIT_S", 0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = serving.run("tiny", 4, 100.0, "uniform", 8, 4, paths=("hf-cb-sync", "sync"), device="cpu",
+                             warmup="short")
+        rows = {r["path"]: r for r in report["results"]}
+        assert "did not finish within the 0 s limit" in rows["hf-cb-sync"]["note"]
+        assert rows["hf-cb-sync"]["requests"] == 0 and rows["sync"]["requests"] == 4 and rows["sync"]["note"] is None
+        table = serving.format_table(report)
+        assert "| hf-cb-sync | - |" in table and "none" not in table.lower() and "nan" not in table.lower()
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("no manager today")
+
+        monkeypatch.setattr(serving, "HFServer", fail)
+        report = serving.run("tiny", 2, 100.0, "uniform", 8, 4, paths=("hf-cb-sync",), device="cpu", warmup="short")
+        assert report["results"][0]["note"] == "failed: RuntimeError: no manager today"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_shared_system_prompt_starts_every_prompt_and_the_warm_up_shares_another():
+    workload = serving.make_workload(6, 256, 4.0, "uniform", 16, 8, seed=3, system_prompt=40)
+    shared = workload.prompts[0][:40]
+    assert all(p[:40] == shared and len(p) > 40 for p in workload.prompts)
+    assert [len(p) - 40 for p in workload.prompts] == [
+        len(p) for p in serving.make_workload(6, 256, 4.0, "uniform", 16, 8, seed=3).prompts]
+    warm = serving.fresh_prompts(workload, 256)
+    assert [len(p) for p in warm.prompts] == [len(p) for p in workload.prompts]
+    assert all(p[:40] == warm.prompts[0][:40] for p in warm.prompts) and warm.prompts[0][:40] != shared

@@ -319,3 +319,7 @@ class DecodeGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def __contains__(self, key: GraphKey) -> bool:
+        """Whether `key`'s graph is captured (a step of it replays rather than captures)."""
+        return key in self._graphs

@@ -40,6 +40,7 @@ import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine, _random_seed
+from hf_async_cb.engine.eos import with_model_eos
 from hf_async_cb.engine.replica_process import ProcessReplica
 from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
 from hf_async_cb.sampling.sampler import derive_seed
@@ -93,6 +94,7 @@ class DataParallel:
             raise
         self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
         self.model = model
+        self.tokenizer = tokenizer
         self._weights_seen = weights_fingerprint(model)
         self.weight_syncs = 0  # how many times the replicas took the model's new weights
 
@@ -113,7 +115,9 @@ class DataParallel:
     def _generate(self, prompts, params, *, mode, logits_processor, stopping_criteria, num_return_sequences,
                   **param_kwargs) -> list[RequestOutput]:
         prompts = as_token_lists(prompts)
-        per_prompt = params_per_prompt(prompts, params, param_kwargs)
+        # The model's EOS ids as they are now (the replicas are copies, made when this was built).
+        per_prompt = [with_model_eos(sp, self.model, self.tokenizer)
+                      for sp in params_per_prompt(prompts, params, param_kwargs)]
         options = dict(mode=mode, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                        num_return_sequences=num_return_sequences)
         if num_return_sequences == 1:  # balanced as requests finish
@@ -297,6 +301,7 @@ class DataParallel:
         for engine in self.engines:
             if engine.model is not self.model:  # (the model's own engine reads its weights)
                 copy_weights(engine.model, weights)
+            engine.clear_prefix_cache()  # this pass sees `.data` writes, which version counters miss
         for replica in self.replicas:  # CUDA IPC / shared memory: no copy until each replica's own
             replica.send(("weights", weights))
         for replica in self.replicas:

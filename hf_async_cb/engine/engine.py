@@ -15,10 +15,12 @@ from hf_async_cb.config import BatchingConfig, resolve_mode
 from hf_async_cb.devices import Streams
 from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.eos import with_model_eos
 from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
 from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
+from hf_async_cb.engine.prefix_cache import PrefixCache
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
@@ -34,10 +36,13 @@ from hf_async_cb.engine.requests import (
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
+from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length, text_config_of
+from hf_async_cb.model.graph_safety import graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
+from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel, model_guard
 from hf_async_cb.sampling.sampler import derive_seed
@@ -97,6 +102,10 @@ def _log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, devic
 class Engine:
     """Continuous batching over one transformers model.
 
+    Requests stop at the model's EOS ids (its generation config's eos_token_id, else the
+    `tokenizer`'s), as stock generate does, unless their params name others; eos_token_ids=()
+    runs past EOS.
+
     >>> engine = Engine(model, BatchingConfig(mode="sync"))
     >>> outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=8)
     """
@@ -123,6 +132,8 @@ class Engine:
         self.prepared_model = prepared
         try:
             self._build(model, max_pages_needed)
+            if self._precompile is not None:  # its kernels compiled during the build: loaded before any runs
+                self._precompile.wait()
             if self.config.skinny_gemm and prepared.decode_gemms is not None:
                 measured = prepared.decode_gemms.tune(self.config.max_running_requests)
                 if measured:
@@ -160,9 +171,13 @@ class Engine:
         # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
         self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(page_size) if self.config.prefix_caching else None
+        self._kv_fingerprint: tuple | None = None  # the model's, when the cache was last checked
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
-                                   self.config.max_running_requests, self.config.mixed_prefill_tokens)
+                                   self.config.max_running_requests, self.config.mixed_prefill_tokens,
+                                   prefix_cache=self.prefix_cache)
         self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
+        self._precompile = precompile(self, model)  # every kernel variant it can need, compiled in workers meanwhile
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
                                     attention_backend=self.attention_backend)
         self.streams = Streams(self.device)
@@ -173,6 +188,12 @@ class Engine:
         use_graphs = self.config.cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
+        unsafe = graph_unsafe_weights(model) if use_graphs else []
+        if unsafe:  # kernels on the legacy stream, which a graph does not record (model/graph_safety.py)
+            logger.warning("hf_async_cb: %s runs without CUDA graphs: %d weights (e.g. %s, %s) run kernels a graph "
+                           "cannot record", type(model).__name__, len(unsafe), unsafe[0],
+                           type(dict(model.named_parameters())[unsafe[0]]).__name__)
+            use_graphs = False
         tall_query_len = None
         if self.attention_backend == "triton":
             from hf_async_cb.kernels.attention_launch import TALL_TILE_QUERY_LEN as tall_query_len
@@ -234,8 +255,10 @@ class Engine:
         (or callables of the same signature) applied to this request alone, on its full history
         `history_prefix + prompt + output` (the slow path: one call per request per step). The
         device's history options (repetition penalty, n-grams, bad words, sequence bias) read the
-        same history.
+        same history. params.eos_token_ids left at its default (MODEL_EOS) become the model's EOS ids
+        (its generation config's, else the tokenizer's: engine/eos.py), as stock generate stops.
         """
+        params = with_model_eos(params, self.model, self.tokenizer)
         (ids,) = as_token_lists([prompt])
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -286,7 +309,8 @@ class Engine:
         """Generate for every prompt (lists of token ids); outputs come back in prompt order.
 
         `params` is one SamplingParams for all, one per prompt, or built from keyword arguments
-        (max_new_tokens=..., do_sample=..., eos_token_ids=...). `logits_processor` and
+        (max_new_tokens=..., do_sample=..., eos_token_ids=...); eos_token_ids defaults to the model's
+        EOS ids (see the class docstring), () ignores EOS. `logits_processor` and
         `stopping_criteria` (transformers lists) apply to every request, each on its own history.
         `num_return_sequences` copies of each prompt come back next to each other (as stock orders
         them); the copies share the first copy's cached prompt pages instead of recomputing them.
@@ -326,6 +350,8 @@ class Engine:
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
         seed_requests(requests, self.config.seed, draw=self._draw_seed)
+        self._check_prefix_cache()
+        cache_before = self.prefix_cache_stats()
         remaining = {id(r) for r in requests}
         with self.runner.prepared("Engine.run"):
             try:
@@ -338,8 +364,13 @@ class Engine:
                             remaining.discard(id(r))
                         progress.update(done)
                 loop.drain()
+                if self.config.profile and cache_before is not None:  # this run's share of the counters
+                    after = self.prefix_cache_stats()
+                    loop.profile.prefix_cache = {k: after[k] - cache_before[k] for k in
+                                                 ("hit_tokens", "prefilled_tokens", "evictions", "deferrals")}
             except BaseException as error:
                 loop.abandon()
+                self.scheduler.clear_prefix_cache()  # the failed step may not have written what it registered
                 for r in requests:
                     if not r.is_finished:
                         self.scheduler.finish(r, RequestStatus.ABORTED)
@@ -349,6 +380,35 @@ class Engine:
                 if explained is not error:
                     raise explained from error
                 raise
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _check_prefix_cache(self) -> None:
+        """Empty the prefix cache if the model may compute other K/V than when it was filled
+        (model/kv_fingerprint.py): once per call, before any request is admitted."""
+        if self.prefix_cache is None:
+            return
+        fingerprint = kv_fingerprint(self.model)
+        changed = fingerprint is None or fingerprint != self._kv_fingerprint
+        if self.tensor_parallel is not None:  # every rank clears if any must: their schedules stay alike
+            changed = self.tensor_parallel.agree_min(0 if changed else 1) == 0
+        if changed:
+            if len(self.prefix_cache):
+                logger.info("hf_async_cb: the model changed since the last call; its prefix cache is emptied")
+                self.scheduler.clear_prefix_cache()
+            self._kv_fingerprint = fingerprint
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after writing the weights through `.data`, which no
+        version counter sees). Requests running now keep their pages."""
+        if self.prefix_cache is not None:
+            self.scheduler.clear_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Cached tokens hit, tokens prefilled, evictions, deferrals, clears, hit rate and pages held
+        by the cache (cumulative since the engine was built); None with prefix caching off."""
+        if self.prefix_cache is None:
+            return None
+        return dict(self.prefix_cache.stats.as_dict(), cached_pages=len(self.prefix_cache))
 
     def _mode(self, mode: str | None) -> str:
         """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its
@@ -381,6 +441,7 @@ class Engine:
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
         if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
             self.runner.check_model_unchanged()
+        self._check_prefix_cache()
         background = BackgroundLoop(self, self._mode(mode))
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
@@ -390,6 +451,8 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
                     stopping_criteria=None, on_token=None, **param_kwargs) -> RequestHandle:
         """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle.
+        `params` or the keyword arguments as in generate(): it stops at the model's EOS ids unless
+        they name others (eos_token_ids=() runs past EOS).
 
         `on_token(request, token)`: called on the loop thread for every token, right after the
         handle has it (the moment any reader can see it), e.g. to time tokens without a reader

@@ -325,6 +325,7 @@ class _Worker:
         in_step = [*scheduler.running, *(r for f in self.pipeline.in_flight for r in f.sample_requests),
                    *(r for r in scheduler.waiting if r.num_pending)]
         self.pipeline.abandon()
+        scheduler.clear_prefix_cache()  # the failed step may not have written what it registered
         failed = {id(r): r for r in in_step if not r.is_finished}
         if not failed:
             self._fail_active(error)

@@ -9,8 +9,12 @@ must stay under a tolerance set by the dtype (TOLERANCE). Otherwise, or if the p
 modeling code or the cache layout cannot take the engine's inputs), the engine refuses the model
 with a ValueError naming the family and the reason, before any of the caller's work.
 
-Verdicts are cached per (class, config, dtype, device type), so the check costs nothing after the
-first engine; BatchingConfig(trust_untested_model=True) skips it. The probe runs in eval mode (a
+Verdicts are cached per (class, config, dtype, device type) and whatever else changes how the model
+computes without changing those (tensor-subclass weights and their layout, quantized module classes
+and their settings, PEFT adapters and which are active, merged or disabled, compiled wrappers:
+model/numerics_key.py) and the engine's own path (fusions, attention backend), so the check costs
+nothing after the first engine and a verdict is never borrowed from a model that computes otherwise;
+BatchingConfig(trust_untested_model=True) skips it. The probe runs in eval mode (a
 model left in train mode would fail on its dropout); a model with forward hooks is checked with
 them, per engine, its verdict kept for no other model.
 """
@@ -24,7 +28,10 @@ import logging
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
 from hf_async_cb.model.fusion import has_hooks
+from hf_async_cb.model.numerics_key import numerics_key
+from hf_async_cb.model.prepared import model_guard
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +53,25 @@ def probe_pages(page_size: int) -> int:
     return sum(-(-(n + PROBE_NEW_TOKENS) // page_size) for n in PROBE_LENGTHS)
 
 
-def _key(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple:
-    return type(model), model.config.to_json_string(use_diff=False), dtype, device.type
+def _key(engine) -> tuple:
+    """What a verdict holds for: the family (class, config), dtype and device type, whatever else
+    changes the model's numerics (quantized weights and modules, adapters, compiled wrappers:
+    model/numerics_key.py) and the engine's own path (which fusions it runs, its attention backend)."""
+    model, prepared = engine.model, engine.prepared_model
+    path = (prepared.fusion is not None and prepared.fusion.num_groups > 0, prepared.elementwise is not None,
+            prepared.decode_gemms is not None, engine.attention_backend)
+    try:
+        numerics = numerics_key(model)
+    except Exception as error:  # noqa: BLE001 - an attribute it cannot read: checked afresh, never shared
+        logger.debug("hf_async_cb: no numerics key for %s (%s); its verdict is its own", type(model).__name__, error)
+        numerics = object()
+    return (type(model), model.config.to_json_string(use_diff=False), engine.dtype, engine.device.type, numerics, path)
 
 
 def check_parity(engine) -> None:
     """Raise ValueError if `engine`'s model does not reproduce its own forward on the engine."""
     model = engine.model
-    key = _key(model, engine.dtype, engine.device)
+    key = _key(engine)
     hooked = sum(map(has_hooks, model.modules()))  # this instance's own: its verdict is not the family's
     if key in _VERDICTS and not hooked:
         reason = _VERDICTS[key]
@@ -103,6 +121,16 @@ def _reference_logits(model: torch.nn.Module, sequences: list[list[int]], device
     return [logits[row, width - len(sequence):] for row, sequence in enumerate(sequences)]
 
 
+@contextlib.contextmanager
+def _uncompiled_held(model: torch.nn.Module):
+    """The model with its compiled wrappers set aside (none: as it is), under its guard meanwhile."""
+    if not compiled_wrappers(model):
+        yield
+        return
+    with model_guard(model).held("the parity check"), uncompiled(model):
+        yield
+
+
 def _versions(model: torch.nn.Module) -> list[int]:
     """The parameters' version counters: an in-place update (an optimizer step) bumps them."""
     return [p._version for p in model.parameters()]
@@ -147,7 +175,8 @@ def _probe(engine, model: torch.nn.Module, hooks_raise: bool = False) -> tuple[s
     config = engine.config
     engine.config = dataclasses.replace(config, progress=False, profile=False)
     try:
-        requests = [engine.make_request(p, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS)) for p in prompts]
+        probe = SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, eos_token_ids=())  # every token compared, EOS or not
+        requests = [engine.make_request(p, probe) for p in prompts]
         for r in requests:
             r.keep_scores = True  # each step's raw logits, on the host
         engine.run(requests, "sync")
@@ -162,7 +191,8 @@ def _probe(engine, model: torch.nn.Module, hooks_raise: bool = False) -> tuple[s
         engine.config = config
     worst = 0.0
     sequences = [r.prompt_token_ids + r.output_token_ids[:-1] for r in requests]
-    references = _reference_logits(model, sequences, engine.device, batched=hooks_raise)
+    with _uncompiled_held(model):  # the model's own forward, without dynamo (model/compiled.py)
+        references = _reference_logits(model, sequences, engine.device, batched=hooks_raise)
     for request, reference in zip(requests, references):
         ours = torch.stack([t.float().cpu() for t in request.output_logits])
         reference = reference[len(request.prompt_token_ids) - 1:].cpu()

@@ -4,15 +4,27 @@
         CPU  | sched+build N |   wait   | update N | sched+build N+1 |   wait   | ...
         GPU  |               |  step N  |          |                 | step N+1 |
 
-    overlap=True (batching="async"): launch step N+1 before waiting for step N.
-        CPU  | sched+build N+1 | wait N | update N | sched+build N+2 | wait N+1 | ...
-        GPU  |   step N        |  step N+1         |  step N+2 ...
+    overlap=True (batching="async"): build and launch step N+1 before waiting for step N.
+        CPU  | build N+1 | launch N+1 | wait N | update N | build N+2 | launch N+2 | wait N+1 | ...
+        GPU  |   step N               |  step N+1                    |  step N+2 ...
+
+    (build: schedule + build.) N is waited for between the build and the launch of N+1 instead
+    where launching first would only make N's tokens wait (`_hand_out_first`):
+        CPU  | build N+1 | wait N | update N | launch N+1 | build N+2 | ...
+        GPU  |   step N  |                  |  step N+1 ...
+    - N has finished already: the device is idle, launching first would overlap nothing;
+    - N samples some request's first token and N+1 runs eagerly: that time to first token would
+      take the whole eager launch;
+    - N+1 captures a graph: a capture synchronizes the device anyway.
+    On the CPU stand-ins every step has finished when the next one is built, so the async loop
+    hands each step's tokens out after as many steps as the sync loop does, while it still builds
+    the next step with carried-over tokens.
 
 Each step: the builder packs the inputs into an IOSlot (two, alternating) and uploads them on the
 H2D stream; the compute stream waits for that upload, gathers carried-over tokens, runs the
 forward and samples; the D2H stream waits for the compute and copies the tokens into the slot's
 pinned host buffer. The CPU blocks once per step, on that copy's event, for the step before the
-one it just queued.
+one it just built.
 
 The CPU's view of requests lags one step: while building N+1 it knows how many tokens N will
 sample but not their values (they are carried over on the device). A request that finished in N
@@ -54,6 +66,7 @@ class InFlight:
     keep_rows: list[int]
     kept: tuple[torch.Tensor, torch.Tensor] | None  # device (raw logits, processed scores) of keep_rows
     faults: dict[int, BaseException] | None  # row -> what its request's logits processor raised
+    first_tokens: bool = False  # some request samples its first token here (its user waits for it)
 
 
 class Pipeline:
@@ -75,13 +88,21 @@ class Pipeline:
         self.faults: list[Request] = []  # requests failed by their own code since the last step() returned
 
     def step(self, isolate_faults: bool = False) -> list[Request]:
-        """Queue the next step if there is one, then process the oldest step that must be; return
-        the requests that finished. A request failed by its own code is among them with its
+        """Build the next step if there is one and launch it (processing the step in flight first
+        where `_hand_out_first` says so), then process the oldest step that must be; return the
+        requests that finished. A request failed by its own code is among them with its
         `error` set when `isolate_faults`; otherwise that error is raised once the step is processed."""
-        launched = self._launch()
-        keep = 1 if (self.overlap and launched) else 0
-        completed = len(self.in_flight) > keep
         finished: list[Request] = []
+        with self._span("schedule+build"):
+            inputs = self._prepare()
+        launched = inputs is not None
+        if launched and self.in_flight and self._hand_out_first(self.in_flight[-1], inputs[3]):
+            finished.extend(self._complete(self.in_flight.popleft()))
+        if launched:
+            with self._span("launch"):
+                self._enqueue(*inputs)
+        keep = 1 if (self.overlap and launched) else 0
+        completed = bool(finished) or len(self.in_flight) > keep
         while len(self.in_flight) > keep:
             finished.extend(self._complete(self.in_flight.popleft()))
         if self.faults:
@@ -126,14 +147,13 @@ class Pipeline:
     def _span(self, lane: str):
         return self.profile.cpu(lane, self.num_steps) if self.profile is not None else contextlib.nullcontext()
 
-    def _launch(self) -> bool:
-        with self._span("schedule+build"):
-            inputs = self._prepare()
-        if inputs is None:
-            return False
-        with self._span("launch"):
-            self._enqueue(*inputs)
-        return True
+    def _hand_out_first(self, flight: InFlight, key) -> bool:
+        """Whether to wait for the step in flight before launching the one just built (see the
+        module's docstring): when that costs no overlap, or when its first tokens would otherwise
+        wait for a long launch. Its tokens are then out before the launch, carried over all the same."""
+        eager = key is None
+        captures = not eager and key not in self.graphs
+        return captures or (flight.first_tokens and eager) or flight.download.done.query()
 
     def _prepare(self):
         plan = self.scheduler.schedule()
@@ -146,11 +166,13 @@ class Pipeline:
         inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context, key.tokens) if key else None)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
+        first_tokens = False
         for req in inputs.sample_requests:
+            first_tokens = first_tokens or not (req.num_pending or req.output_token_ids)
             req.num_pending += 1
-        return plan, slot, previous, key, inputs
+        return plan, slot, previous, key, inputs, first_tokens
 
-    def _enqueue(self, plan, slot, previous, key, inputs) -> None:
+    def _enqueue(self, plan, slot, previous, key, inputs, first_tokens: bool = False) -> None:
         computed = self.streams.event()
         timing = self.record_step_times or self.profile is not None
         with self.streams.on(self.streams.compute):
@@ -173,7 +195,7 @@ class Pipeline:
             if self.profile is not None:
                 self.profile.gpu(self.num_steps, began, ended)
         self.in_flight.append(InFlight(inputs.sample_requests, sampled, slot.download(sampled, computed),
-                                       inputs.keep_rows, inputs.kept, inputs.faults))
+                                       inputs.keep_rows, inputs.kept, inputs.faults, first_tokens))
         self.num_steps += 1
 
     def _complete(self, flight: InFlight) -> list[Request]:

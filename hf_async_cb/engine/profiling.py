@@ -33,6 +33,7 @@ class StepProfile:
     def __init__(self, streams) -> None:
         self.streams = streams
         self.spans: list[Span] = []
+        self.prefix_cache: dict | None = None  # what the run took from the prefix cache (Engine.run sets it)
         self._events: list[tuple[int, object, object]] = []
         self._origin = None  # (host time, CUDA event) recorded together, to put events on the host clock
         if streams.is_cuda:
@@ -88,6 +89,8 @@ class StepProfile:
         if gpu:
             span = gpu[-1].end - gpu[0].start
             report["gpu_busy"] = sum(s.end - s.start for s in gpu) / span if span > 0 else 0.0
+        if self.prefix_cache is not None:
+            report["prefix_cache"] = self.prefix_cache
         return report
 
 

@@ -1,4 +1,4 @@
-"""The progress bar of a generate call (BatchingConfig(progress=True))."""
+"""The progress bar of a generate call (BatchingConfig(progress=True), or progress="its label")."""
 
 from __future__ import annotations
 
@@ -10,18 +10,22 @@ from hf_async_cb.engine.requests import Request
 class Progress:
     """A tqdm bar over finished requests. Its postfix, the tokens generated so far and their rate,
     is refreshed as the run goes, at most every `interval` seconds (a sum over the requests' token
-    lists, no device sync), so that a few long requests show progress too. A no-op when off."""
+    lists, no device sync), so that a few long requests show progress too. A no-op when off.
+    Tokens count as each request's output does: its EOS token included."""
 
     interval = 0.5  # seconds between postfix refreshes
     clock = staticmethod(time.perf_counter)  # (tests give it a fake one)
 
-    def __init__(self, requests: list[Request], enabled: bool) -> None:
+    def __init__(self, requests: list[Request], enabled: bool | str) -> None:
+        """`enabled`: BatchingConfig.progress, a flag or the bar's label (several bars in one run,
+        such as a benchmark's, then say which is which)."""
         self.bar = None
         if enabled:
             from tqdm.auto import tqdm
 
             self.requests = requests
-            self.bar = tqdm(total=len(requests), unit="req", desc="hf_async_cb")
+            label = enabled if isinstance(enabled, str) else "hf_async_cb"
+            self.bar = tqdm(total=len(requests), unit="req", desc=label)
             self.start = self.shown = self.clock()
 
     def update(self, finished: list[Request]) -> None:

@@ -61,6 +61,7 @@ def _serve(conn: Connection, model: torch.nn.Module, device: torch.device, confi
                     from hf_async_cb.engine.data_parallel import copy_weights
 
                     copy_weights(engine.model, message[1])
+                    engine.clear_prefix_cache()  # K/V cached under the old weights
                     conn.send(("ok", None))
                 except BaseException as e:  # noqa: BLE001 (sent back to the caller)
                     conn.send(("error", _portable(e)))

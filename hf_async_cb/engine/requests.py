@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import itertools
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from hf_async_cb.engine.eos import MODEL_EOS, ModelEos
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,9 @@ class SamplingParams:
     completed (a one-token one is never sampled); sequence_bias maps token sequences to a bias added
     to the sequence's last token when the history ends with the rest of it (a dict, or stock's list
     of [tokens, bias]); min_new_tokens holds the EOS ids back until that many tokens were generated;
-    suppress_tokens are never sampled, begin_suppress_tokens not as the first token; eos_token_ids
-    may be empty. seed: this request's own random stream, so that its samples do not depend on the
+    suppress_tokens are never sampled, begin_suppress_tokens not as the first token; eos_token_ids:
+    one id or several, by default the model's (MODEL_EOS, filled in by the Engine: engine/eos.py),
+    () to run past EOS. seed: this request's own random stream, so that its samples do not depend on the
     other requests in its batches (the engine derives one from BatchingConfig.seed when it is None).
     """
 
@@ -40,7 +43,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] | ModelEos = MODEL_EOS
     seed: int | None = None
     # Derived once, read every step by the batch builder and the graph buckets:
     reads_history: bool = field(init=False, repr=False, compare=False)  # a processor reads the history
@@ -101,8 +104,12 @@ class SamplingParams:
                 raise ValueError(f"seed must be None or a non-negative integer below 2**63, got {self.seed!r}.")
             set_(self, "seed", seed)
         eos = self.eos_token_ids
-        set_(self, "eos_token_ids", (_token_id("eos_token_ids", eos),) if _as_int(eos) is not None
-             else _token_ids("eos_token_ids", eos))  # one id, as stock's eos_token_id, or several
+        if eos is None:  # stock's eos_token_id=None means no EOS, which here would read as the default
+            raise ValueError("eos_token_ids=None is ambiguous: leave it out for the model's EOS ids, or pass () "
+                             "to run past EOS.")
+        if eos is not MODEL_EOS:
+            set_(self, "eos_token_ids", (_token_id("eos_token_ids", eos),) if _as_int(eos) is not None
+                 else _token_ids("eos_token_ids", eos))  # one id, as stock's eos_token_id, or several
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             set_(self, name, _token_ids(name, getattr(self, name)))
         words = self.bad_words_ids
@@ -247,6 +254,12 @@ class Request:
     # What this request's own logits processor, stopping criterion or token callback raised (it
     # then ended ABORTED); None otherwise.
     error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        # Made without an Engine (which fills in the model's EOS ids: make_request), a request has no
+        # model to take them from: MODEL_EOS then stops on none.
+        if self.params.eos_token_ids is MODEL_EOS:
+            self.params = replace(self.params, eos_token_ids=())
 
     @property
     def num_known_tokens(self) -> int:

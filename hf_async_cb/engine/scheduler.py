@@ -7,6 +7,12 @@ decodes gives prompts at most `mixed_prefill_tokens` of its budget (when set), s
 prompt arriving does not stretch the step every decoding request waits on. When a running
 request needs a page and none is free, the newest running request is preempted: its pages are
 freed and it goes back to the front of the queue, to be recomputed from its tokens later.
+
+With a prefix cache (engine/prefix_cache.py), an admitted request first takes the cached pages of
+its longest cached prefix and prefills only the rest; a request whose next page another running
+request is computing waits a step for it instead of computing it too. Every full page a step
+computes is registered as it is scheduled (prompt pages), or when its request finishes (pages of
+generated tokens). A preempted request's pages stay cached: they are the cheapest to get back.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from functools import cached_property
 
 from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.page_table import PageTable
+from hf_async_cb.engine.prefix_cache import ROOT, PrefixCache
 from hf_async_cb.engine.requests import Request, RequestStatus
 
 
@@ -83,8 +90,16 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_batch_tokens: int,
-                 max_running_requests: int, mixed_prefill_tokens: int | None = None) -> None:
+                 max_running_requests: int, mixed_prefill_tokens: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            allocator.cache = prefix_cache
+        # Per request (prefix cache only): the entry ids of its first pages, cached or registered
+        # (None: the cache was cleared under it, it registers nothing more), and the key it claims.
+        self._chains: dict[Request, list[int] | None] = {}
+        self._claims: dict[Request, tuple] = {}
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.mixed_prefill_tokens = mixed_prefill_tokens
@@ -120,6 +135,9 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        cache = self.prefix_cache
+        if cache is not None:
+            cache.begin_step()
         # One pass over the running requests schedules the decodes as it meets them (oldest first,
         # one token each) and sets the prefills aside for after them. A request whose last sampled
         # tokens are all still in flight has nothing left to run. (Request.wants_more_tokens and
@@ -164,6 +182,8 @@ class Scheduler:
                     continue
             chunks.append(ScheduledChunk(req, req.num_computed, n, n == left))
             budget -= n
+            if cache is not None:
+                self._prefilled(req, req.num_computed + n)
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
         deferred: list[Request] = []
         while (budget > 0 and self.waiting and not preempted
@@ -171,10 +191,15 @@ class Scheduler:
             req = self.waiting[0]
             if not req.wants_more_tokens:
                 break  # preempted with its last token in flight: it finishes when that token lands
-            if self._waits_for_leader(req):
+            if cache is not None:
+                if not self._attach_cached_prefix(req):
+                    deferred.append(self.waiting.popleft())  # another request is computing its next page
+                    continue
+            elif self._waits_for_leader(req):
                 deferred.append(self.waiting.popleft())  # admitted once its leader's prompt is cached
                 continue
-            self._attach_shared_prefix(req)
+            else:
+                self._attach_shared_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
             needed = self._pages_needed(req, n)
             if needed > self.allocator.num_free:
@@ -187,6 +212,8 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
+            if cache is not None:
+                self._prefilled(req, req.num_computed + n)
         self.waiting.extendleft(reversed(deferred))
         return StepPlan(chunks, preempted)
 
@@ -223,12 +250,92 @@ class Scheduler:
         self.num_shared_tokens += length
 
     def _detach_shared_prefix(self, req: Request) -> None:
+        if self.prefix_cache is not None:
+            self._release_cache_state(req)
+            self.prefix_cache.stats.hit_tokens -= req.num_computed
         if req.pages:
             self.num_shared_tokens -= req.num_computed
             self.allocator.free(req.pages)
             req.pages = []
             self.page_table.release(req)
             req.num_computed = 0
+
+    # -- prefix cache ----------------------------------------------------------------------------------
+    def _attach_cached_prefix(self, req: Request) -> bool:
+        """Start `req` from the cached pages of its longest cached prefix (at least one known token
+        is left to feed: it samples after it). False when the page after them is being computed by
+        another request: `req` then waits a step and takes it from the cache."""
+        cache = self.prefix_cache
+        tokens = req.token_ids(0, req.num_known_tokens)
+        max_pages = (req.num_known_tokens - 1) // self.page_size
+        found = cache.match(tokens, max_pages)
+        chain = [e.id for e in found]
+        index = len(found)
+        if index < max_pages:
+            key = cache.page_key(chain[-1] if chain else ROOT, tokens, index)
+            if cache.busy(key, req):
+                cache.stats.deferrals += 1
+                return False
+        self._chains[req] = chain
+        if found:
+            req.pages = [e.page for e in found]
+            self.allocator.share(req.pages)
+            self.page_table.sync(req, req.pages)
+            req.num_computed = len(found) * self.page_size
+            self.num_shared_tokens += req.num_computed
+            cache.stats.hit_tokens += req.num_computed
+        return True
+
+    def _prefilled(self, req: Request, end: int) -> None:
+        """A chunk of `req` up to token `end` is scheduled: register its full prompt pages, and claim
+        the next one (another request needing it waits for it rather than computing it too)."""
+        cache = self.prefix_cache
+        cache.stats.prefilled_tokens += end - req.num_computed
+        self._register(req, min(end, len(req.prompt_token_ids)))
+        chain = self._chains.get(req)
+        if chain is None:
+            return
+        self._unclaim(req)
+        index = len(chain)
+        if (index + 1) * self.page_size <= len(req.prompt_token_ids):
+            key = cache.page_key(chain[-1] if chain else ROOT, req.prompt_token_ids, index)
+            cache.claim(key, req)
+            self._claims[req] = key
+
+    def _register(self, req: Request, end: int) -> None:
+        """Register the pages of `req` that hold tokens [0, end) in full and are not registered yet."""
+        chain = self._chains.get(req)
+        if chain is None:
+            return
+        size, cache = self.page_size, self.prefix_cache
+        index = len(chain)
+        if (index + 1) * size > end:
+            return
+        tokens = req.token_ids(0, end)
+        while (index + 1) * size <= end:
+            chain.append(cache.register(cache.page_key(chain[-1] if chain else ROOT, tokens, index),
+                                        req.pages[index]))
+            index += 1
+
+    def _unclaim(self, req: Request) -> None:
+        key = self._claims.pop(req, None)
+        if key is not None:
+            self.prefix_cache.unclaim(key, req)
+
+    def _release_cache_state(self, req: Request) -> None:
+        self._unclaim(req)
+        self._chains.pop(req, None)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (the model changed, or a step failed): requests still running
+        keep their pages but register no more, free cached pages become plain free ones."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        self.allocator.uncache(cache.clear())
+        self._claims.clear()
+        for req in self._chains:
+            self._chains[req] = None
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
@@ -258,6 +365,9 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_fresh(req.pages)  # its chunk of this step, if any, is dropped
+            self._release_cache_state(req)
         self.allocator.free(req.pages)
         req.pages = []
         self.page_table.release(req)
@@ -273,6 +383,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.prefix_cache is not None:
+            if status is RequestStatus.FINISHED and req.pages:  # its generated tokens' full pages too
+                self._register(req, min(req.num_computed, req.num_known_tokens - 1))
+            self._release_cache_state(req)
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hf_async_cb.generate.cache_options import check_cache_implementation
+from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
+
 logger = logging.getLogger(__name__)
 
 # generate() arguments the engine does not implement; each must be left at its default.
@@ -63,6 +66,7 @@ class GenerateCall:
 
 def parse_call(model, mode: str, generation_config, arguments: dict) -> GenerateCall:
     """Check the call and read it; raise ValueError for anything the engine does not run."""
+    check_inputs_not_rewritten(model, mode)  # PEFT prompt learning
     for name in _UNSUPPORTED_ARGUMENTS:
         if arguments.get(name) is not None:
             raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
@@ -86,6 +90,7 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     unknown = sorted(set(model_kwargs) - _ALLOWED_MODEL_KWARGS)
     if unknown:
         raise ValueError(f"generate(batching={mode!r}) does not support the arguments {unknown}.")
+    check_cache_implementation(gc, mode, kwargs)
     bad = _active(gc, _UNSUPPORTED_GENERATION_OPTIONS)
     if bad:
         values = ", ".join(f"{n}={getattr(gc, n)!r}" for n in bad)

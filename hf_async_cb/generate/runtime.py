@@ -91,8 +91,12 @@ class ModelRuntime:
         if engine is None:
             return "no engine"
         graphs = engine.graphs.num_captured if engine.graphs is not None else 0
+        stats = engine.prefix_cache_stats()
+        cached = ("prefix caching off" if stats is None else
+                  f"{stats['cached_pages']} pages of cached prefixes ({stats['hit_tokens']} tokens hit, "
+                  f"{stats['prefilled_tokens']} prefilled)")
         return (f"{engine.num_pages} KV pages of {engine.config.page_size} tokens "
-                f"({engine.cache.bytes / 2**20:.1f} MiB) on {engine.device}, {graphs} CUDA graphs, "
+                f"({engine.cache.bytes / 2**20:.1f} MiB) on {engine.device}, {graphs} CUDA graphs, {cached}, "
                 f"{self.calls} calls, {self.builds} builds")
 
     def close(self) -> None:
@@ -145,6 +149,27 @@ def release(model: torch.nn.Module) -> bool:
     return True
 
 
+def clear_prefix_cache(model: torch.nn.Module) -> bool:
+    """Forget the prefixes the model's generate runtime cached (e.g. after writing its weights
+    through `.data`, which the runtime cannot see). Returns whether it had a runtime."""
+    guard = model_guard(model, create=False)
+    if guard is None:
+        return False
+    with guard.held("clear_prefix_cache"):
+        runtime = _RUNTIMES.get(model)
+        if runtime is None or runtime.engine is None:
+            return False
+        runtime.engine.clear_prefix_cache()
+    return True
+
+
+def prefix_cache_stats(model: torch.nn.Module) -> dict | None:
+    """The counters of the model's generate runtime's prefix cache (Engine.prefix_cache_stats), or
+    None without a runtime or with prefix caching off."""
+    runtime = _RUNTIMES.get(model)
+    return None if runtime is None or runtime.engine is None else runtime.engine.prefix_cache_stats()
+
+
 def runtime_info(model: torch.nn.Module) -> str | None:
     """What the model's generate runtime holds (pool, graphs, calls), or None if it has none."""
     runtime = _RUNTIMES.get(model)
@@ -157,4 +182,5 @@ def _free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["ModelRuntime", "PreparedModel", "release", "runtime_engine", "runtime_info"]
+__all__ = ["ModelRuntime", "PreparedModel", "clear_prefix_cache", "prefix_cache_stats", "release", "runtime_engine",
+           "runtime_info"]

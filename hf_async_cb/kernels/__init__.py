@@ -10,11 +10,18 @@
     skinny_gemm.py                x @ weight.T for decode's few rows, and the measured choice against
                                   cuBLAS (reference: F.linear; model/decode_gemm.py routes to it)
     graph_timing.py               how the tuners time kernels: replayed from a CUDA graph
+    variant.py                    a kernel variant named without running it (and the JIT's key for it)
+    model_variants.py             every variant a model's runs can launch, from facts of its engine
+    compile_workers.py            variants compiled in forked worker processes, into Triton's disk cache
+    precompile.py                 all of them compiled at an engine's build, ahead of any step
 
-Kernels never take a per-call count (rows, tokens, requests) as a specialised value: such
-arguments are `do_not_specialize`, and constexprs derived from them are powers of two from a short
-list, so a process compiles each kernel a bounded number of times and never again after warm-up
-(tests/test_gpu.py counts them with compiled_variants()).
+Kernels never take a per-call count (rows, tokens, requests, splits, parts) as a specialised value:
+such arguments are `do_not_specialize` (strides of the model's tensors too, with an ALIGNED flag
+for their loads), and constexprs derived from them come from short lists (rows per program,
+tile heights), so the variants a model needs are known at its engine's build, compiled there at
+once (precompile.py), and never again (tests/test_gpu.py and tests/test_first_use.py count them
+with compiled_variants()). Nothing is unrolled at compile time beyond a few lanes' worth: a
+compile takes well under a second on the H200's host.
 """
 
 

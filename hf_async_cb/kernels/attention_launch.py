@@ -85,6 +85,7 @@ def _max_rows(head_dim: int, head_dim_v: int) -> int:
     return 128 if max(head_dim, head_dim_v) <= 128 else 64
 
 
+MAX_SPLITS = 16  # the most programs a decode context is split over (the merge kernel's vector width)
 TALL_TILE_QUERY_LEN = 64  # a step whose longest query has this many tokens takes tall prefill tiles
 TALL_TILE_ROWS = 64
 
@@ -119,5 +120,5 @@ def choose_splits(meta: StepMetadata, num_kv_heads: int, device: torch.device) -
         return 1
     programs = meta.num_requests * num_kv_heads
     wanted = -(-2 * (num_sms(device) or 1) // programs)
-    splits = min(wanted, max(1, meta.max_context // 256), 16)
+    splits = min(wanted, max(1, meta.max_context // 256), MAX_SPLITS)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1

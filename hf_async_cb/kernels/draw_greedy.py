@@ -17,9 +17,14 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.devices import num_sms
+from hf_async_cb.kernels.sampling_threshold import _MAX_PARTS, MAX_PARTS
+from hf_async_cb.kernels.variant import Variant
 
 BLOCK = 2048
 CPU_PROGRAMS = 4  # the interpreter's stand-in for the SM count: rows still split into parts, as on a GPU
+# Per-part results are views into one buffer at offsets that change with the row count, read back as
+# masked vectors of MAX_PARTS lanes: specialising on their alignment would compile variants mid-run.
+_PART_POINTERS = ["max_ptr", "idx_ptr", "nan_ptr", "sum_ptr"]
 
 
 @triton.jit
@@ -40,9 +45,9 @@ def merged_exp_sum(m, total):
     return best, tl.sum(total * tl.exp(m - shift), 0), shift
 
 
-@triton.jit
-def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, stride_row, chunk,
-                         NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_PART_POINTERS)
+def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, stride_row, chunk, num_parts,
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     start = part * chunk
@@ -61,7 +66,7 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, 
         m, s = online_exp_sum(m, s, x)
     best, total, _ = merged_exp_sum(m, s)
     first = tl.min(tl.where(m == best, idx, vocab), 0)
-    out = row * NUM_PARTS + part
+    out = row * num_parts + part
     tl.store(max_ptr + out, best)
     tl.store(idx_ptr + out, first)
     tl.store(nan_ptr + out, tl.min(nan_at, 0))
@@ -70,16 +75,17 @@ def _greedy_parts_kernel(logits_ptr, max_ptr, idx_ptr, nan_ptr, sum_ptr, vocab, 
 
 # The packed output's second row (log-probabilities) starts `rows` int64s in: 16-byte aligned or not
 # with the row count's parity; specialising on it would compile a variant mid-run (scalar stores).
-@triton.jit(do_not_specialize_on_alignment=["tokens_ptr", "logprobs_ptr"])
-def _greedy_merge_kernel(max_ptr, idx_ptr, nan_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab,
-                         NUM_PARTS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_PART_POINTERS + ["tokens_ptr", "logprobs_ptr"])
+def _greedy_merge_kernel(max_ptr, idx_ptr, nan_ptr, sum_ptr, tokens_ptr, logprobs_ptr, vocab, num_parts):
     row = tl.program_id(0)
-    parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
-    m = tl.load(max_ptr + parts)
-    best, total, _ = merged_exp_sum(m, tl.load(sum_ptr + parts))
-    first = tl.min(tl.where(m == best, tl.load(idx_ptr + parts), vocab), 0)
+    lanes = tl.arange(0, _MAX_PARTS)  # the row's parts, a runtime count: one variant for any batch
+    ours = lanes < num_parts
+    parts = row * num_parts + lanes
+    m = tl.load(max_ptr + parts, mask=ours, other=float("-inf"))
+    best, total, _ = merged_exp_sum(m, tl.load(sum_ptr + parts, mask=ours, other=0.0))
+    first = tl.min(tl.where(m == best, tl.load(idx_ptr + parts, mask=ours, other=vocab), vocab), 0)
     first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
-    first_nan = tl.min(tl.load(nan_ptr + parts), 0)
+    first_nan = tl.min(tl.load(nan_ptr + parts, mask=ours, other=vocab), 0)
     first = tl.where(first_nan < vocab, first_nan, first)  # a NaN wins, as in torch.argmax
     logprob = tl.where((first_nan < vocab) | (best == float("inf")) | (best == float("-inf")), float("nan"),
                        -tl.log(total))  # log_softmax's NaN
@@ -90,7 +96,7 @@ def _greedy_merge_kernel(max_ptr, idx_ptr, nan_ptr, sum_ptr, tokens_ptr, logprob
 def split_rows(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """(parts per row, elements per part) for kernels that cut each row of the logits into parts:
     enough programs to fill the GPU twice over, each part a whole number of BLOCKs."""
-    parts = max(1, min(64, triton.next_power_of_2(-(-2 * (num_sms(device) or CPU_PROGRAMS) // rows))))
+    parts = max(1, min(MAX_PARTS, triton.next_power_of_2(-(-2 * (num_sms(device) or CPU_PROGRAMS) // rows))))
     chunk = -(-vocab // (parts * BLOCK)) * BLOCK
     return min(parts, triton.next_power_of_2(-(-vocab // chunk))), chunk
 
@@ -107,7 +113,16 @@ def greedy_packed(logits: torch.Tensor) -> torch.Tensor:
     partial = torch.empty(2, rows * parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(2, rows * parts, dtype=torch.int32, device=logits.device)  # argmax, first NaN
     _greedy_parts_kernel[(rows, parts)](logits, partial[0], idx[0], idx[1], partial[1], vocab, logits.stride(0),
-                                        chunk, NUM_PARTS=parts, BLOCK=BLOCK)
+                                        chunk, parts, BLOCK=BLOCK)
     _greedy_merge_kernel[(rows,)](partial[0], idx[0], idx[1], partial[1], out[0], out[1].view(torch.float64), vocab,
-                                  NUM_PARTS=parts)
+                                  parts)
     return out
+
+
+def variants(logits_dtype: torch.dtype, vocab: int, stride_row: int) -> list[Variant]:
+    """The kernels' compiled variants for logits of this dtype, width and row stride: one each,
+    whatever the rows. Arguments as greedy_packed passes them (chunk is a multiple of BLOCK)."""
+    f32, i32 = torch.float32, torch.int32
+    return [Variant(_greedy_parts_kernel, (logits_dtype, f32, i32, i32, f32, vocab, stride_row, BLOCK, 2),
+                    dict(BLOCK=BLOCK)),
+            Variant(_greedy_merge_kernel, (f32, i32, i32, f32, torch.int64, torch.float64, vocab, 2))]

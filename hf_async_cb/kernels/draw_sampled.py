@@ -54,6 +54,8 @@ from hf_async_cb.kernels.draw_greedy import (  # the draw cuts rows into parts, 
     split_rows,
 )
 from hf_async_cb.kernels.sampling_threshold import (  # noqa: F401 (_x_floor: tests)
+    _MAX_PARTS,
+    _ROW_POINTERS,
     _gather_kernel,
     _ladder_kernel,
     _row_setup,
@@ -64,6 +66,7 @@ from hf_async_cb.kernels.sampling_threshold import (  # noqa: F401 (_x_floor: te
     _window,
     _x_floor,
 )
+from hf_async_cb.kernels.variant import Variant
 from hf_async_cb.sampling.sampler import INVALID_TOKEN, SamplingTensors
 
 LADDER = 16  # thresholds per row in the one counting pass (see _ladder)
@@ -78,10 +81,14 @@ CAP = 512  # the search stops once this few scores are left around the edge, and
 CPU_CAP = 32  # the interpreter's (its sort is slow; more search rounds over a small vocabulary are not)
 
 
-# Per-row parameters are views into the step's packed upload, at offsets that change from step to
-# step: specialising on their alignment would compile new variants mid-run (they are scalar loads).
-_CUT_POINTERS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "do_sample_ptr"]
-_DRAW_POINTERS = ["temperature_ptr", "do_sample_ptr", "seed_ptr", "index_ptr"]
+# Per-row parameters are views into the step's packed upload, and per-row and per-part results views
+# into shared buffers, at offsets that change with the row count: specialising on their alignment
+# would compile new variants mid-run (they are scalar loads and stores, or masked loads of parts).
+_ROW_RESULTS = ["cut_ptr", "done_ptr", "done_token_ptr", "done_logprob_ptr"]
+_PART_RESULTS = ["value_ptr", "token_ptr", "nan_ptr", "score_ptr", "max_ptr", "sum_ptr"]
+_CUT_POINTERS = _ROW_POINTERS + ["seed_ptr", "index_ptr", "cnt_ptr", "mass_ptr"] + _ROW_RESULTS
+_DRAW_POINTERS = ["temperature_ptr", "do_sample_ptr", "seed_ptr", "index_ptr", "cut_ptr", "done_ptr"] + _PART_RESULTS
+_MERGE_POINTERS = _PART_RESULTS + ["do_sample_ptr", "tokens_ptr", "logprobs_ptr"] + _ROW_RESULTS[1:]
 
 @triton.jit
 def _fmix32(x):
@@ -113,16 +120,16 @@ def _gumbel(cols, k1, k2):
     return -tl.log(-tl.log(uniform))
 
 
-@triton.jit(do_not_specialize_on_alignment=_CUT_POINTERS + ["seed_ptr", "index_ptr"])
-def _resolve_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, do_sample_ptr,
-                    seed_ptr, index_ptr, top_ptr, nan_ptr, cnt_ptr, mass_ptr, score_ptr, col_ptr, cand_ptr, cut_ptr,
-                    done_ptr, done_token_ptr, done_logprob_ptr, NUM_PARTS: tl.constexpr, L: tl.constexpr,
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_CUT_POINTERS)
+def _resolve_kernel(logits_ptr, stride_row, vocab, num_parts, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                    do_sample_ptr, seed_ptr, index_ptr, top_ptr, nan_ptr, cnt_ptr, mass_ptr, score_ptr, col_ptr,
+                    cand_ptr, cut_ptr, done_ptr, done_token_ptr, done_logprob_ptr, L: tl.constexpr,
                     GATHER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: the threshold key (exact, searched among the gathered scores, else in the row), and
     for a row whose kept scores were all gathered, its draw and log-probability (done)."""
     row = tl.program_id(0)
     temperature, top_k, top_p, use_k, use_p, top, clean, searched = _row_setup(
-        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, NUM_PARTS)
+        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, num_parts)
     min_p = tl.load(min_p_ptr + row)
     use_min = (tl.load(do_sample_ptr + row) != 0) & (min_p > 0.0)
     cand_ptr += row.to(tl.int64) * CAP
@@ -132,7 +139,7 @@ def _resolve_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, t
     done = tl.zeros([], tl.int32)
     n = tl.zeros([], tl.int32)
     if searched:
-        jlo, n, floor, total = _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, NUM_PARTS, L)
+        jlo, n, floor, total = _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, num_parts, L)
         if n <= GATHER:  # every score the row keeps is gathered, with the ones around its edge
             cut = _search(score_ptr, n, temperature, top_k, top_p, use_k, use_p, tl.where(use_k, -1.0, total), cand_ptr,
                           CAP, BLOCK)
@@ -176,10 +183,10 @@ def _resolve_kernel(logits_ptr, stride_row, vocab, temperature_ptr, top_k_ptr, t
         tl.store(done_logprob_ptr + row, chosen - top - tl.log(tl.sum(mass, 0)))
 
 
-@triton.jit(do_not_specialize_on_alignment=_DRAW_POINTERS)
-def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do_sample_ptr, seed_ptr, index_ptr,
-                       cut_ptr, done_ptr, value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr,
-                       NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_DRAW_POINTERS)
+def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, num_parts, temperature_ptr, do_sample_ptr, seed_ptr,
+                       index_ptr, cut_ptr, done_ptr, value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     if tl.load(done_ptr + row) == 0:  # (a row drawn among its gathered scores is done)
@@ -211,7 +218,7 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
         top = tl.max(best, 0)
         first = tl.min(tl.where(best == top, token, vocab), 0)
         part_max, part_sum, _ = merged_exp_sum(m, total)
-        out = row * NUM_PARTS + part
+        out = row * num_parts + part
         tl.store(value_ptr + out, top)
         tl.store(token_ptr + out, first)
         tl.store(nan_ptr + out, tl.min(nan_at, 0))
@@ -220,25 +227,29 @@ def _draw_parts_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, do
         tl.store(sum_ptr + out, part_sum)
 
 
-@triton.jit(do_not_specialize_on_alignment=["do_sample_ptr", "tokens_ptr", "logprobs_ptr"])
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_MERGE_POINTERS)
 def _draw_merge_kernel(value_ptr, token_ptr, nan_ptr, score_ptr, max_ptr, sum_ptr, do_sample_ptr, done_ptr,
-                       done_token_ptr, done_logprob_ptr, tokens_ptr, logprobs_ptr, vocab, INVALID: tl.constexpr,
-                       NUM_PARTS: tl.constexpr):
+                       done_token_ptr, done_logprob_ptr, tokens_ptr, logprobs_ptr, vocab, num_parts,
+                       INVALID: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(done_ptr + row) != 0:
         tl.store(tokens_ptr + row, tl.load(done_token_ptr + row).to(tl.int64))
         tl.store(logprobs_ptr + row, tl.load(done_logprob_ptr + row).to(tl.float64))
     else:
-        parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
-        value = tl.load(value_ptr + parts)
-        token = tl.load(token_ptr + parts)
+        lanes = tl.arange(0, _MAX_PARTS)
+        ours = lanes < num_parts
+        parts = row * num_parts + lanes
+        value = tl.load(value_ptr + parts, mask=ours, other=float("-inf"))
+        token = tl.load(token_ptr + parts, mask=ours, other=vocab)
         top = tl.max(value, 0)
         first = tl.min(tl.where(value == top, token, vocab), 0)
-        score = tl.max(tl.where(token == first, tl.load(score_ptr + parts), float("-inf")), 0)
-        _, total, shift = merged_exp_sum(tl.load(max_ptr + parts), tl.load(sum_ptr + parts))
+        score = tl.max(tl.where(token == first, tl.load(score_ptr + parts, mask=ours, other=float("-inf")),
+                                float("-inf")), 0)
+        _, total, shift = merged_exp_sum(tl.load(max_ptr + parts, mask=ours, other=float("-inf")),
+                                         tl.load(sum_ptr + parts, mask=ours, other=0.0))
         first = tl.where(first == vocab, 0, first)  # a row of -inf only: index 0, as torch.argmax
         logprob = score - shift - tl.log(total)
-        first_nan = tl.min(tl.load(nan_ptr + parts), 0)
+        first_nan = tl.min(tl.load(nan_ptr + parts, mask=ours, other=vocab), 0)
         has_nan = first_nan < vocab
         # Sampled: no distribution to draw from (the top kept score is never a NaN: NaN > x is false).
         invalid = (tl.load(do_sample_ptr + row) != 0) & (has_nan | (top == float("-inf")) | (score == float("inf")))
@@ -273,13 +284,18 @@ def _sampled_packed(logits: torch.Tensor, params: SamplingTensors, gather: int |
     cut, done, done_token, done_logprob = _cut(logits, params, parts, chunk, gather, cap)
     partial = torch.empty(4, rows * parts, dtype=torch.float32, device=device)
     token = torch.empty(2, rows * parts, dtype=torch.int32, device=device)  # drawn, first NaN
-    _draw_parts_kernel[(rows, parts)](logits, stride, vocab, chunk, p.temperature, p.do_sample, p.seed,
+    _draw_parts_kernel[(rows, parts)](logits, stride, vocab, chunk, parts, p.temperature, p.do_sample, p.seed,
                                       p.token_index, cut, done, partial[0], token[0], token[1], partial[1],
-                                      partial[2], partial[3], NUM_PARTS=parts, BLOCK=BLOCK)
+                                      partial[2], partial[3], BLOCK=BLOCK)
     _draw_merge_kernel[(rows,)](partial[0], token[0], token[1], partial[1], partial[2], partial[3], p.do_sample,
-                                done, done_token, done_logprob, out[0], out[1].view(torch.float64), vocab,
-                                INVALID=INVALID_TOKEN, NUM_PARTS=parts)
+                                done, done_token, done_logprob, out[0], out[1].view(torch.float64), vocab, parts,
+                                INVALID=INVALID_TOKEN)
     return out
+
+
+def _sizes(device: torch.device, gather: int | None = None, cap: int | None = None) -> tuple[int, int]:
+    """(GATHER, CAP) on `device`: the GPU's, or the interpreter's small ones; tests give their own."""
+    return gather or (GATHER if device.type == "cuda" else CPU_GATHER), cap or (CAP if device.type == "cuda" else CPU_CAP)
 
 
 def _cut(logits: torch.Tensor, params: SamplingTensors, parts: int, chunk: int, gather: int | None = None,
@@ -288,8 +304,7 @@ def _cut(logits: torch.Tensor, params: SamplingTensors, parts: int, chunk: int, 
     already (done), and then its token and log-probability."""
     rows, vocab = logits.shape
     device = logits.device
-    gather = gather or (GATHER if logits.is_cuda else CPU_GATHER)
-    cap = cap or (CAP if logits.is_cuda else CPU_CAP)
+    gather, cap = _sizes(device, gather, cap)
     stride, p = logits.stride(0), params
     top = torch.empty(rows * parts, dtype=torch.float32, device=device)
     ints = torch.empty(3, rows, dtype=torch.int32, device=device)  # cut, done, done token
@@ -301,16 +316,38 @@ def _cut(logits: torch.Tensor, params: SamplingTensors, parts: int, chunk: int, 
     candidates = torch.empty(rows, cap, dtype=torch.float32, device=device)
     done_logprob = torch.empty(rows, dtype=torch.float32, device=device)
     cut, done, done_token = ints[0], ints[1], ints[2]
-    _top_kernel[(rows, parts)](logits, stride, vocab, chunk, p.top_k, p.top_p, p.min_p, p.do_sample, top, nan,
-                               NUM_PARTS=parts, BLOCK=BLOCK)
-    _ladder_kernel[(rows, parts)](logits, stride, vocab, chunk, p.temperature, p.top_k, p.top_p, p.do_sample, top,
-                                  nan, count, mass, NUM_PARTS=parts, L=LADDER, BLOCK=LADDER_BLOCK,
-                                  num_warps=LADDER_WARPS)
-    _gather_kernel[(rows, parts)](logits, stride, vocab, chunk, p.temperature, p.top_k, p.top_p, p.do_sample, top,
-                                  nan, count, mass, scores, cols, NUM_PARTS=parts, L=LADDER, GATHER=gather,
-                                  BLOCK=GATHER_BLOCK, num_warps=GATHER_WARPS)
-    _resolve_kernel[(rows,)](logits, stride, vocab, p.temperature, p.top_k, p.top_p, p.min_p, p.do_sample, p.seed,
-                             p.token_index, top, nan, count, mass, scores, cols, candidates, cut, done, done_token,
-                             done_logprob, NUM_PARTS=parts, L=LADDER, GATHER=gather, CAP=cap, BLOCK=CUT_BLOCK,
+    _top_kernel[(rows, parts)](logits, stride, vocab, chunk, parts, p.top_k, p.top_p, p.min_p, p.do_sample, top, nan,
+                               BLOCK=BLOCK)
+    _ladder_kernel[(rows, parts)](logits, stride, vocab, chunk, parts, p.temperature, p.top_k, p.top_p, p.do_sample,
+                                  top, nan, count, mass, L=LADDER, BLOCK=LADDER_BLOCK, num_warps=LADDER_WARPS)
+    _gather_kernel[(rows, parts)](logits, stride, vocab, chunk, parts, p.temperature, p.top_k, p.top_p, p.do_sample,
+                                  top, nan, count, mass, scores, cols, L=LADDER, GATHER=gather, BLOCK=GATHER_BLOCK,
+                                  num_warps=GATHER_WARPS)
+    _resolve_kernel[(rows,)](logits, stride, vocab, parts, p.temperature, p.top_k, p.top_p, p.min_p, p.do_sample,
+                             p.seed, p.token_index, top, nan, count, mass, scores, cols, candidates, cut, done,
+                             done_token, done_logprob, L=LADDER, GATHER=gather, CAP=cap, BLOCK=CUT_BLOCK,
                              num_warps=CUT_WARPS)
     return cut, done, done_token, done_logprob
+
+
+def variants(logits_dtype: torch.dtype, vocab: int, stride_row: int, device: torch.device) -> list[Variant]:
+    """The kernels' compiled variants for logits of this dtype, width and row stride on `device`:
+    one each, whatever the rows (their parts are a runtime count). Arguments as _sampled_packed
+    passes them (pointers by dtype; chunk is a multiple of BLOCK)."""
+    f32, i32, i64, f64 = torch.float32, torch.int32, torch.int64, torch.float64  # SamplingTensors' dtypes too
+    gather, cap = _sizes(device)
+    rows = (logits_dtype, stride_row, vocab)
+    return [
+        Variant(_top_kernel, (*rows, BLOCK, 2, i64, f32, f32, f32, f32, i32), dict(BLOCK=BLOCK)),
+        Variant(_ladder_kernel, (*rows, BLOCK, 2, f32, i64, f32, f32, f32, i32, i32, f32),
+                dict(L=LADDER, BLOCK=LADDER_BLOCK), dict(num_warps=LADDER_WARPS)),
+        Variant(_gather_kernel, (*rows, BLOCK, 2, f32, i64, f32, f32, f32, i32, i32, f32, f32, i32),
+                dict(L=LADDER, GATHER=gather, BLOCK=GATHER_BLOCK), dict(num_warps=GATHER_WARPS)),
+        Variant(_resolve_kernel, (*rows, 2, f32, i64, f32, f32, f32, i64, i64, f32, i32, i32, f32, f32, i32, f32,
+                                  i32, i32, i32, f32),
+                dict(L=LADDER, GATHER=gather, CAP=cap, BLOCK=CUT_BLOCK), dict(num_warps=CUT_WARPS)),
+        Variant(_draw_parts_kernel, (*rows, BLOCK, 2, f32, f32, i64, i64, i32, i32, f32, i32, i32, f32, f32, f32),
+                dict(BLOCK=BLOCK)),
+        Variant(_draw_merge_kernel, (f32, i32, i32, f32, f32, f32, f32, i32, i32, f32, i64, f64, vocab, 2),
+                dict(INVALID=INVALID_TOKEN)),
+    ]

@@ -19,7 +19,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from hf_async_cb.kernels.variant import Variant
+
 _LAUNCH = dict(enable_fp_fusion=False)  # no FMA contraction: torch rounds each product
+
+# Row strides come from the model's tensors (views of a fused projection, a [1, T, ...] activation whose
+# leading sizes change with the step) and are not specialised, so that every step of a model launches
+# the variants compiled at its first; ALIGNED (every such stride a multiple of 16, as it is for widths
+# that are) tells the loads they may vectorise, which the specialisation used to.
+_ROW_STRIDES = ["n_rows", "inner", "stride_outer", "stride_inner"]
 
 
 # Every value torch rounds to a 16-bit dtype is rounded the same way here, inline (helper calls are
@@ -28,14 +36,16 @@ _LAUNCH = dict(enable_fp_fusion=False)  # no FMA contraction: torch rounds each 
 # keeping NaNs; after it, the cast to bf16 is exact.
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=_ROW_STRIDES)
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner, inv_n, eps,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr,
-                     LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                     LIBDEVICE: tl.constexpr, UNIT_OFFSET: tl.constexpr, ALIGNED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=1) * inv_n + eps
     if LIBDEVICE:
@@ -57,16 +67,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, s
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=_ROW_STRIDES + ["r_outer", "r_inner"])
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, n_cols, inner, stride_outer, stride_inner,
                          r_outer, r_inner, inv_n, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr, X_BF16: tl.constexpr,
-                         Y_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         Y_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, ALIGNED: tl.constexpr):
     """s = x + residual rounded to x's dtype (torch's add), then y = _rms_norm_kernel's result for s."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
     src_r = (rows // inner).to(tl.int64) * r_outer + (rows % inner).to(tl.int64) * r_inner
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        src_r = tl.multiple_of(src_r, 16)
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x += tl.load(r_ptr + src_r[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if X_BF16:  # (x + residual).to(dtype)
@@ -93,10 +106,11 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, n_cols, inne
     tl.store(y_ptr + dst, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seq_len"])
+@triton.jit(do_not_specialize=["seq_len", "sqb", "sqh", "sqt", "skb", "skh", "skt", "scb", "sct", "sob", "soh", "sot",
+                               "skob", "skoh", "skot"])
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_heads, half,
                    sqb, sqh, sqt, skb, skh, skt, scb, sct, sob, soh, sot, skob, skoh, skot,
-                   HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr):
+                   HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr, ALIGNED: tl.constexpr):
     """One program per (token, block of HEADS heads), q's heads first, then k's, one head per row."""
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
@@ -107,15 +121,24 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q,
     first = d < half
     d_rot = tl.where(first, d + half, d - half)  # rotate_half(x) = cat(-x2, x1): x[d_rot] * sign
     sign = tl.where(first, -1.0, 1.0)[None, :]
-    cs = b * scb + t * sct
-    c = tl.load(cos_ptr + cs + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + cs + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    cs = b * scb + t * sct + d
+    if ALIGNED:
+        cs = tl.multiple_of(cs, 16)
+    c = tl.load(cos_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     is_q = (h < n_q)[:, None]
     mask = (h < n_heads)[:, None] & d_mask[None, :]
-    row_q = q_ptr + b * sqb + t * sqt + h[:, None] * sqh
-    row_k = k_ptr + b * skb + t * skt + (h[:, None] - n_q) * skh
-    row = tl.where(is_q, row_q, row_k)
+    at_q = b * sqb + t * sqt + h * sqh
+    at_k = b * skb + t * skt + (h - n_q) * skh
+    out_q = b * sob + t * sot + h * soh
+    out_k = b * skob + t * skot + (h - n_q) * skoh
+    if ALIGNED:
+        at_q = tl.multiple_of(at_q, 16)
+        at_k = tl.multiple_of(at_k, 16)
+        out_q = tl.multiple_of(out_q, 16)
+        out_k = tl.multiple_of(out_k, 16)
+    row = tl.where(is_q, q_ptr + at_q[:, None], k_ptr + at_k[:, None])
     x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     p = x * c  # q * cos
@@ -129,9 +152,7 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q,
     if BF16:
         bits = o.to(tl.uint32, bitcast=True)
         o = tl.where(o != o, o, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
-    dst_q = qo_ptr + b * sob + t * sot + h[:, None] * soh
-    dst_k = ko_ptr + b * skob + t * skot + (h[:, None] - n_q) * skoh
-    tl.store(tl.where(is_q, dst_q, dst_k) + d[None, :], o.to(dt), mask=mask)
+    tl.store(tl.where(is_q, qo_ptr + out_q[:, None], ko_ptr + out_k[:, None]) + d[None, :], o.to(dt), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -185,6 +206,11 @@ def _row_layout(x: torch.Tensor):
     return n, 1, stride, 0
 
 
+def _aligned(*strides: int) -> bool:
+    """Whether every stride is a multiple of 16 elements (the kernels' ALIGNED)."""
+    return all(stride % 16 == 0 for stride in strides)
+
+
 def _rms_launch(rows: int, n: int) -> tuple[int, int, int]:
     """(rows per program, BLOCK, num_warps) of an RMSNorm over `rows` rows of width n (add_rms_norm uses
     rms_norm's, so that their reductions, and so their results, are the same)."""
@@ -207,7 +233,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     _rms_norm_kernel[(triton.cdiv(rows, per),)](
         x, weight, out, rows, n, inner, stride_outer, stride_inner, 1.0 / n, eps,
         ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
-        LIBDEVICE=not triton.knobs.runtime.interpret, UNIT_OFFSET=unit_offset, num_warps=warps, **_LAUNCH)
+        LIBDEVICE=not triton.knobs.runtime.interpret, UNIT_OFFSET=unit_offset,
+        ALIGNED=_aligned(stride_outer, stride_inner), num_warps=warps, **_LAUNCH)
     return out
 
 
@@ -231,7 +258,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     _add_rms_norm_kernel[(triton.cdiv(rows, per),)](
         x, residual, weight, total, out, rows, n, inner, stride_outer, stride_inner, r_outer, r_inner, 1.0 / n, eps,
         ROWS=per, BLOCK=block, X_BF16=x.dtype == torch.bfloat16, Y_BF16=out.dtype == torch.bfloat16,
-        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=warps, **_LAUNCH)
+        LIBDEVICE=not triton.knobs.runtime.interpret, ALIGNED=_aligned(stride_outer, stride_inner, r_outer, r_inner),
+        num_warps=warps, **_LAUNCH)
     return total, out
 
 
@@ -248,11 +276,11 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ko = torch.empty(batch, seq, n_k, dim, dtype=k.dtype, device=k.device).transpose(1, 2)
     block_d = triton.next_power_of_2(dim)
     heads = min(triton.next_power_of_2(n_q + n_k), max(1, 2048 // block_d))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
+               qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2))
     _rotary_kernel[(batch * seq, triton.cdiv(n_q + n_k, heads))](
-        q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
-        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, num_warps=4, **_LAUNCH)
+        q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2, *strides,
+        HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, ALIGNED=_aligned(*strides), num_warps=4, **_LAUNCH)
     return qo, ko
 
 
@@ -270,3 +298,53 @@ def silu_mul(y: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         y2, out, rows, n, y2.stride(0), ROWS=per, BLOCK=block, BF16=y.dtype == torch.bfloat16,
         LIBDEVICE=not triton.knobs.runtime.interpret, GELU_TANH=gelu_tanh, num_warps=4, **_LAUNCH)
     return out
+
+
+def _row_buckets(widest: int) -> list[int]:
+    """The rows per program a launch can take: the powers of two up to `widest` (at least 1)."""
+    return [1 << i for i in range(max(1, widest).bit_length())]
+
+
+def rms_variants(width: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, unit_offset: bool = False,
+                 add: bool = False, aligned: bool | None = None, use_libdevice: bool = True) -> list[Variant]:
+    """rms_norm's (or, with `add`, add_rms_norm's) compiled variants for rows of `width`: one per
+    rows-per-program bucket (_rms_launch), whatever the row count and layout. `aligned`: the rows'
+    strides are multiples of 16 (by default: `width` is, as the strides of a model's activations
+    and of views of its projections are multiples of their width)."""
+    block = triton.next_power_of_2(width)
+    out = x_dtype if unit_offset else torch.promote_types(weight_dtype, x_dtype)
+    aligned = width % 16 == 0 if aligned is None else aligned
+    found = []
+    for per in _row_buckets(4096 // block):
+        _, _, warps = _rms_launch(per, width)
+        flags = dict(ROWS=per, BLOCK=block, X_BF16=x_dtype == torch.bfloat16, Y_BF16=out == torch.bfloat16,
+                     LIBDEVICE=use_libdevice)
+        options = dict(num_warps=warps, **_LAUNCH)
+        if add:
+            found.append(Variant(_add_rms_norm_kernel, (x_dtype, x_dtype, weight_dtype, x_dtype, out, 2, width, 2, 0, 0,
+                                                        0, 0, 0.5, 1e-6), dict(flags, ALIGNED=aligned), options))
+        else:
+            found.append(Variant(_rms_norm_kernel, (x_dtype, weight_dtype, out, 2, width, 2, 0, 0, 0.5, 1e-6),
+                                 dict(flags, UNIT_OFFSET=unit_offset, ALIGNED=aligned), options))
+    return found
+
+
+def rotary_variants(q_heads: int, k_heads: int, head_dim: int, dtype: torch.dtype) -> list[Variant]:
+    """rotary's compiled variant for these heads (one, whatever the tokens and layout): strides are
+    multiples of the head size, so aligned when it is a multiple of 16."""
+    block_d = triton.next_power_of_2(head_dim)
+    heads = min(triton.next_power_of_2(q_heads + k_heads), max(1, 2048 // block_d))
+    args = (dtype,) * 6 + (2, q_heads, q_heads + k_heads, head_dim // 2) + (0,) * 14
+    return [Variant(_rotary_kernel, args, dict(HEADS=heads, DIM=block_d, BF16=dtype == torch.bfloat16,
+                                               ALIGNED=head_dim % 16 == 0), dict(num_warps=4, **_LAUNCH))]
+
+
+def silu_mul_variants(width: int, dtype: torch.dtype, gelu_tanh: bool = False,
+                      use_libdevice: bool = True) -> list[Variant]:
+    """silu_mul's compiled variants for an MLP of `width` (I; y is [.., 2I]): one per rows-per-program
+    bucket."""
+    block = min(triton.next_power_of_2(width), 1024)
+    return [Variant(_silu_mul_kernel, (dtype, dtype, 2, width, 2 * width),
+                    dict(ROWS=per, BLOCK=block, BF16=dtype == torch.bfloat16, LIBDEVICE=use_libdevice, GELU_TANH=gelu_tanh),
+                    dict(num_warps=4, **_LAUNCH))
+            for per in _row_buckets(1024 // block)]

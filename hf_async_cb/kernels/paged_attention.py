@@ -37,12 +37,20 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_async_cb.kernels.attention_launch import choose_splits, launch_defaults, tile_shape
+from hf_async_cb.kernels.attention_launch import (
+    MAX_SPLITS,
+    TALL_TILE_QUERY_LEN,
+    choose_splits,
+    launch_defaults,
+    tile_shape,
+)
 from hf_async_cb.kernels.paged_attention_reference import check_shapes, check_sinks, check_softcap
+from hf_async_cb.kernels.variant import Variant
 from hf_async_cb.model.step_metadata import StepMetadata
 
 NEG_INF_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: exp(init - init) = 1, never NaN
 LOG2E = tl.constexpr(1.4426950408889634)
+_MAX_SPLITS = tl.constexpr(MAX_SPLITS)
 
 
 @triton.jit
@@ -93,21 +101,27 @@ def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_ms", "stride_bt"],
-            do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr"])
+# Strides of the tensors the model hands in (the query, a decode step's new K/V) follow its layout and
+# may scale with the step's token count, and the window and split count are per-call values: none is
+# specialised, so a model compiles the same variants for every step. ALIGNED_INPUTS (all those strides
+# multiples of 16, as they are for head sizes that are) gives their loads the alignment back.
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_splits", "stride_qt", "stride_qh", "stride_os", "stride_ms",
+                               "stride_bt", "stride_nkt", "stride_nkh", "stride_nvt", "stride_nvh"],
+            do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr",
+                                            "sinks_ptr", "slopes_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr, slopes_ptr,
     block_table_ptr, query_start_ptr, context_lens_ptr, new_k_ptr, new_v_ptr, slot_ptr,
-    qk_scale, cap_log2, window, num_seqs,
+    qk_scale, cap_log2, window, num_seqs, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_os, stride_ot, stride_oh, stride_ms, stride_mt, stride_bt,
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr, NEW_KV: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr, ALIGNED_INPUTS: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (KV heads x chunks, query blocks, splits): a request's heads run side by side
         qb = tl.program_id(1)
@@ -153,8 +167,10 @@ def _paged_attention_kernel(
         d_ok = offs_d < HEAD_DIM
         offs_dv = tl.arange(0, BLOCK_DV)
         dv_ok = offs_dv < HEAD_DIM_V
-        q = tl.load(q_ptr + (q_begin + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_rows = (q_begin + tok) * stride_qt + head * stride_qh
+        if ALIGNED_INPUTS:
+            q_rows = tl.multiple_of(q_rows, 16)
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
         # Keys this block can see: up to its last query's position, from its first query's window start.
         first_pos = ctx - q_len + local * BLOCK_Q
@@ -163,7 +179,9 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             kv_lo = tl.maximum(first_pos - window + 1, 0)
         num_blocks = (kv_hi - kv_lo + BLOCK_N - 1) // BLOCK_N
-        per_split = (num_blocks + NUM_SPLITS - 1) // NUM_SPLITS
+        per_split = num_blocks
+        if SPLIT:
+            per_split = (num_blocks + num_splits - 1) // num_splits
         blk_lo = split * per_split
         blk_hi = tl.minimum(blk_lo + per_split, num_blocks)
 
@@ -183,8 +201,13 @@ def _paged_attention_kernel(
         k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
         if NEW_KV:  # (decode) this token's K/V come as inputs: stored here, used from registers below
-            new_k = tl.load(new_k_ptr + q_begin * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok, other=0.0)
-            new_v = tl.load(new_v_ptr + q_begin * stride_nvt + kv_head * stride_nvh + offs_dv, mask=dv_ok, other=0.0)
+            new_k_at = q_begin * stride_nkt + kv_head * stride_nkh + offs_d
+            new_v_at = q_begin * stride_nvt + kv_head * stride_nvh + offs_dv
+            if ALIGNED_INPUTS:
+                new_k_at = tl.multiple_of(new_k_at, 16)
+                new_v_at = tl.multiple_of(new_v_at, 16)
+            new_k = tl.load(new_k_ptr + new_k_at, mask=d_ok, other=0.0)
+            new_v = tl.load(new_v_ptr + new_v_at, mask=dv_ok, other=0.0)
             if (chunk == 0) & (split == 0):  # one program per (request, KV head) writes the pool
                 new_slot = tl.load(slot_ptr + q_begin).to(tl.int64)
                 tl.store(k_head + new_slot * stride_kt + offs_d, new_k, mask=d_ok)
@@ -246,7 +269,7 @@ def _paged_attention_kernel(
 
         rows = q_begin + tok
         out_mask = row_ok[:, None] & dv_ok[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=out_mask)
@@ -258,22 +281,24 @@ def _paged_attention_kernel(
             tl.store(l_ptr + ml, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_ptr, m_ptr, l_ptr, o_ptr,
+    part_ptr, m_ptr, l_ptr, o_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """The splits' partial results merged (a runtime count, up to MAX_SPLITS: one variant for all)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    splits = tl.arange(0, NUM_SPLITS)
-    m = tl.load(m_ptr + splits * stride_ms + t * stride_mt + h)
-    l = tl.load(l_ptr + splits * stride_ms + t * stride_mt + h)
+    splits = tl.arange(0, _MAX_SPLITS)
+    ours = splits < num_splits
+    m = tl.load(m_ptr + splits * stride_ms + t * stride_mt + h, mask=ours, other=float("-inf"))
+    l = tl.load(l_ptr + splits * stride_ms + t * stride_mt + h, mask=ours, other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
     part = tl.load(part_ptr + splits[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
-                   mask=d_ok[None, :], other=0.0)
+                   mask=ours[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
@@ -365,10 +390,15 @@ def paged_attention_triton(
     block_n = tuning["block_n"]
     launch = {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}
     splits = num_splits or choose_splits(meta, num_kv_heads * chunks, query.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
     out = torch.empty(total, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
     if splits > 1:
-        part = torch.empty(splits, total, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
-        m = torch.empty(splits, total, num_heads, dtype=torch.float32, device=query.device)
+        # Each split's rows padded to a multiple of 16 tokens: the merge's split strides are then
+        # multiples of 16 at any token count (one compiled variant, aligned loads).
+        padded = -(-total // 16) * 16
+        part = torch.empty(splits, padded, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
+        m = torch.empty(splits, padded, num_heads, dtype=torch.float32, device=query.device)
         l = torch.empty_like(m)
         target, part_strides, ml_strides = part, part.stride(), m.stride()[:2]
     else:
@@ -384,6 +414,7 @@ def paged_attention_triton(
     else:
         new_k = new_v = q  # unused
         new_strides = (0, 0, 0, 0)
+    aligned_inputs = all(stride % 16 == 0 for stride in (q.stride(0), q.stride(1), *new_strides))
     blocks = num_seqs if decode else total // block_q + num_seqs
     # heads_first (tuning; sweeps): the programs of one request's KV heads launch next to each other,
     # so that the pools' rows (every head of a slot side by side) are read by programs running together.
@@ -393,19 +424,60 @@ def paged_attention_triton(
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         alibi_slopes if alibi_slopes is not None else q,
         meta.block_table, meta.query_start, meta.context_lens, new_k, new_v, meta.slot_mapping,
-        qk_scale, cap_log2, sliding_window or 0, num_seqs,
+        qk_scale, cap_log2, sliding_window or 0, num_seqs, splits,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
         *part_strides[:3], *ml_strides, meta.block_table.stride(0), *new_strides,
         PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        SPLIT=splits > 1, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
         DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", False), HEADS_FIRST=heads_first,
-        **launch,
+        ALIGNED_INPUTS=aligned_inputs, **launch,
     )
     if splits > 1:
         _merge_splits_kernel[(total, num_heads)](
-            part, m, l, out, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
-            HEAD_DIM=head_dim_v, BLOCK_D=block_dv, NUM_SPLITS=splits,
+            part, m, l, out, splits, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
+            HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
         )
     return out[None]
+
+
+def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, page_size: int, dtype: torch.dtype, *,
+             window: bool = False, softcap: bool = False, sinks: torch.dtype | None = None,
+             alibi: torch.dtype | None = None, splits: bool = True, tall: bool = True,
+             new_kv: bool = True) -> list[Variant]:
+    """The kernels' compiled variants for one kind of layer (its heads, pools, flags) as the engine
+    launches them: decode steps (their new K/V as inputs when `new_kv`; unsplit, and split over the
+    context when `splits`, with the merge), prefill and mixed steps (16-row tiles and, when `tall`,
+    the tall ones), whatever the batch, tokens and contexts. `sinks` / `alibi`: their dtypes, when
+    the layer has them. Query and new K/V strides are multiples of the head sizes."""
+    num_kv_heads, head_dim = key_pool.shape[1:]
+    head_dim_v = value_pool.shape[-1]
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    pools = (key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1))
+    i64, f32 = torch.int64, torch.float32
+    steps = [(True, False)] + [(True, True)] * splits + [(False, False)]
+    found = []
+    for decode, split in steps:
+        for query_len in ((1,) if decode else (2, TALL_TILE_QUERY_LEN) if tall else (2,)):
+            tile = tile_shape(group, head_dim, head_dim_v, query_len)
+            tuning = launch_defaults(head_dim, dtype, head_dim_v, tile["block_m"], decode)
+            out, stat = (f32, f32) if split else (dtype, dtype)
+            args = (dtype, key_pool.dtype, value_pool.dtype, out, stat, stat, sinks or dtype, alibi or dtype,
+                    i64, i64, i64, dtype, dtype, i64, 0.5, 0.5, 0, 2, 2, 0, 0, *pools,
+                    0, num_heads * head_dim_v, head_dim_v, 0, num_heads if split else 0, 0, 0, 0, 0, 0)
+            found.append(Variant(_paged_attention_kernel, args, dict(
+                PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+                GROUP=group, HEADS=tile["heads"], CHUNKS=tile["chunks"], BLOCK_Q=tile["block_q"],
+                BLOCK_M=tile["block_m"], BLOCK_N=tuning["block_n"], SPLIT=split, HAS_WINDOW=window,
+                HAS_SOFTCAP=softcap, HAS_SINKS=sinks is not None, HAS_ALIBI=alibi is not None, IEEE=dtype == f32,
+                DECODE=decode, NEW_KV=decode and new_kv, EARLY_LOADS=tuning.get("early_loads", False),
+                HEADS_FIRST=False, ALIGNED_INPUTS=head_dim % 16 == 0 and head_dim_v % 16 == 0),
+                {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}))
+    if splits:
+        found.append(Variant(_merge_splits_kernel, (f32, f32, f32, dtype, 2, 0, num_heads * head_dim_v, head_dim_v, 0,
+                                                    num_heads, num_heads * head_dim_v, head_dim_v),
+                             dict(HEAD_DIM=head_dim_v, BLOCK_D=block_dv)))
+    return found

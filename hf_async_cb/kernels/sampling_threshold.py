@@ -9,9 +9,16 @@ docstring gives the launch sequence and the measurements behind it):
   and `_gather_kernel` (the scores at or above the highest threshold the cut cannot be below,
   written in column order at each part's offset);
 - per row: `_search`, bisection rounds counting (and for top-p summing exp) above the midpoint of
-  the key range left, then a sort of the last few candidates in registers, over the gathered
+  the key range left, then a ranking of the last few candidates, over the gathered
   scores (or over the whole row when too many tie near the edge). The search and `_row_setup` /
   `_window` are used by draw_sampled's resolve kernel.
+
+Compile time is part of a user's first call (the resolve kernel took ~3.5 s per variant on the
+H200's host, 26 s on a CI core), so nothing here is unrolled at compile time beyond sixteen ladder
+counters: the last candidates are ranked in a loop, not by a sort network; the search, its passes
+and its bracket are functions of their own (noinline: they take and return scalars), compiled once
+each instead of once per call site; and a row's parts are a runtime count (merged through
+MAX_PARTS masked lanes), so one variant of each kernel serves every batch size.
 
 Integer counts and fixed-order sums: the same inputs give the same cut, every run.
 """
@@ -20,6 +27,16 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+MAX_PARTS = 64  # the most parts a row is cut into (draw_greedy.split_rows): the merges' vector width
+_MAX_PARTS = tl.constexpr(MAX_PARTS)
+RANK_TILE = tl.constexpr(16)  # scores compared at once when ranking the last candidates (_sort_descending)
+
+
+# Per-row parameters are views into the step's packed upload, and per-part results views into one
+# buffer, at offsets that change with the row count: specialising on their alignment would compile
+# new variants mid-run (their loads and stores are scalar, or masked vectors at unaligned offsets).
+_ROW_POINTERS = ["temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "do_sample_ptr", "top_ptr", "nan_ptr"]
 
 
 @triton.jit
@@ -57,7 +74,7 @@ def _midpoint(lo, hi):
     return tl.where(finite, guess, lo + (hi - lo) // 2)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _tally(base, vocab, temperature, floor32, mid32, top, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
     """One pass over the row, among keys >= floor: count(key >= mid), count(key > mid) and, when
     WEIGHTED, the mass sum(exp(score - top)) of each of those two sets."""
@@ -82,10 +99,10 @@ def _tally(base, vocab, temperature, floor32, mid32, top, WEIGHTED: tl.constexpr
             tl.sum(above_mass, 0))
 
 
-@triton.jit
-def _bracket_sorted(base, vocab, temperature, floor, lo, hi, cand_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """The scores whose key k has floor <= k and lo < k < hi (at most CAP of them: the caller's
-    search stops there), in descending order, padded with -inf; and their number."""
+@triton.jit(noinline=True)
+def _bracket(base, vocab, temperature, floor, lo, hi, cand_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The number of scores whose key k has floor <= k and lo < k < hi; the first CAP of them (the
+    caller's search stops there) left at cand_ptr in descending order (read them with _ranked)."""
     lanes = tl.arange(0, BLOCK)
     floor32 = floor.to(tl.int32)
     lo32 = lo.to(tl.int32)
@@ -101,12 +118,41 @@ def _bracket_sorted(base, vocab, temperature, floor, lo, hi, cand_ptr, CAP: tl.c
         tl.store(cand_ptr + at, s, mask=(take != 0) & (at < CAP))
         n += tl.sum(take, 0)
     tl.debug_barrier()  # the stores above, by every thread, before the loads below
-    slots = tl.arange(0, CAP)
-    ranked = tl.load(cand_ptr + slots, mask=slots < n, other=float("-inf"))
-    return tl.sort(ranked, descending=True), n
+    _sort_descending(cand_ptr, tl.minimum(n, CAP), CAP)
+    return n
 
 
 @triton.jit
+def _ranked(cand_ptr, n, CAP: tl.constexpr):
+    """_bracket's scores, descending, padded with -inf to CAP."""
+    slots = tl.arange(0, CAP)
+    return tl.load(cand_ptr + slots, mask=slots < n, other=float("-inf"))
+
+
+@triton.jit
+def _sort_descending(cand_ptr, n, CAP: tl.constexpr):
+    """Sort the n (<= CAP) scores at cand_ptr in place, descending.
+
+    Each score's place is the number of scores before it (larger, or equal at a lower slot), counted
+    RANK_TILE at a time in a loop that stays a loop: tl.sort's network is unrolled at compile time
+    (log2(CAP) * (log2(CAP) + 1) / 2 stages over CAP lanes) and took ~20 s of the resolve kernel's
+    26 s compile for CAP = 512. Ties keep their slot order; their values are equal, so the result is
+    the sort's."""
+    slots = tl.arange(0, CAP)
+    inside = slots < n
+    value = tl.load(cand_ptr + slots, mask=inside, other=float("-inf"))
+    place = tl.zeros([CAP], tl.int32)
+    for start in range(0, n, RANK_TILE):
+        others = start + tl.arange(0, RANK_TILE)
+        other = tl.load(cand_ptr + others, mask=others < n, other=float("-inf"))
+        before = (other[None, :] > value[:, None]) | ((other[None, :] == value[:, None]) & (others[None, :] < slots[:, None]))
+        place += tl.sum((before & (others < n)[None, :]).to(tl.int32), 1)
+    tl.debug_barrier()  # every thread has read the scores before any is moved
+    tl.store(cand_ptr + place, value, mask=inside)
+    tl.debug_barrier()
+
+
+@triton.jit(noinline=True)
 def _search(base, vocab, temperature, top_k, top_p, use_k, use_p, total_in, cand_ptr, CAP: tl.constexpr,
             BLOCK: tl.constexpr):
     """The top-k / top-p threshold key of `vocab` scores at base (scaled by temperature), searched by one
@@ -145,7 +191,8 @@ def _search(base, vocab, temperature, top_k, top_p, use_k, use_p, total_in, cand
             else:
                 hi = mid
                 from_hi = count
-        ranked, n = _bracket_sorted(base, vocab, temperature, everything, lo, hi, cand_ptr, CAP, BLOCK)
+        n = _bracket(base, vocab, temperature, everything.to(tl.int64), lo, hi, cand_ptr, CAP, BLOCK)
+        ranked = _ranked(cand_ptr, n, CAP)
         rank = top_k - from_hi  # >= 1
         inside = tl.max(tl.where(slots == rank - 1, ranked, float("-inf")), 0)
         kth = tl.where(rank <= n, _score_key(inside).to(tl.int64), lo)  # else: the keys equal to lo
@@ -171,7 +218,8 @@ def _search(base, vocab, temperature, top_k, top_p, use_k, use_p, total_in, cand
             else:
                 lo = mid
                 above_lo = above
-        ranked, n = _bracket_sorted(base, vocab, temperature, kth, lo, hi, cand_ptr, CAP, BLOCK)
+        n = _bracket(base, vocab, temperature, kth, lo, hi, cand_ptr, CAP, BLOCK)
+        ranked = _ranked(cand_ptr, n, CAP)
         weight = tl.exp(ranked - top)  # the -inf padding weighs 0
         mass_above = mass_hi + tl.cumsum(weight, 0) - weight  # exact for the first of a run of ties
         kept = tl.sum(((mass_above < target) & (slots < n)).to(tl.int32), 0)
@@ -191,8 +239,7 @@ def _ladder(top, L: tl.constexpr):
 
 
 @triton.jit
-def _row_setup(temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab,
-               NUM_PARTS: tl.constexpr):
+def _row_setup(temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, num_parts):
     """The row's parameters and flags, its top scaled score (merged from the parts of _top_kernel, in
     a fixed order) and whether its threshold is searched with the ladder (finite top, no NaN)."""
     temperature = tl.load(temperature_ptr + row)
@@ -201,24 +248,27 @@ def _row_setup(temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, na
     sampled = tl.load(do_sample_ptr + row) != 0
     use_k = sampled & (top_k > 0) & (top_k < vocab)
     use_p = sampled & (top_p < 1.0)
-    parts = row * NUM_PARTS + tl.arange(0, NUM_PARTS)
-    top_x = tl.max(tl.load(top_ptr + parts), 0)
-    clean = tl.min(tl.load(nan_ptr + parts), 0) == vocab
+    parts = tl.arange(0, _MAX_PARTS)
+    ours = parts < num_parts
+    top_x = tl.max(tl.load(top_ptr + row * num_parts + parts, mask=ours, other=float("-inf")), 0)
+    clean = tl.min(tl.load(nan_ptr + row * num_parts + parts, mask=ours, other=vocab), 0) == vocab
     top = tl.math.div_rn(top_x, temperature)  # division by t > 0 keeps the order: the top scaled score
     searched = (use_k | use_p) & clean & (tl.abs(top) < float("inf"))
     return temperature, top_k, top_p, use_k, use_p, top, clean, searched
 
 
 @triton.jit
-def _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, NUM_PARTS: tl.constexpr, L: tl.constexpr):
+def _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, num_parts, L: tl.constexpr):
     """From the ladder's counts and masses (parts merged in a fixed order): the ladder step jlo whose
     threshold the row's cut is at or above (top-k's k-th largest score; without top-k, top-p's edge:
     the mass at or above it is >= top_p of the total, so nothing lower is kept), the number of
     scores at or above it, that threshold, and the row's total mass."""
     j = tl.arange(0, L)
-    at = (row * NUM_PARTS + tl.arange(0, NUM_PARTS))[:, None] * L + j[None, :]
-    count = tl.sum(tl.load(cnt_ptr + at), 0)
-    mass = tl.sum(tl.load(mass_ptr + at), 0)
+    parts = tl.arange(0, _MAX_PARTS)
+    at = (row * num_parts + parts)[:, None] * L + j[None, :]
+    ours = (parts < num_parts)[:, None]
+    count = tl.sum(tl.load(cnt_ptr + at, mask=ours, other=0), 0)
+    mass = tl.sum(tl.load(mass_ptr + at, mask=ours, other=0.0), 0)
     total = tl.max(tl.where(j == L - 1, mass, float("-inf")), 0)
     jk = tl.min(tl.where(count >= top_k, j, L - 1), 0)
     jp = tl.min(tl.where(mass >= top_p * total, j, L - 1), 0)
@@ -228,9 +278,9 @@ def _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, NUM_PARTS: tl.cons
     return jlo, n, floor, total
 
 
-@triton.jit(do_not_specialize_on_alignment=["top_k_ptr", "top_p_ptr", "min_p_ptr", "do_sample_ptr"])
-def _top_kernel(logits_ptr, stride_row, vocab, chunk, top_k_ptr, top_p_ptr, min_p_ptr, do_sample_ptr, top_ptr,
-                nan_ptr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_ROW_POINTERS)
+def _top_kernel(logits_ptr, stride_row, vocab, chunk, num_parts, top_k_ptr, top_p_ptr, min_p_ptr, do_sample_ptr,
+                top_ptr, nan_ptr, BLOCK: tl.constexpr):
     """Per part of a filtered row: the largest logit and the first NaN's column (vocab if none)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -250,8 +300,8 @@ def _top_kernel(logits_ptr, stride_row, vocab, chunk, top_k_ptr, top_p_ptr, min_
             x = tl.load(base + cols, mask=cols < stop, other=float("-inf")).to(tl.float32)
             nan_at = tl.minimum(nan_at, tl.where(x != x, cols, vocab))
             top = tl.maximum(top, x)
-    tl.store(top_ptr + row * NUM_PARTS + part, tl.max(top, 0))
-    tl.store(nan_ptr + row * NUM_PARTS + part, tl.min(nan_at, 0))
+    tl.store(top_ptr + row * num_parts + part, tl.max(top, 0))
+    tl.store(nan_ptr + row * num_parts + part, tl.min(nan_at, 0))
 
 
 @triton.jit
@@ -379,17 +429,16 @@ def _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6
     return count, mass
 
 
-@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr", "do_sample_ptr"])
-def _ladder_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr,
-                   top_ptr, nan_ptr, cnt_ptr, mass_ptr, NUM_PARTS: tl.constexpr, L: tl.constexpr,
-                   BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_ROW_POINTERS)
+def _ladder_kernel(logits_ptr, stride_row, vocab, chunk, num_parts, temperature_ptr, top_k_ptr, top_p_ptr,
+                   do_sample_ptr, top_ptr, nan_ptr, cnt_ptr, mass_ptr, L: tl.constexpr, BLOCK: tl.constexpr):
     """Per part of a searched row, for each ladder threshold: the number of scores at or above it and
     (top-p) their mass, sum(exp(score - top)). Sixteen counters per lane, unrolled (L is 16)."""
     tl.static_assert(L == 16)
     row = tl.program_id(0)
     part = tl.program_id(1)
     temperature, top_k, top_p, use_k, use_p, top, clean, searched = _row_setup(
-        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, NUM_PARTS)
+        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, num_parts)
     count = tl.zeros([L], tl.int32)
     mass = tl.zeros([L], tl.float32)
     if searched:
@@ -420,26 +469,26 @@ def _ladder_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, top_k_
         else:
             count, mass = _ladder_pass(base, start, stop, temperature, top, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15,
                                        False, BLOCK)
-    at = (row * NUM_PARTS + part) * L + tl.arange(0, L)
+    at = (row * num_parts + part) * L + tl.arange(0, L)
     tl.store(cnt_ptr + at, count)
     tl.store(mass_ptr + at, mass)
 
 
-@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr", "do_sample_ptr"])
-def _gather_kernel(logits_ptr, stride_row, vocab, chunk, temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr,
-                   top_ptr, nan_ptr, cnt_ptr, mass_ptr, score_ptr, col_ptr, NUM_PARTS: tl.constexpr,
-                   L: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_ROW_POINTERS)
+def _gather_kernel(logits_ptr, stride_row, vocab, chunk, num_parts, temperature_ptr, top_k_ptr, top_p_ptr,
+                   do_sample_ptr, top_ptr, nan_ptr, cnt_ptr, mass_ptr, score_ptr, col_ptr, L: tl.constexpr,
+                   GATHER: tl.constexpr, BLOCK: tl.constexpr):
     """Per part of a searched row whose window fits GATHER: its scores at or above the window's floor,
     and their columns, at the part's offset (the counts of the parts before it), in column order."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     temperature, top_k, top_p, use_k, use_p, top, clean, searched = _row_setup(
-        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, NUM_PARTS)
+        temperature_ptr, top_k_ptr, top_p_ptr, do_sample_ptr, top_ptr, nan_ptr, row, vocab, num_parts)
     if searched:
-        jlo, n, floor, _ = _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, NUM_PARTS, L)
+        jlo, n, floor, _ = _window(cnt_ptr, mass_ptr, row, top, top_k, top_p, use_k, num_parts, L)
         if n <= GATHER:
-            parts = tl.arange(0, NUM_PARTS)
-            before = tl.load(cnt_ptr + (row * NUM_PARTS + parts) * L + jlo)
+            parts = tl.arange(0, _MAX_PARTS)
+            before = tl.load(cnt_ptr + (row * num_parts + parts) * L + jlo, mask=parts < num_parts, other=0)
             taken = tl.sum(tl.where(parts < part, before, 0), 0)
             start = part * chunk
             stop = tl.minimum(start + chunk, vocab)

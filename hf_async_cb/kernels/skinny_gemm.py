@@ -57,6 +57,7 @@ import triton.language as tl
 
 from hf_async_cb.devices import num_sms
 from hf_async_cb.kernels.graph_timing import cold_copies, graph_ms
+from hf_async_cb.kernels.variant import Variant
 
 MAX_M = 256
 H200_SMS = 132  # the SM count assumed off CUDA (the heuristic's target machine)
@@ -457,3 +458,22 @@ class GemmChoice:
         """Remember `config` (None: cuBLAS) for this shape, in memory and on disk."""
         self._choices[self.key(M, N, K, dtype, device_name_)] = None if config is None else dict(config)
         self._save()
+
+
+def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict) -> list[Variant]:
+    """The kernels' compiled variants of a [M, K] x [N, K].T product run with `config` at the rows
+    bucket `bucket` (every M of it launches these: M itself is not specialised)."""
+    cfg = _check_config({**default_config(bucket, N, K, dtype), **config})
+    bm, bn, bk, split = block_m(bucket), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    target = dtype if split == 1 else torch.float32
+    found = [Variant(_skinny_gemm_kernel, (dtype, dtype, dtype, target, 2, N, K, k_per_split, K),
+                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
+                          EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
+                          IEEE=dtype == torch.float32),
+                     dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
+    if split > 1:
+        found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,
+                                                     2, N), dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias),
+                             dict(num_warps=4)))
+    return found

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.batch_invariance import check_rows_computed_apart
+
 # Config attributes that change attention or logits in ways the engine does not implement.
 _UNSUPPORTED_CONFIG = {
     "alibi": "ALiBi position biases",
@@ -48,6 +50,7 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
             raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
+    check_rows_computed_apart(model)  # per-tensor activation quantization (model/batch_invariance.py)
 
 
 def _offloaded(model: torch.nn.Module) -> bool:

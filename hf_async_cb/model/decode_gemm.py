@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.skinny_gemm import MAX_M, GemmChoice, m_bucket, runs_on, skinny_linear
+from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 try:  # what a recorded config that this machine cannot build raises
@@ -55,7 +56,9 @@ class _Projection:
 
 
 def _eligible(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous() and runs_on(weight.device)
+    """A plain 2-D weight the kernels read as it is (never a quantized tensor subclass)."""
+    return (is_plain(weight) and weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous()
+            and runs_on(weight.device))
 
 
 class DecodeGemms:
@@ -102,6 +105,12 @@ class DecodeGemms:
                 bucket *= 2
         self._by_shape.clear()  # the next attach() reads the new choices
         return measured
+
+    def kernel_picks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, dict]]]:
+        """(weight, bias, {rows bucket: config}) of every covered projection: what attach() routes
+        through the kernel (the variants kernels/precompile.py compiles ahead)."""
+        return [(m.weight, m.bias, self._configs(m.weight)) for m in self._linears] + \
+            [(g.weight, g.bias, self._configs(g.weight)) for g in self._groups]
 
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel."""

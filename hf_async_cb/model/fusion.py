@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from hf_async_cb.model.weight_kinds import is_plain_floating
+
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 _LIVE: "weakref.WeakSet[FusedProjections]" = weakref.WeakSet()  # every fusion not yet garbage
 
@@ -201,7 +203,9 @@ def has_hooks(m: nn.Module) -> bool:
 
 def _fusable(members: list) -> bool:
     if not all(type(m) is nn.Linear for m in members) or len({id(m) for m in members}) != len(members):
-        return False
+        return False  # quantized module classes (bitsandbytes, quanto, HQQ, ...) run their own forward
+    if not all(is_plain_floating(m.weight) and (m.bias is None or is_plain_floating(m.bias)) for m in members):
+        return False  # a tensor subclass (torchao) or float8 / integer data: only its own forward reads it
     if any(has_hooks(m) or "forward" in m.__dict__ for m in members):  # a fused part never calls the member
         return False
     first = members[0]
@@ -214,8 +218,10 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     """Fuse every q/k/v and gate/up group of plain nn.Linears in `model`, in place.
 
     Groups whose members differ in type, in_features, dtype, device or bias presence are left
-    alone, as are groups with a member whose call runs hooks or a forward of its own, and models whose projections are already
-    fused. Returns the handle that restores.
+    alone, as are groups with a member whose call runs hooks or a forward of its own, groups with
+    a quantized member (a module class other than nn.Linear, or a weight that is not a plain
+    floating tensor: model/weight_kinds.py), and models whose projections are already fused.
+    Returns the handle that restores.
     """
     fused = FusedProjections()
     _LIVE.add(fused)

@@ -72,9 +72,10 @@ def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
     key = (type(model), model.config.to_json_string(use_diff=False), dtype, device.type,
            tensor_parallel_size(model))  # a tensor-parallel rank holds its own heads
     if key not in _LAYOUTS:
+        from hf_async_cb.model.compiled import uncompiled
         from hf_async_cb.model.prepared import model_guard
 
-        with model_guard(model).held("measuring the K/V layout"):  # a forward with the config switched
+        with model_guard(model).held("measuring the K/V layout"), uncompiled(model):  # a forward, config switched
             _LAYOUTS[key] = _measure(model, device)
     return _LAYOUTS[key]
 
@@ -121,8 +122,10 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
                          f"failed ({type(error).__name__}: {first})") from error
     if not shapes:
         raise ValueError(f"{name} cannot run on hf_async_cb: none of its layers writes a K/V cache.")
-    if sorted(shapes) != list(range(len(shapes))):
-        raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)} write a K/V cache of "
+    declared = getattr(text_config_of(model.config), "num_hidden_layers", None)
+    if sorted(shapes) != list(range(len(shapes))) or (isinstance(declared, int) and len(shapes) < declared):
+        of = f" of its {declared}" if isinstance(declared, int) else ""
+        raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)}{of} write a K/V cache of "
                          "their own (the others write none, as cross-attention layers without an image, or share "
                          "another layer's), which the paged cache does not support.")
     return KVLayout(tuple(dataclasses.replace(shapes[i], gathered=i in transformed) for i in range(len(shapes))))

@@ -26,8 +26,10 @@ from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
+from hf_async_cb.model.compiled import uncompiled
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
 from hf_async_cb.model.mask_semantics import apply_masks
+from hf_async_cb.model.weight_kinds import storage_key
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ def signature(model: torch.nn.Module) -> tuple:
     module put in place of another, a class swapped, a forward set on an instance or a forward hook
     added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
     their feature, are not counted) counts as a change, as do parameters and the config."""
-    params = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in model.parameters())
+    params = tuple((id(p), storage_key(p), p.dtype, p.device) for p in model.parameters())
     modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
     return params, modules, global_hooks(), _config_snapshot(model.config)
 
@@ -169,7 +171,7 @@ class PreparedModel:
                  fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
                  skinny_gemm: bool | None = None) -> None:
         check_model_supported(model, trust_untested_model)
-        with model_guard(model).held("reading its attention masks"):  # a forward with the config switched
+        with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
             apply_masks(model)
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
@@ -214,20 +216,21 @@ class PreparedModel:
         with guard.held(what, serving=serving):
             if check is not None:
                 check()
-            try:
-                if self.fusion is not None:
-                    self.fusion.attach()
-                if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
-                    self.elementwise.attach()
-                if self.decode_gemms is not None:  # after the projections: it routes their groups' GEMMs
-                    self.decode_gemms.attach()
-                self.adapters.attach()
-                attention.register()
-                with attention.implementation(model.config, attention.ATTENTION_NAME):
-                    yield
-            finally:
-                with deferred_interrupts():  # half given back, the model would fail every later forward
-                    self._detach()
+            with uncompiled(model):  # compiled wrappers set aside: the engine runs the eager forward
+                try:
+                    if self.fusion is not None:
+                        self.fusion.attach()
+                    if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
+                        self.elementwise.attach()
+                    if self.decode_gemms is not None:  # after the projections: it routes their groups' GEMMs
+                        self.decode_gemms.attach()
+                    self.adapters.attach()
+                    attention.register()
+                    with attention.implementation(model.config, attention.ATTENTION_NAME):
+                        yield
+                finally:
+                    with deferred_interrupts():  # half given back, the model would fail every later forward
+                        self._detach()
 
     def _detach(self) -> None:
         self.adapters.detach()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -46,8 +47,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
-PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async", "generate-async")
 GENERATE_PATHS = ("generate-sync", "generate-async")  # ours through model.generate(batching=...)
+KNOWN_PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async") + GENERATE_PATHS
+PATHS = ("stock", "hf-cb-sync", "hf-cb-async", "sync", "async", "generate-async")  # a run without --compare
 # The default workload per device: the GPU one takes minutes per path on a CPU, where nothing is
 # measured anyway (no CUDA events, no floor): there it only shows that every path runs.
 WORKLOADS = {"cuda": dict(shape="llama3.2-1b", requests=64, prompt=128, new=256),
@@ -55,7 +57,8 @@ WORKLOADS = {"cuda": dict(shape="llama3.2-1b", requests=64, prompt=128, new=256)
 HF_ASYNC_DEVICES = ("cuda", "xpu")  # transformers' async batching refuses other devices
 ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
              "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False},
-             "noprefill": {"prefill_graphs": False}, "cublas": {"skinny_gemm": False}}
+             "noprefill": {"prefill_graphs": False}, "cublas": {"skinny_gemm": False},
+             "nocache": {"prefix_caching": False}}
 
 
 def our_path(path: str) -> tuple[str, dict] | None:
@@ -66,11 +69,16 @@ def our_path(path: str) -> tuple[str, dict] | None:
     return mode, {k: v for variant in variants for k, v in ABLATIONS[variant].items()}
 
 
+def ablation_suffixes() -> str:
+    """"-ref/-unfused/...": what our paths' names may end with."""
+    return "/".join(f"-{name}" for name in ABLATIONS)
+
+
 def check_paths(paths, mixed: bool = False) -> None:
     for path in paths:
-        if path not in PATHS and path not in GENERATE_PATHS and our_path(path) is None:
-            raise ValueError(f"unknown path {path!r}: choose from {', '.join(PATHS)} "
-                             "(ours with -ref/-unfused/-noew/-eager/-noprefill/-cublas)")
+        if path not in KNOWN_PATHS and our_path(path) is None:
+            raise ValueError(f"unknown path {path!r}: choose from {', '.join(KNOWN_PATHS)} "
+                             f"(sync, async with {ablation_suffixes()})")
         if mixed and (path in PATHS[:3] or path in GENERATE_PATHS):
             raise ValueError(f"the mixed workload runs our paths only, not {path!r}")
 
@@ -210,10 +218,24 @@ SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
 HF_PAGE = 256  # transformers' continuous batching: tokens per page (its default)
 
 
-def run_path(path: str, model, prompts: list[list[int]], new, config=None, sample: bool = False) -> Result:
+def bar_labels(path: str, phase: str = "") -> tuple[str, str]:
+    """The progress bars' labels of a path's first and timed calls: "sync first call", "sync timed";
+    in a phase of their own (run()'s short warm-up pass), "sync warm-up (first call)", "sync warm-up"."""
+    return (f"{path} {phase} (first call)", f"{path} {phase}") if phase else (f"{path} first call", f"{path} timed")
+
+
+def _labelled(config, label: str):
+    """`config` with its progress bar (if on) labelled `label`."""
+    return replace(config, progress=label) if config.progress else config
+
+
+def run_path(path: str, model, prompts: list[list[int]], new, config=None, sample: bool = False,
+             phase: str = "") -> Result:
     """`new`: new tokens per request, one int for all or a list (mixed workload, our paths only).
-    `sample`: draw with SAMPLING on every path instead of greedy picks."""
+    `sample`: draw with SAMPLING on every path instead of greedy picks. `phase`: what the progress
+    bars of our paths say beside the path (bar_labels)."""
     decoding = SAMPLING if sample else dict(do_sample=False)
+    first_call, timed = bar_labels(path, phase)
     device = model.device
     gc.collect()
     if device.type == "cuda":
@@ -232,14 +254,19 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         import hf_async_cb
 
         ids = torch.tensor(prompts, device=device)
+        batching_config = replace(config or hf_async_cb.BatchingConfig(), seed=0)
         options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, batching=path.split("-")[1],
-                       batching_config=replace(config or hf_async_cb.BatchingConfig(), seed=0),
+                       batching_config=_labelled(batching_config, first_call),
                        eos_token_id=None, pad_token_id=0, **decoding)
         # The first call builds the model's runtime (captures, compiles): timed on its own, as ours.
         warm = time.perf_counter()
         model.generate(ids, **options)
         _sync(device)
         extra["warmup_s"] = time.perf_counter() - warm
+        options["batching_config"] = _labelled(batching_config, timed)  # (per call: the runtime is kept)
+        # The timed call must not reuse the prompts the first call cached: it measures a workload
+        # seen for the first time, as the other paths do (sharing within the call still counts).
+        hf_async_cb.clear_prefix_cache(model)
         start = time.perf_counter()
         out = model.generate(ids, **options)
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -251,7 +278,8 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        gcfg = GenerationConfig(max_new_tokens=new, eos_token_id=None, pad_token_id=0, **decoding)
+        # -1: no EOS, said as transformers' continuous batching asks (None makes it warn, then use -1).
+        gcfg = GenerationConfig(max_new_tokens=new, eos_token_id=-1, pad_token_id=0, **decoding)
         sizing = {}
         if device.type == "cpu":
             # Else HF sizes its cache from the host's free RAM and its step for 8192 tokens, and fills
@@ -275,8 +303,9 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         config = config or BatchingConfig()
         if sample and config.seed is None:
             changes["seed"] = 0
-        engine = Engine(model, replace(config, mode=mode, **changes))
+        engine = Engine(model, _labelled(replace(config, mode=mode, **changes), first_call))
         pipeline = engine.pipeline(mode)
+        decoding = dict(decoding, eos_token_ids=())  # no EOS, as every other path
         params = [SamplingParams(max_new_tokens=n, **decoding) for n in new] if isinstance(new, list) \
             else SamplingParams(max_new_tokens=new, **decoding)
         # Warm-up: the same workload once (graph captures, kernel selection), timed on its own.
@@ -284,8 +313,10 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         engine.generate(prompts, params)
         _sync(device)
         extra["warmup_s"] = time.perf_counter() - warm
+        engine.config = _labelled(engine.config, timed)
         pipeline.record_step_times = device.type == "cuda"
         pipeline.num_steps = 0
+        engine.clear_prefix_cache()  # (as for generate paths: no reuse of the warm-up's prompts)
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
         tokens = sum(len(o.output_token_ids) for o in outs)
@@ -331,7 +362,7 @@ def run(shape: str, requests: int, prompt: int, new: int, paths=PATHS, device=No
             roofline = prefill_flops(model, requests, prompt) / peak + new * floor / 1e3
     # Warm-up: one short pass through every path (kernels, allocator, lazy imports).
     for path in paths:
-        run_path(path, model, prompts[:2], 2, config, sample)
+        run_path(path, model, prompts[:2], 2, config, sample, phase="warm-up")
     results = []
     for path in paths:
         results.append(run_path(path, model, prompts, new, config, sample))
@@ -351,6 +382,22 @@ def _cell(value, fmt: str) -> str | None:
     return None if value is None else format(value, fmt)
 
 
+def format_seconds(seconds: float | None) -> str | None:
+    """Three significant digits (0.00412, 4.12, 412): a fast path's time is not rounded to 0.0."""
+    if seconds is None:
+        return None
+    if seconds <= 0:
+        return "0"
+    return f"{seconds:.{max(0, 2 - math.floor(math.log10(seconds)))}f}"
+
+
+def first_call_extra(result: dict) -> float | None:
+    """What the first call took beyond the timed one (set-up a user pays once), clamped at 0: the
+    timed call taking longer is noise between two runs of the same work, not a negative set-up."""
+    warmup = result["extra"].get("warmup_s")
+    return None if warmup is None else max(0.0, warmup - result["seconds"])
+
+
 # (title, cell of a result row, given the report's floor in tok/s or None, and its roofline in s or
 # None). A column no row has a value for is left out (on a CPU: the floor, the roofline, the
 # CUDA-event timings and peak memory).
@@ -358,15 +405,15 @@ COLUMNS = (
     ("tokens/s", lambda r, floor: f"{r['tokens_per_s']:,.0f}"),
     ("% of floor", lambda r, floor: None if floor is None else f"{100 * r['tokens_per_s'] / floor:.1f}%"),
     ("of roofline", lambda r, floor: None if r.get("roofline_s") is None else f"{r['roofline_s'] / r['seconds']:.2f}"),
-    ("s", lambda r, floor: f"{r['seconds']:.1f}"),
+    ("s", lambda r, floor: format_seconds(r["seconds"])),
     ("steps", lambda r, floor: _cell(r["steps"], "d")),
     ("decode ms/step", lambda r, floor: _cell(r["decode_ms_per_step"], ".2f")),
     ("GPU busy (decode)", lambda r, floor: _cell(r["gpu_busy"] and 100 * r["gpu_busy"], ".1f")),
     ("peak GiB", lambda r, floor: _cell(r["peak_memory_gib"], ".1f")),
     # The first call runs the same workload (builds, captures, compiles): its time, and what it
     # costs beyond the timed call's (what a user pays once).
-    ("first call s", lambda r, floor: _cell(r["extra"].get("warmup_s"), ".1f")),
-    ("first call extra s", lambda r, floor: _cell(r["extra"].get("warmup_s") and r["extra"]["warmup_s"] - r["seconds"], "+.2f")),
+    ("first call s", lambda r, floor: format_seconds(r["extra"].get("warmup_s"))),
+    ("first call extra s", lambda r, floor: format_seconds(first_call_extra(r))),
 )
 
 

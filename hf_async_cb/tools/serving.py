@@ -22,10 +22,17 @@ module measures those as vLLM's serving benchmark does, on random weights in rea
   own loop thread as it appends it (`record_timestamps`). Both are when a streaming client could
   first see the token, taken on one clock (time.perf_counter) with the client's arrival stamps.
 - Warm-up (WARMUPS): before the timed run, on the same engine or manager, "replay" runs the timed
-  workload once (its arrivals included), "short" a few short requests. Graph buckets are captured
-  on first use and depend on how the arrivals interleave, so only a replay keeps nearly all of
-  them out of the timed run; ours report how many were still captured during it. The warm-up time
-  reported runs from building the engine (or manager) to the end of the warm-up requests.
+  workload once (its arrivals and lengths, other prompt tokens: a prefix cache, ours or
+  transformers' block sharing, must not serve the timed prompts), "short" a few short requests.
+  Graph buckets are captured on first use and depend on how the arrivals interleave, so after the
+  replay ours run `decode_grid` (a decode step of every (batch, context) bucket the run can meet)
+  and capture no new prefill bucket (those the replay did not meet run eagerly): a warmed run
+  captures nothing. Ours report the captures and eager steps during the timed run, and per request
+  the steps launched between its submission and its first token. The warm-up time reported runs
+  from building the engine (or manager) to the end of the warm-up requests.
+- Time limits: a path whose warm-up or timed run outlasts its limit (PEER_LIMIT_S for
+  transformers' manager) gets a row all the same, over the requests that finished, with a note;
+  so does a path that fails.
 - Metrics (`summarize`, exact definitions there) and a markdown table (`format_table`).
 """
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -42,6 +50,8 @@ import numpy as np
 import torch
 
 from hf_async_cb.tools import bench
+
+logger = logging.getLogger(__name__)
 
 # ShareGPT-like lengths without the data set: lognormal prompt and output lengths (tokens), drawn
 # again when outside [lo, hi] (vLLM's ShareGPT sampler drops such requests: prompts over 1024
@@ -55,6 +65,7 @@ LENGTHS = ("fixed", "uniform", "sharegpt")
 WARMUPS = ("replay", "short")
 SHORT_WARMUP = dict(requests=4, prompt=16, new=4)  # the "short" warm-up: all at once
 PATHS = ("hf-cb-sync", "hf-cb-async", "sync", "async")
+PEER_LIMIT_S = 150.0  # transformers' manager: its warm-up and timed run together (path_limit)
 # What the CLI runs when no --lengths is given: ShareGPT-like on CUDA; on the CPU, where nothing is
 # measured anyway, the short fixed lengths of bench's CPU workload.
 DEFAULT_LENGTHS = {"cuda": "sharegpt", "cpu": "fixed"}
@@ -75,6 +86,7 @@ class Workload:
     rate: float | None
     lengths: str
     description: str
+    system_prompt: int = 0  # tokens every prompt starts with (the same ones: a shared system prompt)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -131,16 +143,21 @@ def describe_lengths(lengths: str, prompt: int, new: int) -> str:
 
 
 def make_workload(requests: int, vocab: int, rate: float = math.inf, lengths: str = "fixed", prompt: int = 128,
-                  new: int = 256, seed: int = 0) -> Workload:
+                  new: int = 256, seed: int = 0, system_prompt: int = 0) -> Workload:
     """N requests: arrivals, lengths and prompt token ids (in [3, vocab): clear of the special ids
-    build_model gives) from three streams of `seed`."""
+    build_model gives) from three streams of `seed`. `system_prompt` tokens, the same for every
+    request, come before each drawn prompt (what a chat service sends: a prefix cache's case)."""
     arrivals_seed, lengths_seed, tokens_seed = np.random.SeedSequence(seed).spawn(3)
     prompt_lens, new_lens = draw_lengths(requests, lengths, prompt, new, lengths_seed)
     arrivals = arrival_times(requests, rate, arrivals_seed)
     rng = np.random.default_rng(tokens_seed)
-    prompts = [rng.integers(3, vocab, n).tolist() for n in prompt_lens]
+    shared = rng.integers(3, vocab, system_prompt).tolist()
+    prompts = [shared + rng.integers(3, vocab, n).tolist() for n in prompt_lens]
+    description = describe_lengths(lengths, prompt, new)
+    if system_prompt:
+        description = f"a shared {system_prompt}-token system prompt, then " + description
     return Workload(prompts, new_lens, arrivals, None if math.isinf(rate) else float(rate), lengths,
-                    describe_lengths(lengths, prompt, new))
+                    description, system_prompt)
 
 
 # -- timings and metrics ----------------------------------------------------------------------------
@@ -153,6 +170,8 @@ class Trace:
     arrival: float
     token_times: list[float] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    finished: bool = True  # False: it had not finished when its run's time limit came
+    first_token_steps: int | None = None  # ours: steps launched from its submission to its first token
 
     @property
     def finish(self) -> float:
@@ -198,9 +217,9 @@ def summarize(traces: list[Trace]) -> dict:
       over all requests; mean, p50, p90, p99.
     - e2e_s: per request, last token's time − arrival; mean, p50, p99.
     """
-    done = [t for t in traces if t.token_times]
+    done = [t for t in traces if t.token_times and t.finished]
     if not done:
-        raise ValueError("no request produced a token")
+        raise ValueError("no request finished with a token")
     duration = max(t.finish for t in done) - min(t.arrival for t in done)
     outputs = sum(len(t.token_times) for t in done)
     prompts = sum(t.prompt_tokens for t in done)
@@ -213,6 +232,18 @@ def summarize(traces: list[Trace]) -> dict:
         "itl_ms": _stats([gap for t in done for gap in t.itls], 1e3),
         "e2e_s": _stats([t.e2e for t in done], 1.0, ("mean", "p50", "p99")),
     }
+
+
+def empty_summary(traces: list[Trace]) -> dict:
+    """`summarize`'s keys for a run in which no request finished: counts, and None for the rest."""
+    stats = {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {"requests": 0, "failed": len(traces), "duration_s": None, "output_tokens": 0, "prompt_tokens": 0,
+            "request_throughput": None, "output_throughput": None, "total_token_throughput": None,
+            "ttft_ms": dict(stats), "itl_ms": dict(stats), "e2e_s": {"mean": None, "p50": None, "p99": None}}
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
 
 # -- the client: arrivals on time, one request at a time -----------------------------------------
@@ -250,16 +281,34 @@ class OurServer:
             changes["seed"] = 0
         self.sample = sample
         self.engine = Engine(model, replace(config, mode=mode, progress=False, **changes))
+        self.pipeline = self.engine.pipeline(mode)
         self.engine.start(mode)
 
-    @property
-    def graphs(self) -> int | None:
-        return None if self.engine.graphs is None else len(self.engine.graphs)
+    def counters(self) -> dict[str, int]:
+        """Steps launched, graphs captured and graph steps run so far (what run_path reports per run)."""
+        graphs = self.engine.graphs
+        return {"steps": self.pipeline.num_steps, "captures": len(graphs) if graphs is not None else 0,
+                "graph_steps": graphs.num_replays if graphs is not None else 0}
 
-    def serve(self, workload: Workload, timeout: float | None = None) -> tuple[list[Trace], float]:
+    def warm_up(self, workload: Workload, timeout: float | None = None, deadline: float | None = None) -> bool:
+        """The replay warm-up (module docstring); whether it finished before `deadline`."""
+        vocab = self.engine.vocab_size
+        traces, _ = self.serve(fresh_prompts(workload, vocab), timeout, deadline)
+        graphs = self.engine.graphs
+        if graphs is not None:
+            graphs.max_prefill_graphs = graphs.num_prefill_graphs  # the rest run eagerly: no capture in the run
+            config = self.engine.config
+            for group in decode_grid(workload, config.max_running_requests, config.max_batch_tokens, vocab):
+                traces += self.serve(group, timeout, deadline)[0]
+        return all(t.finished for t in traces)
+
+    def serve(self, workload: Workload, timeout: float | None = None,
+              deadline: float | None = None) -> tuple[list[Trace], float]:
+        """Run `workload`; each result is waited for at most `timeout` s (TimeoutError past it), and
+        none past `deadline` (a time.perf_counter() value): those left then are marked unfinished."""
         from hf_async_cb.engine.requests import SamplingParams
 
-        engine, handles = self.engine, {}
+        engine, pipeline, handles = self.engine, self.pipeline, {}
         decoding = _decoding(self.sample)
 
         def submit(i: int, trace: Trace) -> None:
@@ -268,13 +317,27 @@ class OurServer:
             # token and contend for the GIL with the loop it measures, and its wake-up delay would
             # land in the timestamps.
             stamp = trace.token_times.append
+            submitted = pipeline.num_steps  # (read off the loop's thread: a step may be launching)
+
+            def on_token(request, token) -> None:
+                if trace.first_token_steps is None:
+                    trace.first_token_steps = pipeline.num_steps - submitted
+                stamp(time.perf_counter())
+
             handles[i] = engine.add_request(workload.prompts[i],
                                             SamplingParams(max_new_tokens=workload.new[i], **decoding),
-                                            on_token=lambda request, token: stamp(time.perf_counter()))
+                                            on_token=on_token)
 
         traces, lag = _drive(workload, submit)
         for i, trace in enumerate(traces):
-            trace.output_token_ids = handles[i].result(timeout).output_token_ids
+            left = _remaining(deadline)
+            by_deadline = left is not None and (timeout is None or left <= timeout)
+            try:
+                trace.output_token_ids = handles[i].result(left if by_deadline else timeout).output_token_ids
+            except TimeoutError:
+                if not by_deadline:
+                    raise
+                trace.finished = False
         return traces, lag
 
     def close(self) -> None:
@@ -326,9 +389,21 @@ class HFServer:
         self._context = model.continuous_batching_context_manager(**kwargs)
         self.manager = self._context.__enter__()
         self._ids = 0
-        self.graphs = None
+        self._vocab = model.config.vocab_size
+        self.timed_out = False
 
-    def serve(self, workload: Workload, timeout: float | None = None) -> tuple[list[Trace], float]:
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def warm_up(self, workload: Workload, timeout: float | None = None, deadline: float | None = None) -> bool:
+        """The replay (its own graph warm-up ran as it started); whether it finished before `deadline`."""
+        traces, _ = self.serve(fresh_prompts(workload, self._vocab), timeout, deadline)
+        return all(t.finished for t in traces)
+
+    def serve(self, workload: Workload, timeout: float | None = None,
+              deadline: float | None = None) -> tuple[list[Trace], float]:
+        """As OurServer.serve: `timeout` for all the results (TimeoutError past it), none waited for
+        past `deadline` (those left are marked unfinished, and the manager is hard-stopped at close)."""
         manager, ids = self.manager, {}
 
         def submit(i: int, trace: Trace) -> None:
@@ -339,10 +414,15 @@ class HFServer:
                                 record_timestamps=True, eos_token_id=-1)
 
         traces, lag = _drive(workload, submit)
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        limit = None if timeout is None else time.perf_counter() + timeout
         pending = set(ids)
         while pending:
             if deadline is not None and time.perf_counter() > deadline:
+                for request_id in pending:
+                    traces[ids[request_id]].finished = False
+                self.timed_out = True
+                break
+            if limit is not None and time.perf_counter() > limit:
                 raise TimeoutError(f"transformers' manager did not finish {len(pending)} requests within {timeout} s")
             result = manager.get_result(timeout=0.1)
             if result is None:
@@ -361,6 +441,8 @@ class HFServer:
         return traces, lag
 
     def close(self) -> None:
+        if self.timed_out:  # else its stop would first finish every request still queued
+            self.manager.stop(block=True, timeout=30, hard_stop=True)
         self._context.__exit__(None, None, None)
 
 
@@ -368,7 +450,7 @@ def check_paths(paths) -> None:
     for path in paths:
         if path not in PATHS and bench.our_path(path) is None:
             raise ValueError(f"unknown serving path {path!r}: choose from {', '.join(PATHS)} "
-                             "(ours with -ref/-unfused/-noew/-eager/-noprefill)")
+                             f"(sync, async with {bench.ablation_suffixes()})")
 
 
 def runnable_paths(paths, device: torch.device) -> tuple[tuple[str, ...], list[str]]:
@@ -393,6 +475,45 @@ def open_server(path: str, model, config=None, sample: bool = False, sizing: Wor
     return OurServer(model, path, config, sample)
 
 
+def fresh_prompts(workload: Workload, vocab: int, seed: int = 1) -> Workload:
+    """`workload` with other prompt tokens (the same lengths and arrivals): it meets the same step
+    shapes, and leaves nothing in a prefix cache that the timed prompts could hit."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, len(workload)]))
+    shared = rng.integers(3, vocab, workload.system_prompt).tolist()  # shared as the timed one's, other tokens
+    return replace(workload, prompts=[shared + rng.integers(3, vocab, len(p) - workload.system_prompt).tolist()
+                                      for p in workload.prompts])
+
+
+def decode_buckets(workload: Workload, max_running: int) -> tuple[list[int], list[int]]:
+    """The batch and context buckets of the decode steps `workload` can meet (cuda_graphs.py): batches
+    of up to min(max_running, its requests) rows, contexts up to its longest prompt + output."""
+    from hf_async_cb.engine.cuda_graphs import MIN_CONTEXT_BUCKET, _pow2
+
+    batches = _pow2(min(max_running, len(workload)))
+    contexts = max(MIN_CONTEXT_BUCKET, _pow2(max(len(p) + n for p, n in zip(workload.prompts, workload.new))))
+    return ([1 << i for i in range(batches.bit_length())],
+            [MIN_CONTEXT_BUCKET << i for i in range((contexts // MIN_CONTEXT_BUCKET).bit_length())])
+
+
+def decode_grid(workload: Workload, max_running: int, step_tokens: int, vocab: int, seed: int = 2) -> list[Workload]:
+    """Workloads (all at once, run one after the other) whose decode steps meet every bucket of
+    `decode_buckets`: for batch b and context c, min(b, max_running) requests decode together, one
+    of them with a c/2-token prompt (a decode step's context bucket is that of its longest
+    request), the others with 4 tokens. They decode for as many steps as their prompts take to
+    prefill at `step_tokens` a step, plus two: so all of them decode together at least once."""
+    batches, contexts = decode_buckets(workload, max_running)
+    rng = np.random.default_rng(seed)
+    grid = []
+    for c in contexts:
+        for b in batches:
+            n = min(b, max_running)
+            lengths = [c // 2] + [4] * (n - 1)
+            new = -(-(sum(lengths) + n) // step_tokens) + 2
+            grid.append(Workload([rng.integers(3, vocab, k).tolist() for k in lengths], [new] * n, [0.0] * n, None,
+                                 "fixed", f"decode bucket batch {b}, context {c}"))
+    return grid
+
+
 def short_warmup(vocab: int, seed: int = 0) -> Workload:
     n = SHORT_WARMUP
     return make_workload(n["requests"], vocab, math.inf, "fixed", n["prompt"], n["new"], seed + 1)
@@ -402,52 +523,101 @@ def short_warmup(vocab: int, seed: int = 0) -> Workload:
 class PathRun:
     path: str
     traces: list[Trace]
-    warmup_s: float
+    warmup_s: float | None
     extra: dict = field(default_factory=dict)
+    note: str | None = None  # why some requests (or the timed run) are missing: a time limit, a failure
 
     def row(self) -> dict:
-        return {"path": self.path, "warmup_s": self.warmup_s, **summarize(self.traces), "extra": self.extra}
+        finished = any(t.token_times and t.finished for t in self.traces)
+        metrics = summarize(self.traces) if finished else empty_summary(self.traces)
+        return {"path": self.path, "warmup_s": self.warmup_s, **metrics, "extra": self.extra, "note": self.note}
+
+
+def path_limit(path: str, peer_limit_s: float | None = None) -> float | None:
+    """Seconds a path's warm-up and timed run may take together: `peer_limit_s` (None: PEER_LIMIT_S)
+    for transformers' manager (on a slow host it can take minutes), none for ours (their `timeout`
+    still applies)."""
+    if not path.startswith("hf-cb-"):
+        return None
+    return PEER_LIMIT_S if peer_limit_s is None else peer_limit_s
+
+
+def _first_token_steps(traces: list[Trace]) -> dict | None:
+    steps = [t.first_token_steps for t in traces if t.first_token_steps is not None]
+    return None if not steps else {**_stats(steps, 1.0, ("mean", "p50", "p99")), "max": max(steps)}
 
 
 def run_path(path: str, model, workload: Workload, config=None, sample: bool = False, warmup: str = "replay",
-             timeout: float | None = 600.0) -> PathRun:
-    """Start `path`, warm it up (WARMUPS), serve `workload` timed, stop it."""
+             timeout: float | None = 600.0, limit_s: float | None = None) -> PathRun:
+    """Start `path`, warm it up (WARMUPS), serve `workload` timed, stop it. `timeout`: seconds to wait
+    for a run's results before TimeoutError; `limit_s`: seconds from the start for the warm-up and
+    the timed run together, past which what finished is reported (with a note) instead."""
     if warmup not in WARMUPS:
         raise ValueError(f"unknown warm-up {warmup!r}: choose from {', '.join(WARMUPS)}")
     device = model.device
-    warm = workload if warmup == "replay" else short_warmup(model.config.vocab_size)
     gc.collect()  # the previous path's pool and graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     bench._sync(device)
     start = time.perf_counter()
     server = open_server(path, model, config, sample, sizing=workload)
+    deadline = None if limit_s is None else start + limit_s
+    extra: dict = {}
+    note = None
     try:
-        server.serve(warm, timeout)
+        if warmup == "replay":
+            warmed = server.warm_up(workload, timeout, deadline)
+        else:
+            warmed = all(t.finished for t in server.serve(short_warmup(model.config.vocab_size), timeout, deadline)[0])
         bench._sync(device)
         warmup_s = time.perf_counter() - start
-        graphs = server.graphs
-        traces, lag = server.serve(workload, timeout)
-        extra = {"client_lag_ms": lag * 1e3}
-        if graphs is not None:
-            extra["graphs_captured_in_run"] = server.graphs - graphs
+        if not warmed:
+            traces = [Trace(len(p), 0.0, finished=False) for p in workload.prompts]
+            note = f"the warm-up did not finish within the {limit_s:g} s limit: no timed run"
+        else:
+            before = server.counters()
+            traces, lag = server.serve(workload, timeout, deadline)
+            after = server.counters()
+            extra["client_lag_ms"] = lag * 1e3
+            if before:
+                extra["graphs_captured_in_run"] = after["captures"] - before["captures"]
+                extra["steps_in_run"] = after["steps"] - before["steps"]
+                extra["eager_steps_in_run"] = extra["steps_in_run"] - (after["graph_steps"] - before["graph_steps"])
+                extra["first_token_steps"] = _first_token_steps(traces)
+            unfinished = sum(not t.finished for t in traces)
+            if unfinished:
+                note = f"{unfinished}/{len(traces)} requests not finished within the {limit_s:g} s limit"
     finally:
         server.close()
-    return PathRun(path, traces, warmup_s, extra)
+    return PathRun(path, traces, warmup_s, extra, note)
 
 
 def run(shape: str, requests: int, rate: float = math.inf, lengths: str = "sharegpt", prompt: int = 128,
         new: int = 256, paths=("sync", "async"), device=None, dtype=None, config=None, sample: bool = False,
-        warmup: str = "replay", seed: int = 0) -> dict:
+        warmup: str = "replay", seed: int = 0, model=None, peer_limit_s: float | None = None,
+        system_prompt: int = 0) -> dict:
     """Every path on one serving workload; the report `format_table` prints (json-serialisable:
-    rate None is all at once)."""
+    rate None is all at once). `model`: one already built for `shape` on `device` (else built here);
+    `peer_limit_s`: transformers' manager's time limit (None: PEER_LIMIT_S)."""
     check_paths(paths)
     device = torch.device(device) if device is not None else bench.default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = bench.build_model(shape, device, dtype)
-    workload = make_workload(requests, model.config.vocab_size, rate, lengths, prompt, new, seed)
-    results = [run_path(path, model, workload, config, sample, warmup).row() for path in paths]
-    return {"shape": shape, "requests": requests, "rate": workload.rate, "lengths": lengths,
+    if model is None:
+        model = bench.build_model(shape, device, dtype)
+    workload = make_workload(requests, model.config.vocab_size, rate, lengths, prompt, new, seed, system_prompt)
+    results = []
+    for path in paths:
+        try:
+            results.append(run_path(path, model, workload, config, sample, warmup,
+                                    limit_s=path_limit(path, peer_limit_s)).row())
+        except Exception as error:  # noqa: BLE001 - a peer's failure is its row's note; ours raise
+            if not path.startswith("hf-cb-"):
+                raise
+            logger.exception("serving path %s failed", path)
+            failed = [Trace(len(p), 0.0, finished=False) for p in workload.prompts]
+            reason = str(error).splitlines()[0] if str(error) else ""
+            results.append(PathRun(path, failed, None, note=f"failed: {type(error).__name__}: {reason}").row())
+    return {"shape": shape, "requests": requests, "rate": workload.rate, "lengths": lengths, "system_prompt": system_prompt,
             "length_description": workload.description, "prompt": prompt, "new": new, "seed": seed,
             "mean_prompt": float(np.mean([len(p) for p in workload.prompts])),
             "mean_new": float(np.mean(workload.new)), "sample": sample, "warmup": warmup, "device": str(device),
@@ -460,19 +630,25 @@ def _ms(stats: dict, key: str) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 COLUMNS = (
-    ("req/s", lambda r: f"{r['request_throughput']:.2f}"),
-    ("out tok/s", lambda r: f"{r['output_throughput']:,.0f}"),
-    ("total tok/s", lambda r: f"{r['total_token_throughput']:,.0f}"),
+    ("req/s", lambda r: _number(r["request_throughput"], ".2f")),
+    ("out tok/s", lambda r: _number(r["output_throughput"], ",.0f")),
+    ("total tok/s", lambda r: _number(r["total_token_throughput"], ",.0f")),
     ("TTFT p50 ms", lambda r: _ms(r["ttft_ms"], "p50")),
     ("TTFT p90 ms", lambda r: _ms(r["ttft_ms"], "p90")),
     ("TTFT p99 ms", lambda r: _ms(r["ttft_ms"], "p99")),
     ("ITL p50 ms", lambda r: _ms(r["itl_ms"], "p50")),
     ("ITL p90 ms", lambda r: _ms(r["itl_ms"], "p90")),
     ("ITL p99 ms", lambda r: _ms(r["itl_ms"], "p99")),
-    ("E2E p50 s", lambda r: f"{r['e2e_s']['p50']:.3f}"),
-    ("E2E p99 s", lambda r: f"{r['e2e_s']['p99']:.3f}"),
-    ("warm-up s", lambda r: f"{r['warmup_s']:.2f}"),
+    ("E2E p50 s", lambda r: _number(r["e2e_s"]["p50"], ".3f")),
+    ("E2E p99 s", lambda r: _number(r["e2e_s"]["p99"], ".3f")),
+    ("warm-up s", lambda r: _number(r["warmup_s"], ".2f")),
+    ("captures in run", lambda r: _number(r.get("extra", {}).get("graphs_captured_in_run"), "d")),
+    ("note", lambda r: r.get("note") or ""),
 )
 
 

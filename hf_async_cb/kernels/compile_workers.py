@@ -1,0 +1,113 @@
+"""Compile kernel variants in parallel worker processes, filling Triton's disk cache.
+
+Why processes: a Triton compile is mostly single-threaded Python and LLVM (and ptxas, a process of
+its own), so variants compiled one after another in the serving process cost their sum; workers
+cost the longest chain instead, as torch inductor's compile workers do for its kernels. What a
+worker compiles lands in Triton's disk cache (TRITON_CACHE_DIR, or ~/.triton/cache), where the
+serving process's JIT then finds it: loading a compiled variant takes milliseconds.
+
+Workers are forked from the serving process, so they start at once, with every module already
+imported (a fresh interpreter would import torch and transformers first: seconds on a slow host).
+A forked child must not touch CUDA; it does not: the JIT compiles for the target it is given
+(variant.TargetDriver), which a compile needs and nothing else. Each variant is compiled through
+the kernel's own JIT (Variant.warmup), under the very cache key the serving process will look up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from hf_async_cb.kernels.variant import Variant, from_pickled
+
+
+@dataclass
+class Compiled:
+    """One variant's compile in a worker: its name, the values that make it a variant, seconds, and
+    the error if it failed (the serving process then meets that error where it launches it)."""
+
+    name: str
+    described: str
+    seconds: float
+    error: str | None = None
+
+
+def default_workers() -> int:
+    """One worker per core this process may use, leaving one for the serving process."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def _start_worker(target) -> None:
+    """In a fresh worker: compile for `target`, with no GPU call and none of the parent's hooks."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    from hf_async_cb.kernels.variant import TargetDriver
+
+    driver.set_active(TargetDriver(target))
+    knobs.runtime.jit_cache_hook = None
+    knobs.runtime.jit_post_compile_hook = None
+
+
+def _compile(pickled: tuple) -> Compiled:
+    variant = from_pickled(*pickled)
+    start = time.perf_counter()
+    try:
+        variant.warmup()
+        error = None
+    except Exception as e:  # noqa: BLE001 (reported; the serving process meets it where it launches)
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return Compiled(variant.name, variant.describe(), time.perf_counter() - start, error)
+
+
+def compile_in_workers(variants: list[Variant], target, workers: int | None = None) -> list[Compiled]:
+    """Compile `variants` for `target` in forked worker processes (into Triton's disk cache), the
+    slowest kinds first so that no worker is left with a long one at the end. Returns each compile's
+    report, in the order they finished. A worker that dies (a crash in the compiler) raises
+    BrokenProcessPool here rather than hanging the build."""
+    if not variants:
+        return []
+    _warm_up_compiler(target)
+    workers = min(len(variants), workers or default_workers())
+    ordered = sorted(variants, key=_expected_cost, reverse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (forking a process with threads: see the module doc)
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_start_worker, initargs=(target,))
+        try:
+            futures = [pool.submit(_compile, v.pickled()) for v in ordered]
+            return [future.result() for future in as_completed(futures)]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _warm_up_compiler(target) -> None:
+    """Import the compiler and compute what every compile needs once per process (the hash of
+    Triton's own files, ~0.5-1.5 s; the backend's), here, so that no worker repeats it."""
+    import triton.compiler.compiler  # noqa: F401
+
+    try:
+        from triton.compiler import make_backend
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+        make_backend(target).hash()
+    except Exception:  # noqa: BLE001 (an internal that moved: each worker then computes its own)
+        pass
+
+
+# Rough compile cost by kernel (the H200 host's seconds are about a third of these), for the order.
+_COST = {"_resolve_kernel": 5.0, "_paged_attention_kernel": 3.0, "_ladder_kernel": 2.0, "_draw_parts_kernel": 1.5,
+         "_greedy_parts_kernel": 1.2, "_skinny_gemm_kernel": 1.0, "_gather_kernel": 0.8}
+
+
+def _expected_cost(variant: Variant) -> float:
+    return _COST.get(variant.name.rsplit(".", 1)[-1], 0.5)

@@ -1,0 +1,170 @@
+"""Every compiled kernel variant a model's runs can launch, known at its engine's build.
+
+Why: a call that compiles a kernel variant mid-run pays for it (0.3 s to 3.5 s each on the H200's
+host, more than stock generate's whole call at times). No kernel specialises on a per-step value
+(rows, tokens, contexts, splits: those are runtime arguments, or constexprs from short lists that
+are all listed here), so the variants follow from a few facts of the model and the engine alone:
+`ModelFacts`, read from an engine being built by `facts_of`, and `model_variants`, a pure function of them
+that kernels/precompile.py compiles at once (tests check that it covers every key a run produces).
+
+Not covered (they compile when first launched, as before): layers that attend over gathered
+contexts (MLA latents: their K/V strides follow the step), the decode GEMM tuner's candidates
+(measured once per machine), and launches with benchmark tuning overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_async_cb.kernels.variant import Variant
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """Layers that launch the same attention variants: heads, pools (as meta tensors: shape, strides,
+    dtype) and the options of their calls."""
+
+    num_heads: int
+    key_pool: torch.Tensor
+    value_pool: torch.Tensor
+    window: bool = False  # some calls pass a sliding window (the layer may also run without)
+    softcap: bool = False
+    sinks: torch.dtype | None = None
+    alibi: torch.dtype | None = None
+
+    def key(self) -> tuple:
+        pools = [(tuple(p.shape), p.stride(), p.dtype) for p in (self.key_pool, self.value_pool)]
+        return self.num_heads, *pools, self.window, self.softcap, self.sinks, self.alibi
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What decides a model's kernel variants. Widths are elements; dtypes are torch dtypes."""
+
+    device_type: str  # "cuda" (compiled, libdevice) or "cpu" (the interpreter's sizes)
+    dtype: torch.dtype  # the model's activations
+    vocab: int  # the logits' width (lm_head's rows)
+    page_size: int = 16
+    attention: tuple[AttentionKind, ...] = ()  # empty: the reference attention (no kernels)
+    splits: bool = True  # decode contexts may be split over programs (attention_launch.choose_splits)
+    tall: bool = True  # prefill steps of TALL_TILE_QUERY_LEN tokens or more take tall tiles
+    norms: tuple[tuple[int, torch.dtype, bool], ...] = ()  # fused RMSNorms: (width, weight dtype, unit offset)
+    add_norms: tuple[tuple[int, torch.dtype], ...] = ()  # residual adds fused into norms: (width, weight dtype)
+    rotary: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head size) of fused rotaries
+    mlps: tuple[tuple[int, bool], ...] = ()  # fused activation-muls: (intermediate width, GELU-tanh)
+    gemms: tuple[tuple[int, int, bool, int, tuple], ...] = ()  # (N, K, bias, rows bucket, config items)
+    draws: bool = True  # the greedy and sampled draws run as kernels
+    extra: tuple[Variant, ...] = field(default=())
+
+
+def _meta(pool: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(pool.shape), pool.stride(), dtype=pool.dtype, device="meta")
+
+
+def model_variants(facts: ModelFacts) -> list[Variant]:
+    """Every variant `facts` implies, each once (a pure function: no GPU, nothing compiled)."""
+    from hf_async_cb.kernels import draw_greedy, draw_sampled, elementwise, paged_attention, skinny_gemm, store_kv
+
+    device = torch.device(facts.device_type)
+    on_gpu = facts.device_type == "cuda"
+    found: list[Variant] = []
+    for kind in {kind.key(): kind for kind in facts.attention}.values():
+        for window in sorted({False, kind.window}):
+            found += paged_attention.variants(kind.num_heads, kind.key_pool, kind.value_pool, facts.page_size,
+                                              facts.dtype, window=window, softcap=kind.softcap, sinks=kind.sinks,
+                                              alibi=kind.alibi, splits=facts.splits, tall=facts.tall)
+        found += store_kv.variants(kind.key_pool, kind.value_pool, facts.dtype, facts.dtype)
+    for width, weight_dtype, unit_offset in facts.norms:
+        found += elementwise.rms_variants(width, facts.dtype, weight_dtype, unit_offset, use_libdevice=on_gpu)
+    for width, weight_dtype in facts.add_norms:
+        found += elementwise.rms_variants(width, facts.dtype, weight_dtype, add=True, use_libdevice=on_gpu)
+    for q_heads, k_heads, head_dim in facts.rotary:
+        found += elementwise.rotary_variants(q_heads, k_heads, head_dim, facts.dtype)
+    for width, gelu in facts.mlps:
+        found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
+    for n, k, bias, bucket, config in facts.gemms:
+        found += skinny_gemm.variants(n, k, facts.dtype, bias, bucket, dict(config))
+    if facts.draws:
+        # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
+        for dtype in dict.fromkeys((facts.dtype, torch.float32)):
+            found += draw_greedy.variants(dtype, facts.vocab, facts.vocab)
+            found += draw_sampled.variants(dtype, facts.vocab, facts.vocab, device)
+    found += facts.extra
+    return _unique(found)
+
+
+def _unique(variants: list[Variant]) -> list[Variant]:
+    seen, out = set(), []
+    for v in variants:
+        key = (id(v.kernel), repr(v.args), repr(sorted(v.constexprs.items())), repr(sorted(v.options.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
+
+
+def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
+    """The facts of `model`'s engine, from the point of its build where its pool and attention
+    backend exist (Engine._build): the model as prepared, the pool, the config."""
+    prepared, config = engine.prepared_model, engine.config
+    text = engine._model_config
+    output = model.get_output_embeddings()
+    vocab = output.weight.shape[0] if output is not None and getattr(output, "weight", None) is not None \
+        else engine.vocab_size
+    attention = ()
+    if engine.attention_backend == "triton":
+        window = bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None) or ())
+        softcap = bool(getattr(text, "attn_logit_softcapping", None))
+        sinks = next((m.sinks.dtype for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)),
+                     None)
+        alibi = next((m.hf_async_cb_alibi_slopes.dtype for m in model.modules()
+                      if isinstance(getattr(m, "hf_async_cb_alibi_slopes", None), torch.Tensor)), None)
+        attention = tuple(AttentionKind(query_heads(text, layer.key_heads), _meta(k), _meta(v), window, softcap,
+                                        sinks, alibi)
+                          for k, v, layer in zip(engine.cache.keys, engine.cache.values, engine.layout.layers)
+                          if not layer.gathered)
+    norms, add_norms, rotary, mlps = _elementwise_facts(prepared.elementwise, engine)
+    gemms = []
+    if prepared.decode_gemms is not None:
+        for weight, bias, configs in prepared.decode_gemms.kernel_picks():
+            for bucket, cfg in configs.items():
+                gemms.append((weight.shape[0], weight.shape[1], bias is not None, bucket, tuple(sorted(cfg.items()))))
+    return ModelFacts(
+        device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,
+        attention=attention, norms=norms, add_norms=add_norms, rotary=rotary, mlps=mlps,
+        gemms=tuple(dict.fromkeys(gemms)), draws=engine.attention_backend == "triton")
+
+
+def query_heads(text_config, key_heads: int) -> int:
+    """A layer's query heads: its measured key heads times the config's group size (so a tensor-
+    parallel rank's share, or MQA's 71 on one, come out right)."""
+    heads = text_config.num_attention_heads
+    return key_heads * (heads // (getattr(text_config, "num_key_value_heads", None) or heads))
+
+
+def _elementwise_facts(fused, engine) -> tuple[tuple, tuple, tuple, tuple]:
+    """(norms, add_norms, rotary, mlps) of a model's element-wise fusions (model/elementwise_fusion.py)."""
+    if fused is None:
+        return (), (), (), ()
+    from hf_async_cb.model import elementwise_fusion as ew
+
+    norms, mlps = set(), set()
+    for module, forward in fused._modules:
+        function = getattr(forward, "__func__", forward)
+        if function in (ew._rms_forward, ew._unit_offset_rms_forward):
+            norms.add((module.weight.shape[0], module.weight.dtype, function is ew._unit_offset_rms_forward))
+        elif function is ew._mlp_forward:
+            mlps.add((module.gate_proj.weight.shape[0], ew._activation(module.act_fn) == "gelu_tanh"))
+        elif function is ew._gate_up_forward:
+            mlps.add((module.gate_up_proj.out_features // 2, False))
+    hidden = engine._model_config.hidden_size  # the norms after residual adds (residual_fusion.py)
+    add_norms = {(w, d) for w, d, unit in norms if not unit and w == hidden} if fused.add_norms else set()
+    rotary = set()
+    if fused._rotary:
+        text = engine._model_config
+        rotary = {(query_heads(text, layer.key_heads), layer.key_heads, layer.key_dim)
+                  for layer in engine.layout.layers if not layer.gathered}
+    return tuple(sorted(norms, key=str)), tuple(sorted(add_norms, key=str)), tuple(sorted(rotary)), \
+        tuple(sorted(mlps))

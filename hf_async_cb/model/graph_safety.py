@@ -1,0 +1,29 @@
+"""Quantized weights whose kernels a CUDA graph cannot record: such a model's steps run eagerly.
+
+A CUDA graph records the kernels launched on the stream it captures. optimum-quanto's 2- and 4-bit
+weights (WeightQBitsTensor, and its AWQ form) unpack and multiply with CUDA kernels launched on
+the legacy default stream, whichever stream is current: a capture does not record them, and a
+replay skips them and reads whatever the captured buffers hold. On an H200, quanto int4 gave other
+tokens than stock's from the first one with the engine's graphs, and stock's tokens without them
+(its forward outside a graph is right, so the parity check, which runs eagerly, passed it). The
+engine runs such a model without CUDA graphs, and says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (module prefix, class names) of weight classes whose CUDA kernels ignore the current stream.
+_OFF_STREAM_WEIGHTS = (("optimum.quanto", ("WeightQBitsTensor", "AWQWeightQBitsTensor")),)
+
+
+def launches_off_stream(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s class runs CUDA kernels on the legacy stream rather than the current one."""
+    cls = type(weight)
+    return any(cls.__module__.startswith(prefix) and cls.__name__ in names for prefix, names in _OFF_STREAM_WEIGHTS)
+
+
+def graph_unsafe_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the CUDA weights whose kernels a CUDA graph would not record."""
+    return [name for name, weight in model.named_parameters()
+            if weight.device.type == "cuda" and launches_off_stream(weight)]

@@ -1,0 +1,46 @@
+"""What the K/V of a cached prefix depends on beyond its tokens, read cheaply once per call.
+
+The prefix cache (engine/prefix_cache.py) must never hand out K/V that the model would no longer
+compute. A call compares this fingerprint with the last one and empties the cache on a change:
+
+- the weights' version counters: an optimizer step, `load_state_dict`, `copy_`, any in-place write
+  through autograd's view of a parameter or buffer bumps them (no pass over the weights: one
+  attribute per tensor). Writes through `.data` bump nothing: `clear_prefix_cache()` is for those;
+- the storages (a reassigned `.data`, `.to()`); the runtime rebuilds on those anyway;
+- each adapter layer's state (PEFT: the active adapters, disabled, merged), which switches without
+  touching a weight.
+
+Tensors made under `torch.inference_mode()` keep no version counter: for such a model the
+fingerprint is None, "unknown", and the cache lives for one call only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
+    """A value that changes whenever the K/V `model` computes for given tokens may have; None when
+    that cannot be told (inference tensors)."""
+    try:
+        tensors = [*model.parameters(), *model.buffers()]
+        versions = sum(t._version for t in tensors)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+    storages = tuple(t.data_ptr() for t in tensors if not _is_subclass(t))
+    return versions, hash(storages), _adapter_state(model)
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    """Quantized weights (torchao and kin) are tensor subclasses whose data_ptr may raise."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
+def _adapter_state(model: torch.nn.Module) -> tuple:
+    state = []
+    for module in model.modules():
+        attrs = module.__dict__
+        if "_active_adapter" in attrs:  # a PEFT tuner layer
+            state.append((id(module), str(attrs["_active_adapter"]), attrs.get("_disable_adapters"),
+                          tuple(attrs.get("merged_adapters", ()))))
+    return tuple(state)

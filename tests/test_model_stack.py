@@ -1,0 +1,436 @@
+"""What users load on top of a model family: adapters, quantized weights, cache options, compiled
+forwards, loading options. Each gives stock generate's tokens (greedy, fp32, tiny random Llama,
+both loops, projections fused and not) or a ValueError that names it; never other tokens, never
+an internal error. One test per row of docs/models.md's model stack table.
+
+The quantization libraries are optional: a test whose library is not installed is skipped with
+its name (the `test` extra installs them all).
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+from models import COMMON, left_pad, random_prompts, scaled
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig
+from hf_async_cb.engine import parity
+from hf_async_cb.generate import runtime as runtime_module
+from hf_async_cb.model.fusion import fuse_projections
+from hf_async_cb.model.numerics_key import numerics_key
+from hf_async_cb.model.prepared import signature
+
+MODES = ("sync", "async")
+FUSED = (False, True)  # on the CPU fusion is off by default: forced on to run the path CUDA takes
+EVERY_RUN = tuple((mode, fuse) for fuse in FUSED for mode in MODES)
+# Where no projection group can fuse (every one quantized or adapted), a fused engine runs the
+# unfused path: one fused run shows that its preparation leaves them alone.
+UNFUSABLE_RUNS = (("sync", False), ("async", False), ("async", True))
+
+
+def _llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return scaled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval())
+
+
+def _greedy(model, batching, batching_config=None, **kwargs) -> torch.Tensor:
+    ids, mask = left_pad(random_prompts(4, 5, 20, seed=7))
+    if batching_config is not None:
+        kwargs["batching_config"] = batching_config
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=None,
+                          pad_token_id=0, batching=batching, **kwargs)
+
+
+def _assert_exact(model, runs=EVERY_RUN, **kwargs) -> None:
+    """Each (loop, fused) run gives stock's tokens; the model is stock again afterwards."""
+    expected = _greedy(model, "off", **kwargs)
+    for mode, fuse in runs:
+        got = _greedy(model, mode, batching_config=BatchingConfig(fuse_projections=fuse), **kwargs)
+        assert torch.equal(got, expected), (mode, fuse)
+    hf_async_cb.release(model)
+    assert torch.equal(_greedy(model, "off", **kwargs), expected)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> str:
+    """The tiny Llama on disk, for the loading paths (from_pretrained with a quantization config)."""
+    path = tmp_path_factory.mktemp("llama")
+    _llama().save_pretrained(path)
+    return str(path)
+
+
+# --- PEFT adapters ---------------------------------------------------------------------------------------
+
+def _lora(**overrides):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    settings = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj"], lora_dropout=0.0,
+                    init_lora_weights=False)  # random B: the adapter changes the tokens
+    return peft.LoraConfig(**{**settings, **overrides})
+
+
+def test_lora_adapters_switched_disabled_and_merged_are_exact():
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    base = _llama()
+    base_tokens = _greedy(base, "off")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, _lora())
+    model.add_adapter("other", _lora(r=2))
+    model.eval()
+    for adapter in ("other", "default"):
+        model.set_adapter(adapter)
+        assert not torch.equal(_greedy(model, "off"), base_tokens)  # the adapter matters
+        _assert_exact(model, UNFUSABLE_RUNS)  # (q and gate adapted: no group fuses)
+    with model.disable_adapter():
+        _assert_exact(model, UNFUSABLE_RUNS)
+    merged = model.merge_and_unload()
+    _assert_exact(merged)
+
+
+def test_lora_added_after_a_fused_engine_existed_is_exact():
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    model = _llama()
+    expected_base = _greedy(model, "off")
+    config = BatchingConfig(fuse_projections=True)
+    assert torch.equal(_greedy(model, "sync", batching_config=config), expected_base)
+    torch.manual_seed(2)
+    adapted = peft.get_peft_model(model, _lora()).eval()
+    expected = _greedy(adapted, "off")
+    assert not torch.equal(expected, expected_base)
+    for mode in MODES:
+        assert torch.equal(_greedy(adapted, mode, batching_config=config), expected)
+    hf_async_cb.release(model)
+
+
+def test_qlora_on_bitsandbytes_4bit_is_exact(saved_llama):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, quantization_config=quantization,
+                                                              device_map="cpu", dtype=torch.float32)
+    torch.manual_seed(3)
+    _assert_exact(peft.get_peft_model(model, _lora()).eval(), UNFUSABLE_RUNS)
+
+
+def test_a_mixed_adapter_batch_is_refused():
+    """adapter_names= (one adapter per row) rides on forward hooks that index the batch's rows, which
+    the engine packs into one: refused, before any tokens, naming the hooks."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    model = peft.get_peft_model(_llama(), _lora())
+    model.add_adapter("other", _lora(r=2))
+    model.eval()
+    for mode in MODES:
+        with pytest.raises(ValueError, match=r"adapter_names.*forward hooks"):
+            _greedy(model, mode, adapter_names=["default", "other", "default", "other"])
+
+
+@pytest.mark.parametrize("method", ["prefix_tuning", "prompt_tuning", "p_tuning"])
+def test_peft_prompt_learning_is_refused_by_name_before_any_work(method):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    configs = {
+        "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "p_tuning": lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4,
+                                                     encoder_hidden_size=32),
+    }
+    base = _llama()
+    model = peft.get_peft_model(base, configs[method]()).eval()
+    expected = _greedy(model, "off")
+    for mode in MODES:
+        with pytest.raises(ValueError, match=rf"cannot run PEFT prompt learning \({method.upper()}, 4 virtual tokens\)"):
+            _greedy(model, mode)
+    assert runtime_module._RUNTIMES.get(base) is None  # refused before the engine was built
+    assert torch.equal(_greedy(model, "off"), expected)
+    assert torch.equal(_greedy(base, "sync"), _greedy(base, "off"))  # the base model alone still runs
+
+
+def test_an_input_rewriter_set_on_the_instance_is_refused():
+    model = _llama()
+    original = model.prepare_inputs_for_generation
+    model.prepare_inputs_for_generation = lambda *args, **kwargs: original(*args, **kwargs)
+    with pytest.raises(ValueError, match=r"prepare_inputs_for_generation is replaced on this instance"):
+        _greedy(model, "sync")
+    model.prepare_inputs_for_generation = original  # the model's own method, bound: not a replacement
+    assert torch.equal(_greedy(model, "sync"), _greedy(model, "off"))
+
+
+# --- quantized weights ------------------------------------------------------------------------------------
+
+def _bitsandbytes(path, **settings):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.BitsAndBytesConfig(**settings), device_map="cpu", dtype=torch.float32)
+
+
+def _quanto(path, weights):
+    pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.QuantoConfig(weights=weights), device_map="cpu", dtype=torch.float32)
+
+
+def _hqq(path):
+    """HQQ 4-bit (transformers 5.24 has no HqqConfig loading path: HQQ's own HQQLinear, put in place)."""
+    quantize = pytest.importorskip("hqq.core.quantize", reason="hqq is not installed")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    settings = quantize.BaseQuantizeConfig(nbits=4, group_size=64)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=torch.float32,
+                                                              device="cpu"))
+    return model
+
+
+def _torchao(path, config_name, **settings):
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    config = getattr(quantization, config_name)(**settings)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.TorchAoConfig(config), device_map="cpu", dtype=torch.float32)
+
+
+def _torchao_after_loading(path, config_name, **settings):
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    quantization.quantize_(model, getattr(quantization, config_name)(**settings))
+    return model
+
+
+QUANTIZED = {
+    "bitsandbytes-int8": lambda path: _bitsandbytes(path, load_in_8bit=True),
+    "bitsandbytes-fp4": lambda path: _bitsandbytes(path, load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    "bitsandbytes-nf4": lambda path: _bitsandbytes(path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.float32),
+    "quanto-int8": lambda path: _quanto(path, "int8"),
+    "quanto-int4": lambda path: _quanto(path, "int4"),
+    "hqq-4bit": _hqq,
+    "torchao-int8-weight-only": lambda path: _torchao(path, "Int8WeightOnlyConfig"),
+    "torchao-float8-weight-only": lambda path: _torchao_after_loading(path, "Float8WeightOnlyConfig"),
+    "torchao-intx-weight-only": lambda path: _torchao_after_loading(path, "IntxWeightOnlyConfig"),
+    "torchao-int8-activation-intx-weight": lambda path: _torchao_after_loading(
+        path, "Int8DynamicActivationIntxWeightConfig"),
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_quantized_weights_are_exact_and_never_fused(saved_llama, method):
+    """Quantized modules and tensor-subclass weights run through their own forward: fusion leaves
+    their groups alone (no crash on a weight with no storage of its own), tokens are stock's."""
+    model = QUANTIZED[method](saved_llama).eval()
+    signature(model)  # reads every weight's storage without touching a subclass's
+    with fuse_projections(model) as fused:
+        assert fused.num_groups == 0  # every projection is quantized
+    _assert_exact(model, UNFUSABLE_RUNS)
+
+
+def test_quanto_packed_weights_are_known_to_escape_cuda_graphs(saved_llama):
+    """quanto's 2/4-bit weights run CUDA kernels on the legacy stream, which a CUDA graph does not
+    record (on an H200 its graphs gave other tokens): the engine runs such models eagerly there.
+    Its 8-bit weights, and the other libraries', are captured as they are."""
+    from hf_async_cb.model.graph_safety import graph_unsafe_weights, launches_off_stream
+
+    int4, int8 = _quanto(saved_llama, "int4"), _quanto(saved_llama, "int8")
+    projection = "model.layers.0.self_attn.q_proj.weight"
+    assert launches_off_stream(dict(int4.named_parameters())[projection])
+    assert not any(launches_off_stream(p) for p in int8.parameters())
+    assert graph_unsafe_weights(int4) == []  # on the CPU: no graphs to escape
+
+
+def test_fusion_skips_only_the_quantized_groups():
+    """torchao on the MLPs alone: the q/k/v groups still fuse, the gate/up ones are left as they are."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    model = _llama()
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig(),
+                           filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and ".mlp." in name)
+    with fuse_projections(model) as fused:
+        assert fused.counts == {"qkv": 2, "gate_up": 0}
+    _assert_exact(model)
+
+
+def test_int8_dynamic_activation_is_refused_with_its_difference():
+    """Activation scales computed per forward: stock's own logits for a prompt differ from those for
+    its prefix, and the engine's packed steps cannot reproduce them; the parity check measures it."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    model = _llama()
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig())
+    for mode in MODES:
+        with pytest.raises(ValueError, match=r"differ from its own forward by [0-9.e-]+ of the largest logit"):
+            _greedy(model, mode)
+
+
+def test_per_tensor_activation_scales_are_refused_before_any_work():
+    """One activation scale for the whole input: stock's own tokens for a prompt depend on the other
+    rows of its batch, so no batching reproduces them (Float8DynamicActivationFloat8WeightConfig's
+    default on CUDA; int8 here, the CPU runs it)."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    from torchao.quantization.granularity import PerTensor
+
+    model = _llama()
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig(granularity=PerTensor()))
+    ids, mask = left_pad(random_prompts(4, 5, 20, seed=7))
+    batched = _greedy(model, "off")[:, -8:]
+    alone = [model.generate(ids[i:i + 1, int(mask[i].argmax()):], do_sample=False, max_new_tokens=8,
+                            eos_token_id=None, pad_token_id=0, batching="off")[0, -8:] for i in range(4)]
+    assert not all(torch.equal(row, one) for row, one in zip(batched, alone))  # stock depends on the batch
+    for mode in MODES:
+        with pytest.raises(ValueError, match=r"one scale per tensor .* PerTensor"):
+            _greedy(model, mode)
+    assert runtime_module._RUNTIMES.get(model) is None
+
+
+def test_a_verdict_is_never_borrowed_across_quantize_(monkeypatch):
+    """torchao's quantize_ after loading leaves the class, config and dtype as they were: the verdict
+    of the plain model must not run the quantized one (other tokens), nor the quantized one's refuse
+    the plain one; also when one model object is quantized in place between calls."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+
+    def quantized(model):
+        quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig())
+        return model
+
+    monkeypatch.setattr(parity, "_VERDICTS", {})
+    plain = _llama()
+    assert torch.equal(_greedy(plain, "sync"), _greedy(plain, "off"))
+    with pytest.raises(ValueError, match="differ from its own forward"):
+        _greedy(quantized(_llama()), "sync")
+    with pytest.raises(ValueError, match="differ from its own forward"):
+        _greedy(quantized(plain), "async")  # the same object, quantized in place after a call
+
+    monkeypatch.setattr(parity, "_VERDICTS", {})
+    with pytest.raises(ValueError, match="differ from its own forward"):
+        _greedy(quantized(_llama()), "sync")
+    other = _llama()
+    assert torch.equal(_greedy(other, "async"), _greedy(other, "off"))
+
+
+def test_the_numerics_key_tells_apart_what_changes_numerics():
+    """Identical models share a key (one parity check for all); a quantized form, its layout, an
+    adapter, the active adapter, a disabled or merged one, and a compiled wrapper each change it."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    plain = numerics_key(_llama())
+    assert numerics_key(_llama(seed=5)) == plain == numerics_key(copy.deepcopy(_llama()))
+    keys = [plain]
+    for config in (quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig(),
+                   quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4),
+                   quantization.IntxWeightOnlyConfig(weight_dtype=torch.int2)):
+        model = _llama()
+        quantization.quantize_(model, config)
+        keys.append(numerics_key(model))
+    model = peft.get_peft_model(_llama(), _lora())
+    model.add_adapter("other", _lora(r=2))
+    base = model.get_base_model()
+    keys.append(numerics_key(base))
+    model.set_adapter("other")
+    keys.append(numerics_key(base))
+    with model.disable_adapter():
+        keys.append(numerics_key(base))
+    model.base_model.merge_adapter()
+    keys.append(numerics_key(base))
+    compiled = _llama()
+    compiled.compile(backend="eager")
+    keys.append(numerics_key(compiled))
+    assert len(set(keys)) == len(keys)
+
+
+# --- cache_implementation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["dynamic", "static", "sliding_window", "hybrid"])
+def test_layout_only_cache_options_are_exact(option):
+    model = _llama()
+    _assert_exact(model, (("sync", False), ("async", True)), cache_implementation=option)
+    model.generation_config.cache_implementation = option  # the same, read from the model's own config
+    _assert_exact(model, (("async", False),))
+
+
+@pytest.mark.parametrize("option", ["quantized", "offloaded", "offloaded_static", "offloaded_hybrid"])
+@pytest.mark.parametrize("where", ["argument", "generation_config", "model.generation_config"])
+def test_cache_options_that_change_numerics_or_placement_are_refused_by_name(option, where):
+    model = _llama()
+    ids, mask = left_pad(random_prompts(2, 5, 9, seed=1))
+    kwargs = dict(max_new_tokens=3, do_sample=False)
+    if where == "argument":
+        kwargs["cache_implementation"] = option
+    elif where == "generation_config":
+        kwargs = dict(generation_config=transformers.GenerationConfig(cache_implementation=option, **kwargs))
+    else:
+        model.generation_config.cache_implementation = option
+    reason = "quantized" if option == "quantized" else "CPU memory"
+    for mode in MODES:
+        with pytest.raises(ValueError, match=rf"does not run cache_implementation='{option}': .*{reason}"):
+            model.generate(ids, attention_mask=mask, batching=mode, **kwargs)
+    assert runtime_module._RUNTIMES.get(model) is None
+
+
+def test_paged_as_an_argument_asks_for_two_engines_and_is_refused():
+    model = _llama()
+    with pytest.raises(ValueError, match=r"cache_implementation='paged'.*choose one"):
+        _greedy(model, "sync", cache_implementation="paged")
+    model.generation_config.cache_implementation = "paged"  # on a GenerationConfig: stock's dynamic cache
+    _assert_exact(model, (("sync", False), ("async", False)))
+
+
+# --- compiled forwards ------------------------------------------------------------------------------------
+
+def _compile_three_ways(model, backend):
+    return {
+        "module.compile()": lambda: model.compile(backend=backend),
+        "forward = torch.compile(forward)": lambda: setattr(model, "forward",
+                                                            torch.compile(model.forward, backend=backend)),
+        "torch.compile(layer)": lambda: model.model.layers.__setitem__(
+            0, torch.compile(model.model.layers[0], backend=backend)),
+    }
+
+
+@pytest.mark.parametrize("how", ["module.compile()", "forward = torch.compile(forward)", "torch.compile(layer)"])
+def test_a_compiled_model_runs_the_engines_own_path(how, caplog):
+    """The engine sets the compiled wrappers aside (no dynamo frame, no compile), says so once,
+    gives stock's tokens and leaves the wrappers in place for stock generate."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting_backend(graph, inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    model = _llama()
+    expected = _greedy(model, "off")
+    _compile_three_ways(model, counting_backend)[how]()
+    state = (model._compiled_call_impl, vars(model).get("forward"), model.model.layers[0])
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    with caplog.at_level(logging.INFO, logger="hf_async_cb.model.compiled"):
+        for fuse in FUSED:
+            for mode in MODES:
+                assert torch.equal(_greedy(model, mode, batching_config=BatchingConfig(fuse_projections=fuse)),
+                                   expected)
+            hf_async_cb.release(model)
+    assert not compiles and dict(torch._dynamo.utils.counters["frames"]) == frames
+    said = [r for r in caplog.records if "compiled forward" in r.getMessage()]
+    assert len(said) == 1 and "uncompiled path" in said[0].getMessage()
+    assert (model._compiled_call_impl, vars(model).get("forward"), model.model.layers[0]) == state
+
+
+# --- loading options --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [dict(device_map="cpu"), dict(device_map="auto"), dict(low_cpu_mem_usage=True),
+                                     dict(dtype=torch.float16)], ids=["device_map=cpu", "device_map=auto",
+                                                                      "low_cpu_mem_usage", "float16"])
+def test_loading_options_are_exact(saved_llama, options):
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, **{"dtype": torch.float32, **options})
+    _assert_exact(model.eval())
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (lambda: dict(past_key_values=transformers.DynamicCache()), "past_key_values"),
+    (lambda: dict(assistant_model=_llama(seed=1)), "assistant_model"),
+    (lambda: dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+], ids=["past_key_values", "assistant_model", "prompt_lookup_num_tokens"])
+def test_other_generation_machinery_is_refused_by_name(kwargs, named):
+    model = _llama()
+    for mode in MODES:
+        with pytest.raises(ValueError, match=named):
+            _greedy(model, mode, **kwargs())

@@ -1,0 +1,133 @@
+"""Compiling ahead (kernels/precompile.py) on the CPU: the variants a model's facts imply cover every
+kernel launch its runs make (keys named by Triton's own binder for an H200, from the launches the
+interpreter runs), whatever the batch sizes and prompt lengths; the precompile is a no-op off CUDA;
+and compile workers fill Triton's disk cache under the keys the serving process then finds there
+(in a process without the interpreter, compiling for sm_90 with no GPU)."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import random_prompts, tiny_model
+
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="records the interpreter's launches")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch the interpreter runs: (kernel, args, kwargs)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            seen.append((self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    return seen
+
+
+def _keys(recorded) -> dict[str, str]:
+    from hf_async_cb.kernels.variant import Variant, jit_key
+
+    return {jit_key(kernel, args, kwargs): Variant(kernel, ()).name for kernel, args, kwargs in recorded}
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen3", torch.float32),
+                                           ("mistral", torch.float32), ("gpt2", torch.float32),
+                                           ("llama", torch.bfloat16)])
+def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeypatch):
+    from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.kernels.model_variants import facts_of, model_variants
+    from hf_async_cb.kernels.variant import variant_key
+
+    listed = set()
+
+    def listing(engine, model):  # what the build hands the precompile on CUDA, at that very point of it
+        listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
+
+    monkeypatch.setattr(engine_module, "precompile", listing)
+    model = copy.deepcopy(tiny_model(family)).to(dtype)
+    config = BatchingConfig(attention="triton", fuse_projections=True, fuse_elementwise=True, cuda_graphs=True,
+                            page_size=4, max_batch_tokens=96, mode="sync",
+                            trust_untested_model=True)  # (the scaled tiny model drifts in bf16; launches are the point)
+    with Engine(model, config) as engine:
+        assert listed
+        launches.clear()  # (the preparation's checks run kernels on inputs of their own)
+        for rows, (lo, hi) in [(1, (1, 1)), (3, (2, 9)), (5, (60, 80))]:
+            prompts = random_prompts(rows, lo, hi, seed=rows)
+            engine.generate(prompts, max_new_tokens=3)
+            sampled = [SamplingParams(max_new_tokens=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                                      seed=i, repetition_penalty=1.2 if i % 2 else 1.0) for i in range(rows)]
+            engine.generate(prompts, sampled)
+    ran = _keys(launches)
+    missing = {key: name for key, name in ran.items() if key not in listed}
+    assert not missing, f"{len(missing)} launched variants not listed: {sorted(set(missing.values()))}"
+    names = set(ran.values())
+    assert {"paged_attention._paged_attention_kernel", "draw_greedy._greedy_parts_kernel",
+            "draw_sampled._resolve_kernel"} <= names
+    assert family == "gpt2" or "elementwise._rms_norm_kernel" in names  # (GPT-2 has LayerNorms)
+
+
+def test_nothing_is_compiled_ahead_off_cuda():
+    from hf_async_cb.kernels.precompile import precompile
+
+    with Engine(tiny_model("llama"), BatchingConfig(attention="triton", mode="sync")) as engine:
+        assert precompile(engine, engine.model) is None and engine._precompile is None
+
+
+_COMPILE_AHEAD = r"""
+import os, sys, torch
+from hf_async_cb.kernels import draw_greedy, store_kv
+from hf_async_cb.kernels.precompile import Precompile
+from hf_async_cb.kernels.variant import compiling_for, sm90
+
+pool = torch.empty(64, 2, 16, dtype=torch.bfloat16, device="meta")
+variants = store_kv.variants(pool, pool, torch.bfloat16, torch.bfloat16) + draw_greedy.variants(torch.bfloat16, 1000, 1000)
+files = lambda: sum(len(f) for _, _, f in os.walk(os.environ["TRITON_CACHE_DIR"]))
+with compiling_for(sm90()):
+    if sys.argv[1] == "compile":
+        ahead = Precompile(variants, torch.device("cpu"), "a test model", workers=2).wait()
+        assert len(ahead.compiled) == 3 and ahead.loaded == 3 and not ahead.failed, ahead.summary()
+        assert not [c for c in ahead.compiled if c.error], ahead.compiled
+        again = Precompile(variants, torch.device("cpu"), workers=2).wait()  # all in this process's JIT now
+        assert again.compiled == [] and again.loaded == 0, again.summary()
+    else:  # another process: the disk cache has them all, under the keys this JIT looks up
+        before = files()
+        for v in variants:
+            assert v.warmup() is not None
+        assert files() == before, (before, files())  # found there; nothing compiled anew
+print("files", files())
+"""
+
+
+def test_compile_workers_fill_the_disk_cache_another_process_then_reads(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    for step in ("compile", "load"):
+        result = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, step], env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert int(result.stdout.split("files")[-1]) >= 3 * 5  # each compile left its IR, binary and metadata
+
+
+def test_a_slow_first_use_is_said_once(caplog):
+    from hf_async_cb.kernels import precompile as module
+
+    with caplog.at_level("WARNING", logger=module.__name__):
+        module.note_slow_preparation("TinyModel on cuda:7", 0.5)  # quick: nothing to say
+        module.note_slow_preparation("TinyModel on cuda:7", 3.0, "compiling its kernels")
+        module.note_slow_preparation("TinyModel on cuda:7", 4.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "TinyModel on cuda:7 took 3.0 s (compiling its kernels)" in lines[0]

@@ -1,0 +1,243 @@
+"""Prefix caching through the engine: tokens equal to stock generate's with shared prefixes within a
+call, across calls, online, under preemption, after the weights changed (no stale K/V), and with
+it switched off; the counters say what was reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from models import CONFIGS, generated_rows, left_pad, random_prompts, scaled, stock_generate, tiny_model
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+
+modes = pytest.mark.parametrize("mode", ["sync", "async"])
+
+
+def fresh_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
+    """A model of its own (tiny_model's are shared between tests: these ones get written)."""
+    torch.manual_seed(seed)
+    return scaled(transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval())
+
+
+def shared_prompts(groups: int, rows: int, prefix: int, own: int, seed: int) -> list[list[int]]:
+    """`groups` prefixes of `prefix` tokens, each followed by `rows` different tails of 1..own tokens."""
+    prefixes = random_prompts(groups, prefix, prefix, seed=seed)
+    tails = random_prompts(groups * rows, 1, own, seed=seed + 1)
+    return [prefixes[g] + tails[g * rows + r] for g in range(groups) for r in range(rows)]
+
+
+def expected(model, prompts, new):
+    return generated_rows(stock_generate(model, prompts, max_new_tokens=new, do_sample=False),
+                          max(map(len, prompts)), pad=0, eos=(2,))
+
+
+def generate_rows(model, prompts, new, mode, config=None):
+    """Through model.generate(batching=mode): the runtime kept on the model between calls."""
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, batching=mode,
+                         batching_config=config)
+    return generated_rows(out, ids.shape[1], pad=0, eos=(2,))
+
+
+def engine_rows(engine, prompts, new, mode):
+    return [o.output_token_ids for o in engine.generate(prompts, max_new_tokens=new, eos_token_ids=(2,), mode=mode)]
+
+
+@modes
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_rows_sharing_a_prefix_match_stock_and_reuse_it(family, mode):
+    """Mistral's 24-token window is shorter than the 40-token shared prefix: the cached pages past
+    the window are still exact (every page is kept; the window is the mask's)."""
+    model = tiny_model(family)
+    prompts = shared_prompts(groups=3, rows=4, prefix=40, own=9, seed=1)
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=8, max_batch_tokens=128))
+    assert engine_rows(engine, prompts, 10, mode) == expected(model, prompts, 10)
+    stats = engine.prefix_cache_stats()
+    assert stats["hit_tokens"] >= 3 * 3 * 40 // 8 * 8  # the 3 later rows of each group take the prefix's pages
+    assert stats["deferrals"] > 0  # they arrived with their group's first row and waited a step for it
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@modes
+def test_identical_rows_and_full_page_prompts(mode):
+    """Rows repeating one prompt whose length is a whole number of pages: each row still feeds its
+    last token itself (the page holding it is not taken from the cache)."""
+    model = tiny_model("qwen2")
+    prompt = random_prompts(1, 32, 32, seed=3)[0]
+    prompts = [prompt] * 5 + [prompt[:16]] * 2
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=8, max_batch_tokens=64))
+    assert engine_rows(engine, prompts, 6, mode) == expected(model, prompts, 6)
+    assert engine.prefix_cache_stats()["hit_tokens"] == 4 * 24 + 2 * 8
+
+
+@modes
+def test_later_calls_reuse_and_multi_turn_reuses_the_answer(mode):
+    model = tiny_model("llama")
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=8))
+    first = shared_prompts(groups=1, rows=2, prefix=48, own=5, seed=5)
+    out = engine_rows(engine, first, 20, mode)
+    assert out == expected(model, first, 20)
+    hits = engine.prefix_cache_stats()["hit_tokens"]
+    # A new call on the same prefix; then a second turn: the first answer and a new question.
+    second = [first[0][:48] + [7, 8, 9]]
+    assert engine_rows(engine, second, 8, mode) == expected(model, second, 8)
+    assert engine.prefix_cache_stats()["hit_tokens"] - hits == 48
+    turn = first[1] + out[1] + [11, 12, 13]
+    hits = engine.prefix_cache_stats()["hit_tokens"]
+    assert engine_rows(engine, [turn], 8, mode) == expected(model, [turn], 8)
+    assert engine.prefix_cache_stats()["hit_tokens"] - hits >= (len(first[1]) + len(out[1]) - 1) // 8 * 8
+
+
+@modes
+@pytest.mark.parametrize("update", ["optimizer", "load_state_dict", "copy_", "dtype_roundtrip"])
+def test_weights_written_in_place_are_never_served_stale(mode, update):
+    """A weight update between calls (an RL step): the next call's tokens are the updated model's,
+    not those of K/V cached before it."""
+    model = fresh_model("llama", seed=11)
+    prompts = shared_prompts(groups=1, rows=3, prefix=32, own=4, seed=7)
+    for call in range(2):
+        if call:
+            if update == "optimizer":
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+                model.train()
+                model(torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss.backward()
+                optimizer.step()
+                model.eval()
+            elif update == "load_state_dict":
+                other = fresh_model("llama", seed=12)
+                model.load_state_dict(other.state_dict())
+            elif update == "copy_":
+                with torch.no_grad():
+                    model.model.layers[0].self_attn.k_proj.weight.copy_(
+                        torch.randn_like(model.model.layers[0].self_attn.k_proj.weight) * 2)
+            else:  # the same values written back: a change the counters see, harmless to clear on
+                with torch.no_grad():
+                    model.model.embed_tokens.weight.mul_(1.0)
+        want = expected(model, prompts, 8)
+        got = generate_rows(model, prompts, 8, mode)
+        assert got == want, f"call {call}"
+    stats = hf_async_cb.prefix_cache_stats(model)
+    assert stats["clears"] >= 1 and stats["hit_tokens"] > 0
+    hf_async_cb.release(model)
+
+
+def test_weights_written_through_data_need_a_clear():
+    """`.data` writes bump no version counter: clear_prefix_cache() is the documented remedy."""
+    model = fresh_model("llama", seed=13)
+    prompts = shared_prompts(groups=1, rows=2, prefix=32, own=4, seed=8)
+    engine = Engine(model, BatchingConfig(mode="sync", page_size=8))
+    engine_rows(engine, prompts, 4, "sync")
+    model.model.layers[1].mlp.down_proj.weight.data.mul_(-1.0)
+    engine.clear_prefix_cache()
+    assert engine.prefix_cache_stats()["cached_pages"] == 0
+    assert engine_rows(engine, prompts, 6, "sync") == expected(model, prompts, 6)
+
+
+@modes
+def test_fused_projections_keep_the_cache_across_calls(mode):
+    """The engine's own preparation (fused q/k/v and gate/up views) is no weight change."""
+    model = fresh_model("llama", seed=14)
+    prompts = shared_prompts(groups=1, rows=2, prefix=40, own=3, seed=9)
+    config = BatchingConfig(page_size=8, fuse_projections=True)
+    for call in range(2):
+        rows = generate_rows(model, prompts, 6, mode, config)
+        assert rows == expected(model, prompts, 6)
+    stats = hf_async_cb.prefix_cache_stats(model)
+    assert stats["clears"] == 0 and stats["hit_tokens"] >= 40 + 40  # the second row, then both rows again
+    hf_async_cb.release(model)
+
+
+@modes
+def test_small_pool_preempts_and_evicts_and_stays_exact(mode):
+    model = tiny_model("llama")
+    prompts = shared_prompts(groups=3, rows=3, prefix=24, own=12, seed=10)
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=4, num_pages=20, max_batch_tokens=48))
+    assert engine_rows(engine, prompts, 16, mode) == expected(model, prompts, 16)
+    assert engine.prefix_cache_stats()["evictions"] > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@modes
+def test_seeded_sampling_is_the_same_with_and_without_the_cache(mode):
+    model = tiny_model("qwen2")
+    prompts = shared_prompts(groups=2, rows=3, prefix=30, own=6, seed=12)
+    params = [SamplingParams(max_new_tokens=12, do_sample=True, temperature=1.3, top_k=40, seed=100 + i)
+              for i in range(len(prompts))]
+    runs = [[o.output_token_ids for o in Engine(model, BatchingConfig(mode=mode, page_size=8, prefix_caching=on))
+             .generate(prompts, params)] for on in (False, True)]
+    assert runs[0] == runs[1]
+
+
+def test_switched_off_reuses_nothing():
+    model = tiny_model("llama")
+    prompts = shared_prompts(groups=1, rows=4, prefix=32, own=4, seed=13)
+    engine = Engine(model, BatchingConfig(mode="async", page_size=8, prefix_caching=False))
+    assert engine_rows(engine, prompts, 6, "async") == expected(model, prompts, 6)
+    assert engine.prefix_cache_stats() is None and engine.scheduler.num_shared_tokens == 0
+
+
+@modes
+def test_online_requests_arriving_later_reuse_the_prefix(mode):
+    model = tiny_model("llama")
+    prompts = shared_prompts(groups=1, rows=3, prefix=40, own=5, seed=14)
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=8))
+    engine.start()
+    try:
+        first = engine.add_request(prompts[0], max_new_tokens=6, eos_token_ids=(2,)).result(timeout=60)
+        later = [engine.add_request(p, max_new_tokens=6, eos_token_ids=(2,)) for p in prompts[1:]]
+        outs = [first] + [h.result(timeout=60) for h in later]
+    finally:
+        engine.shutdown()
+    assert [o.output_token_ids for o in outs] == expected(model, prompts, 6)
+    assert engine.prefix_cache_stats()["hit_tokens"] >= 2 * 40
+
+
+def test_peft_adapter_switch_empties_the_cache():
+    peft = pytest.importorskip("peft")
+    model = fresh_model("llama", seed=15)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config, adapter_name="a")
+    model.add_adapter("b", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    base = model.base_model.model
+    prompts = shared_prompts(groups=1, rows=2, prefix=32, own=3, seed=16)
+    engine = Engine(base, BatchingConfig(mode="sync", page_size=8))
+    for adapter in ("a", "b", "a"):
+        model.set_adapter(adapter)
+        assert engine_rows(engine, prompts, 6, "sync") == expected(base, prompts, 6), adapter
+    assert engine.prefix_cache_stats()["clears"] >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_cuda_default_path_with_cached_prefixes_matches_stock(family):
+    """The default CUDA path (Triton attention, fused projections and element-wise kernels, decode
+    and prefill graphs) in fp32 against stock: shared prefixes within a call, then across calls,
+    the cache kept (the engine's own preparation is no weight change)."""
+    import copy
+
+    model = copy.deepcopy(tiny_model(family)).to("cuda", torch.float32)
+    prompts = shared_prompts(groups=3, rows=4, prefix=40, own=9, seed=21)
+    ids, mask = (t.cuda() for t in left_pad(prompts))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=16, batching="off", do_sample=False)
+    for call in range(3):
+        mode = ("sync", "async", "async")[call]
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=16, batching=mode, do_sample=False)
+        assert torch.equal(got, want), (call, mode)
+    stats = hf_async_cb.prefix_cache_stats(model)
+    assert stats["clears"] == 0 and stats["hit_tokens"] >= 3 * 3 * 32 + 2 * 12 * 32  # pages of 16
+    hf_async_cb.release(model)
+
+
+def test_the_profile_reports_what_the_run_took_from_the_cache():
+    model = tiny_model("llama")
+    prompts = shared_prompts(groups=1, rows=3, prefix=32, own=4, seed=22)
+    engine = Engine(model, BatchingConfig(mode="async", page_size=8, profile=True))
+    engine.generate(prompts, max_new_tokens=3)
+    first = engine.last_profile.summary()["prefix_cache"]
+    engine.generate(prompts, max_new_tokens=3)
+    second = engine.last_profile.summary()["prefix_cache"]
+    assert first["hit_tokens"] == 2 * 32 and second["hit_tokens"] >= 3 * 32
+    assert second["prefilled_tokens"] < first["prefilled_tokens"]
