@@ -52,34 +52,22 @@ class CachedSim(Sim):
             known.append(self.spec_of[id(req)].script[len(req.output_token_ids)])
         return known
 
-    def launch(self) -> bool:
-        sched = self.scheduler
-        running_before = list(sched.running)
-        plan = sched.schedule()
-        if plan.is_empty:
-            self.check_state()
-            return False
-        self.check_plan(plan, running_before)
-        self.check_state()
+    def on_plan(self, plan) -> None:
+        """Model the pool: reads first (positions before each chunk hold its own tokens' K/V), then
+        this step's writes."""
+        super().on_plan(plan)
         size = self.cfg.page_size
-        for c in plan.chunks:  # reads first: positions before each chunk hold its own tokens' K/V
+        for c in plan.chunks:
             tokens = self._tokens(c.request, c.start)
             for pos in range(c.start):
                 page = c.request.pages[pos // size]
                 assert self.slots.get((page, pos % size)) == tuple(tokens[:pos + 1]), (
                     f"{c.request.request_id} reads position {pos} of page {page}: not its K/V")
                 self.reads += 1
-        for c in plan.chunks:  # then this step's writes
+        for c in plan.chunks:
             tokens = self._tokens(c.request, c.start + c.num_tokens)
             for pos in range(c.start, c.start + c.num_tokens):
                 self.slots[(c.request.pages[pos // size], pos % size)] = tuple(tokens[:pos + 1])
-        for c in plan.chunks:
-            c.request.num_computed += c.num_tokens
-        sample_requests = [c.request for c in plan.chunks if c.samples]
-        for req in sample_requests:
-            req.num_pending += 1
-        self.in_flight.append(sample_requests)
-        return True
 
     def check_plan(self, plan, running_before) -> None:
         sched, cfg = self.scheduler, self.cfg

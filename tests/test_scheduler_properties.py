@@ -146,16 +146,7 @@ class Sim:
             return False
         self.check_plan(plan, running_before)
         self.check_state()
-        # What BatchBuilder.build requires: a token not known yet must be the last of its chunk
-        # and come from the step in flight.
-        carried = {id(r) for r in self.in_flight[-1]} if self.in_flight else set()
-        for c in plan.chunks:
-            stop = c.start + c.num_tokens
-            known = min(stop, c.request.num_known_tokens)
-            if stop > known:
-                assert stop - known == 1 and id(c.request) in carried, (
-                    f"tokens [{known}, {stop}) are neither known nor in flight"
-                )
+        self.on_plan(plan)
         for c in plan.chunks:
             assert c.start == c.request.num_computed
             c.request.num_computed += c.num_tokens
@@ -164,6 +155,18 @@ class Sim:
             req.num_pending += 1
         self.in_flight.append(sample_requests)
         return True
+
+    def on_plan(self, plan) -> None:
+        """What BatchBuilder.build requires: a token not known yet must be the last of its chunk
+        and come from the step in flight."""
+        carried = {id(r) for r in self.in_flight[-1]} if self.in_flight else set()
+        for c in plan.chunks:
+            stop = c.start + c.num_tokens
+            known = min(stop, c.request.num_known_tokens)
+            if stop > known:
+                assert stop - known == 1 and id(c.request) in carried, (
+                    f"tokens [{known}, {stop}) are neither known nor in flight"
+                )
 
     def complete(self, sample_requests: list[Request]) -> list[Request]:
         finished = []

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.weight_kinds import storage_key
+
 
 def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     """A value that changes whenever the K/V `model` computes for given tokens may have; None when
@@ -27,13 +29,8 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
         versions = sum(t._version for t in tensors)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
-    storages = tuple(t.data_ptr() for t in tensors if not _is_subclass(t))
+    storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
     return versions, hash(storages), _adapter_state(model)
-
-
-def _is_subclass(t: torch.Tensor) -> bool:
-    """Quantized weights (torchao and kin) are tensor subclasses whose data_ptr may raise."""
-    return type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 def _adapter_state(model: torch.nn.Module) -> tuple:
