@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 
 import torch
 
@@ -26,14 +25,9 @@ import hf_async_cb
 from hf_async_cb.generate import runtime
 from hf_async_cb.kernels import compiled_keys, compiled_variants
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model, copy_bandwidth, floor_ms_per_step
+from hf_async_cb.tools.timing import timed
 
-
-def timed(fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+CUDA = torch.device("cuda")
 
 
 def through_generate(model, prompts, new, sample=False, seed=0):
@@ -78,7 +72,7 @@ def main() -> None:
         print(f"{what:<34} {seconds:8.3f} s {tokens / seconds:10,.0f} tok/s  {extra or ''}", flush=True)
 
     compiles = compiled_variants()
-    seconds, _ = timed(lambda: through_generate(model, prompts, args.new))
+    seconds, _ = timed(lambda: through_generate(model, prompts, args.new), CUDA)
     rt = runtime._RUNTIMES[model]
     record("generate, first call in the process", seconds, compiles=compiled_variants() - compiles,
            captures=rt.engine.graphs.num_captured, capture_s=sum(rt.engine.graphs.capture_seconds))
@@ -86,11 +80,11 @@ def main() -> None:
         label = "sampled" if sample else "greedy"
         for i in range(args.calls + sample):  # the first sampled call captures the sampled buckets
             captures, compiles = rt.engine.graphs.num_captured, compiled_variants()
-            seconds, _ = timed(lambda: through_generate(model, prompts, args.new, sample))
+            seconds, _ = timed(lambda: through_generate(model, prompts, args.new, sample), CUDA)
             record(f"generate {label}, call {i + 2 - sample}", seconds,
                    captures=rt.engine.graphs.num_captured - captures, compiles=compiled_variants() - compiles)
         for i in range(args.calls):
-            seconds, _ = timed(lambda: held(model, prompts, args.new, sample))
+            seconds, _ = timed(lambda: held(model, prompts, args.new, sample), CUDA)
             record(f"held engine {label}, run {i + 1}", seconds)
     if args.loop:
         rng = random.Random(0)
@@ -106,8 +100,8 @@ def main() -> None:
         loop = []
         for _ in range(args.loop):
             b = batch(rng.randrange(1, 65))
-            t_gen, _ = timed(lambda: through_generate_ragged(model, b, 64))
-            t_held, _ = timed(lambda: held(model, b, 64))
+            t_gen, _ = timed(lambda: through_generate_ragged(model, b, 64), CUDA)
+            t_held, _ = timed(lambda: held(model, b, 64), CUDA)
             loop.append(dict(batch=len(b), generate_s=t_gen, held_s=t_held, overhead_ms=1e3 * (t_gen - t_held)))
             print(f"loop: batch {len(b):3d}  generate {t_gen:6.3f} s  held {t_held:6.3f} s  "
                   f"overhead {1e3 * (t_gen - t_held):6.1f} ms", flush=True)
@@ -127,7 +121,8 @@ def main() -> None:
         hf_async_cb.release(model)
         ids = torch.tensor(prompts, device="cuda")
         seconds, _ = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                                                  batching="off", do_sample=False, eos_token_id=None, pad_token_id=0))
+                                                  batching="off", do_sample=False, eos_token_id=None,
+                                                  pad_token_id=0), CUDA)
         record("stock generate greedy", seconds)
     report["rows"] = rows
     print(f"floor {report['floor_s']:.3f} s = {tokens / report['floor_s']:,.0f} tok/s; {report['runtime']}")

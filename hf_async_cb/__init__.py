@@ -14,13 +14,14 @@ from hf_async_cb._moved import install_finder  # noqa: E402
 from hf_async_cb.config import BatchingConfig  # noqa: E402
 from hf_async_cb.engine.data_parallel import DataParallel  # noqa: E402
 from hf_async_cb.engine.engine import Engine  # noqa: E402
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds  # noqa: E402
 from hf_async_cb.engine.requests import FinishReason, RequestOutput, SamplingParams  # noqa: E402
 from hf_async_cb.generate.hook import install, is_installed, uninstall  # noqa: E402
 from hf_async_cb.generate.runtime import clear_prefix_cache, prefix_cache_stats, release, runtime_info  # noqa: E402
 
 __version__ = "0.3.0"
 
-__all__ = ["BatchingConfig", "DataParallel", "Engine", "FinishReason", "RequestOutput", "SamplingParams",
+__all__ = ["BatchingConfig", "DataParallel", "Engine", "FinishReason", "PromptEmbeds", "RequestOutput", "SamplingParams",
            "clear_prefix_cache", "install", "is_installed", "prefix_cache_stats", "release", "runtime_info", "uninstall",
            "__version__"]
 

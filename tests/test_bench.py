@@ -70,3 +70,37 @@ def test_transformers_batching_runs_without_its_eos_warning():
         cb_logger.removeHandler(records)
     assert result.tokens == 2 * 3
     assert not [m for m in records.messages if "eos_token_id" in m], records.messages
+
+
+def test_a_timed_call_on_unseen_prompts_hits_nothing_an_earlier_call_cached():
+    """tools/timing.timed(..., unseen=...) empties the prefix cache of a model's generate runtime, or
+    of an Engine, before the clock starts: the second run of the same prompts prefills them all."""
+    import torch
+
+    import hf_async_cb
+    from hf_async_cb import BatchingConfig, Engine
+    from hf_async_cb.tools.timing import timed
+
+    cpu = torch.device("cpu")
+    model = bench.build_model("tiny", cpu, torch.float32)
+    prompts = bench._prompts(2, 40, model.config.vocab_size)
+    ids = torch.tensor(prompts)
+
+    def generate():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, batching="sync",
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    generate()
+    hits = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
+    seconds, out = timed(generate, cpu, unseen=model)
+    assert seconds > 0 and out.shape == (2, 42)
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] == hits
+    generate()  # without emptying it, the same prompts hit
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] > hits
+    hf_async_cb.release(model)
+
+    with Engine(model, BatchingConfig(mode="sync")) as engine:
+        engine.generate(prompts, max_new_tokens=2)
+        hits = engine.prefix_cache_stats()["hit_tokens"]
+        timed(lambda: engine.generate(prompts, max_new_tokens=2), cpu, unseen=engine)
+        assert engine.prefix_cache_stats()["hit_tokens"] == hits

@@ -128,7 +128,7 @@ def test_pool_too_small_for_one_page(model):
     (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [5]), "prefix_allowed_tokens_fn"),
     (dict(stop_strings=["x"]), "tokenizer"),
     (dict(token_type_ids=torch.zeros(1, 3, dtype=torch.long)), "token_type_ids"),
-    (dict(inputs_embeds=torch.zeros(1, 3, 64)), "inputs_embeds"),
+    (dict(inputs_embeds=torch.zeros(1, 4, 64)), "inputs_embeds .* does not match input_ids"),
 ])
 def test_unsupported_generate_options_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):

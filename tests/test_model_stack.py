@@ -127,17 +127,66 @@ def test_a_mixed_adapter_batch_is_refused():
             _greedy(model, mode, adapter_names=["default", "other", "default", "other"])
 
 
-@pytest.mark.parametrize("method", ["prefix_tuning", "prompt_tuning", "p_tuning"])
-def test_peft_prompt_learning_is_refused_by_name_before_any_work(method):
+def _prompt_learning(method):
     peft = pytest.importorskip("peft", reason="peft is not installed")
-    configs = {
+    return {
         "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         "p_tuning": lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4,
                                                      encoder_hidden_size=32),
-    }
+    }[method]()
+
+
+@torch.no_grad()
+def _virtual_token_oracle(base, virtual, ids, mask, new):
+    """PEFT prompt tuning's tokens, one row at a time with the base model and its own cache: the
+    virtual tokens' embeddings before the row's, positions counted from the cache as PEFT's forward
+    counts them (it drops generate's position ids), the row's left padding included. (Stock PEFT
+    generate re-injects the virtual tokens at every decode step on transformers 5.24, whose cache
+    argument it no longer finds, so it cannot be the oracle there.)"""
+    rows = []
+    n = virtual.shape[0]
+    for row, keep in zip(ids, mask.bool()):
+        tokens, pads = row[keep], int((~keep).sum())
+        embeds = torch.cat([virtual, base.get_input_embeddings()(tokens)])[None]
+        positions = torch.cat([torch.arange(n), torch.arange(n + pads, n + pads + len(tokens))])[None]
+        cache = transformers.DynamicCache()
+        out = base(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        generated = []
+        for step in range(new):
+            token = out.logits[0, -1].argmax()
+            generated.append(int(token))
+            position = torch.tensor([[n + pads + len(tokens) + step]])
+            out = base(input_ids=token.view(1, 1), position_ids=position, past_key_values=cache, use_cache=True)
+        rows.append(row.tolist() + generated)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning"])
+def test_peft_prompt_tuning_runs_as_prompt_embeddings(method):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
     base = _llama()
-    model = peft.get_peft_model(base, configs[method]()).eval()
+    model = peft.get_peft_model(base, _prompt_learning(method)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "prompt_encoder" in name:
+                p.add_(torch.randn_like(p))  # virtual tokens far from any token's embedding
+    ids, mask = left_pad(random_prompts(4, 5, 20, seed=7))
+    expected = _virtual_token_oracle(base, model.get_prompt(batch_size=1)[0], ids, mask, 8)
+    assert not torch.equal(expected, _greedy(base, "off"))  # the adapter matters
+    for mode in MODES:
+        for config in (None, BatchingConfig(max_batch_tokens=6, page_size=4)):  # chunks inside the virtual tokens
+            assert torch.equal(_greedy(model, mode, batching_config=config), expected), (mode, config)
+    with pytest.raises(ValueError, match=f"PEFT {method.upper()}: stock generate's logits processors"):
+        _greedy(model, "sync", repetition_penalty=1.2)
+    hf_async_cb.release(base)
+
+
+@pytest.mark.parametrize("method", ["prefix_tuning"])
+def test_peft_prompt_learning_is_refused_by_name_before_any_work(method):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    base = _llama()
+    model = peft.get_peft_model(base, _prompt_learning(method)).eval()
     expected = _greedy(model, "off")
     for mode in MODES:
         with pytest.raises(ValueError, match=rf"cannot run PEFT prompt learning \({method.upper()}, 4 virtual tokens\)"):

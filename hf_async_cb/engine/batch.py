@@ -49,6 +49,11 @@ class StepInputs:
     # The two device buffers every tensor above was uploaded in (int64, float32 or None): a CUDA
     # graph loads a step with one copy of each.
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # Prompt embeddings (engine/prompt_embeds.py): (stream indices [E], embeddings [E, hidden]) fed
+    # there instead of the tokens' own, else None; and multimodal rotary positions [K, 1, T] when
+    # some token's K rows differ (else position_ids holds them all). Eager steps only.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    rotary_position_ids: torch.Tensor | None = None
 
 
 def _split(items: list, *sizes: int) -> list[list]:
@@ -190,6 +195,9 @@ class BatchBuilder:
             positions = (context_lens - query_lens - query_start[:-1])[token_rows] + np.arange(num_tokens)
         slot_mapping = table[token_rows, positions // ps] * ps + positions % ps
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
+        rotary = None
+        if plan.rotary:  # positions of the model's own (multimodal rotary), not the cache's
+            positions, rotary = _rotary_positions(plan, positions, query_start)
         input_ids = np.zeros(num_tokens, dtype=np.int64)  # PLACEHOLDER past the real tokens
         input_ids[:real_tokens] = ids
         has_carry = pad_to is not None or bool(carry_at)  # graphs always take a carry map
@@ -223,7 +231,14 @@ class BatchBuilder:
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend,
         )
+        embeds = rotary_ids = None
+        if plan.embedded:
+            embeds = _embeds(plan, query_start, input_ids.device)
+            if rotary is not None:
+                rotary_ids = torch.from_numpy(rotary).to(input_ids.device)[:, None]
         return StepInputs(
+            embeds=embeds,
+            rotary_position_ids=rotary_ids,
             input_ids=input_ids[None],
             carry_src=carry_src if has_carry else None,
             position_ids=position_ids[None],
@@ -237,3 +252,41 @@ class BatchBuilder:
             token_block=TokenBlock.from_device(dev_block_ints),
             packed=packed,
         )
+
+
+def _rotary_positions(plan: StepPlan, positions: np.ndarray, query_start: np.ndarray):
+    """The step's position ids where some request has multimodal rotary positions: row 0 of them
+    for every token (all a step needs when its rows agree), and all K rows [K, T] when a chunk
+    feeds a span where they differ (then an eager step: plan.embedded), else None."""
+    positions = positions.copy()
+    wide = []  # (stream offset, [K, n] positions) of the chunks whose rows differ
+    for i, (req, start, n) in enumerate(zip(plan.requests, plan.starts, plan.sizes)):
+        embeds = req.embeds
+        if embeds is None or embeds.rope is None:
+            continue
+        rope = embeds.rope_positions(start, start + n, len(req.prompt_token_ids))
+        q = query_start[i]
+        positions[q:q + n] = rope[0]
+        if start < embeds.rope_end and start + n > embeds.rope_first:
+            wide.append((q, rope))
+    if not wide:
+        return positions, None
+    rows = np.repeat(positions[None], wide[0][1].shape[0], axis=0)
+    for q, rope in wide:
+        rows[:, q:q + rope.shape[1]] = rope
+    return positions, rows
+
+
+def _embeds(plan: StepPlan, query_start: np.ndarray, device: torch.device):
+    """(stream indices, embeddings) of the prompt embeddings the step's chunks feed, or None."""
+    where, values = [], []
+    for i in plan.embedded:
+        chunk = plan.chunks[i]
+        rel, vals = chunk.request.embeds.slice(chunk.start, chunk.start + chunk.num_tokens)
+        if len(rel):
+            where.append(rel + query_start[i])
+            values.append(vals)
+    if not where:
+        return None
+    return (torch.from_numpy(np.concatenate(where)).to(device),
+            torch.cat([v.to(device) for v in values]) if len(values) > 1 else values[0].to(device))

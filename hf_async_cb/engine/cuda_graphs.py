@@ -234,12 +234,15 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def key_for(self, plan: StepPlan) -> GraphKey | None:
-        """The bucket of a step without user logits processors, kept scores or unseeded sampling (a
-        decode step, or with `prefill` any step), whose capture has not failed; else None.
+        """The bucket of a step without user logits processors, kept scores, unseeded sampling or
+        prompt embeddings (a decode step, or with `prefill` any step), whose capture has not failed;
+        else None.
 
         A prefill/mixed bucket pads the batch with requests that write to the trash page: each needs
         a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
+        if plan.embedded:
+            return None  # inputs_embeds: an eager forward
         decode = plan.sizes.count(1) == len(chunks) and plan.all_sample  # one token each, all sampling
         sampled = False
         penalised = []

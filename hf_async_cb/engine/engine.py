@@ -22,6 +22,7 @@ from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.prefix_cache import PrefixCache
 from hf_async_cb.engine.profiling import StepProfile
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
 from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
     FinishReason,
@@ -248,7 +249,8 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], params: SamplingParams, *, logits_processor=None,
-                     stopping_criteria=None, history_prefix: Sequence[int] = (), on_token=None) -> Request:
+                     stopping_criteria=None, history_prefix: Sequence[int] = (), on_token=None,
+                     embeds: PromptEmbeds | None = None) -> Request:
         """Validate one prompt against the model and the pool; raise ValueError if it cannot run.
 
         logits_processor / stopping_criteria: transformers LogitsProcessorList / StoppingCriteriaList
@@ -257,6 +259,7 @@ class Engine:
         device's history options (repetition penalty, n-grams, bad words, sequence bias) read the
         same history. params.eos_token_ids left at its default (MODEL_EOS) become the model's EOS ids
         (its generation config's, else the tokenizer's: engine/eos.py), as stock generate stops.
+        `embeds`: embeddings fed at some prompt positions instead of their tokens' (engine/prompt_embeds.py).
         """
         params = with_model_eos(params, self.model, self.tokenizer)
         (ids,) = as_token_lists([prompt])
@@ -288,8 +291,11 @@ class Engine:
                 "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
                 "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
                 f"{length + 1}, or run stock generate (batching='off').")
+        if embeds is not None:
+            embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
+                                    self.prepared_model.embeddings_refusal)
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                          history_prefix=[int(t) for t in history_prefix], on_token=on_token)
+                          history_prefix=[int(t) for t in history_prefix], on_token=on_token, embeds=embeds)
         self.scheduler.check_fits(request)
         return request
 

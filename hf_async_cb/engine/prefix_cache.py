@@ -75,9 +75,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def page_key(self, parent: int, tokens: list[int], index: int) -> tuple:
+    def page_key(self, parent: int, tokens: list[int], index: int, embeds=None) -> tuple:
+        """Page `index` of `tokens` after the entry `parent`; with prompt embeddings
+        (engine/prompt_embeds.py) a page holding embedded positions is keyed by their content too."""
         size = self.page_size
-        return parent, tuple(tokens[index * size:(index + 1) * size])
+        start = index * size
+        key = parent, tuple(tokens[start:start + size])
+        if embeds is not None:
+            salt = embeds.page_salt(start, start + size)
+            if salt is not None:
+                key = (*key, salt)
+        return key
 
     # -- steps -----------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -87,13 +95,13 @@ class PrefixCache:
         self._fresh.clear()
 
     # -- lookups ---------------------------------------------------------------------------------
-    def match(self, tokens: list[int], max_pages: int) -> list[CacheEntry]:
+    def match(self, tokens: list[int], max_pages: int, embeds=None) -> list[CacheEntry]:
         """The ready entries of the longest cached prefix of `tokens`, at most `max_pages` pages."""
         found: list[CacheEntry] = []
         parent = ROOT
         entries = self._entries
         for index in range(max_pages):
-            entry = entries.get(self.page_key(parent, tokens, index))
+            entry = entries.get(self.page_key(parent, tokens, index, embeds))
             if entry is None or not entry.ready:
                 break
             found.append(entry)

@@ -247,6 +247,9 @@ class Request:
     # A copy of another request's prompt (num_return_sequences): it starts from that request's
     # cached prompt pages when they are still there.
     share_from: "Request | None" = None
+    # Embeddings fed at some prompt positions instead of their tokens', and the prompt's own rotary
+    # positions (engine/prompt_embeds.py); None: token ids only.
+    embeds: Any = None
     # Slow path: keep each step's raw logits and processed scores (generate's output_logits/scores).
     keep_scores: bool = False
     output_scores: list = field(default_factory=list)  # CPU [V] float32 per output token

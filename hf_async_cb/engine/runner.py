@@ -71,13 +71,22 @@ class ModelRunner:
         meta = inputs.meta
         meta.begin_forward()
         self.cache.step = meta
+        model = self.model
+        if inputs.embeds is None:
+            feed = {"input_ids": inputs.input_ids}
+        else:  # prompt embeddings at some tokens: the model's own embedding of the others
+            where, values = inputs.embeds
+            embedded = model.get_input_embeddings()(inputs.input_ids)
+            embedded[0, where] = values.to(embedded.dtype)
+            feed = {"inputs_embeds": embedded}
+        positions = inputs.position_ids if inputs.rotary_position_ids is None else inputs.rotary_position_ids
         with attention.current_step(meta):
-            out = self.model(
-                input_ids=inputs.input_ids,
+            out = model(
+                **feed,
                 # Never read (causality comes from the step metadata), but its presence keeps models
                 # from probing input_ids for padding, a host sync (GPT-2's warn_if_padding_and_no_attention_mask).
                 attention_mask=torch.ones_like(inputs.input_ids),
-                position_ids=inputs.position_ids,
+                position_ids=positions,
                 use_cache=True,
                 logits_to_keep=inputs.logits_indices,
                 **{self._cache_kw: self.cache, attention.METADATA_KWARG: meta},

@@ -47,6 +47,7 @@ class StepPlan:
 
     chunks: list[ScheduledChunk]
     preempted: list[Request]
+    with_embeds: bool = True  # some request may feed prompt embeddings (False: none does, skip the look)
 
     @cached_property
     def requests(self) -> list[Request]:
@@ -83,6 +84,20 @@ class StepPlan:
                 return False
         return True
 
+    @cached_property
+    def embedded(self) -> list[int]:
+        """The chunks that feed prompt embeddings or multimodal rotary positions (PromptEmbeds.feeds):
+        the step runs eagerly, with `inputs_embeds`."""
+        if not self.with_embeds:
+            return []
+        return [i for i, c in enumerate(self.chunks)
+                if c.request.embeds is not None and c.request.embeds.feeds(c.start, c.start + c.num_tokens)]
+
+    @cached_property
+    def rotary(self) -> bool:
+        """Some request has rotary positions of its own (a multimodal prompt's)."""
+        return self.with_embeds and any(r.embeds is not None and r.embeds.rope is not None for r in self.requests)
+
     @property
     def is_empty(self) -> bool:
         return not self.chunks
@@ -107,6 +122,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_shared_tokens = 0  # prompt tokens copies took from their leader instead of recomputing
+        self.num_with_embeds = 0  # requests queued or running that feed prompt embeddings
         self.page_table = PageTable()  # the running requests' pages, mirrored at every change below
 
     # -- queue -----------------------------------------------------------------------------
@@ -125,6 +141,8 @@ class Scheduler:
         self.check_fits(request)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if request.embeds is not None:
+            self.num_with_embeds += 1
 
     @property
     def has_work(self) -> bool:
@@ -215,7 +233,7 @@ class Scheduler:
             if cache is not None:
                 self._prefilled(req, req.num_computed + n)
         self.waiting.extendleft(reversed(deferred))
-        return StepPlan(chunks, preempted)
+        return StepPlan(chunks, preempted, self.num_with_embeds > 0)
 
     @staticmethod
     def _drop(victims: list[Request], preempted: list[Request], budget: int,
@@ -268,11 +286,11 @@ class Scheduler:
         cache = self.prefix_cache
         tokens = req.token_ids(0, req.num_known_tokens)
         max_pages = (req.num_known_tokens - 1) // self.page_size
-        found = cache.match(tokens, max_pages)
+        found = cache.match(tokens, max_pages, req.embeds)
         chain = [e.id for e in found]
         index = len(found)
         if index < max_pages:
-            key = cache.page_key(chain[-1] if chain else ROOT, tokens, index)
+            key = cache.page_key(chain[-1] if chain else ROOT, tokens, index, req.embeds)
             if cache.busy(key, req):
                 cache.stats.deferrals += 1
                 return False
@@ -298,7 +316,7 @@ class Scheduler:
         self._unclaim(req)
         index = len(chain)
         if (index + 1) * self.page_size <= len(req.prompt_token_ids):
-            key = cache.page_key(chain[-1] if chain else ROOT, req.prompt_token_ids, index)
+            key = cache.page_key(chain[-1] if chain else ROOT, req.prompt_token_ids, index, req.embeds)
             cache.claim(key, req)
             self._claims[req] = key
 
@@ -313,7 +331,7 @@ class Scheduler:
             return
         tokens = req.token_ids(0, end)
         while (index + 1) * size <= end:
-            chain.append(cache.register(cache.page_key(chain[-1] if chain else ROOT, tokens, index),
+            chain.append(cache.register(cache.page_key(chain[-1] if chain else ROOT, tokens, index, req.embeds),
                                         req.pages[index]))
             index += 1
 
@@ -379,10 +397,15 @@ class Scheduler:
     # -- after a step --------------------------------------------------------------------------
     def finish(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """Remove a request and free its pages (the caller knows no queued step reads them)."""
+        queued = True
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            queued = False
+        if queued and req.embeds is not None:
+            self.num_with_embeds -= 1
         if self.prefix_cache is not None:
             if status is RequestStatus.FINISHED and req.pages:  # its generated tokens' full pages too
                 self._register(req, min(req.num_computed, req.num_known_tokens - 1))

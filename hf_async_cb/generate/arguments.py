@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hf_async_cb.generate.cache_options import check_cache_implementation
+from hf_async_cb.generate.media import media_inputs
 from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ class GenerateCall:
     eos: list[int]
     pad: int | None
     arguments: dict
+    # inputs_embeds [batch, length, hidden] fed for the prompts (their rows aligned with attention_mask);
+    # input_ids is then [batch, 0] when the call passed no ids (stock answers only the new tokens).
+    inputs_embeds: torch.Tensor | None = None
+    media: dict | None = None  # a vision-language model's image inputs (generate/media.py), else None
+    virtual: object = None  # a PEFT prompt-tuning adapter's VirtualTokens (generate/prompt_learning.py), else None
 
     @property
     def copies(self) -> int:
@@ -66,7 +72,7 @@ class GenerateCall:
 
 def parse_call(model, mode: str, generation_config, arguments: dict) -> GenerateCall:
     """Check the call and read it; raise ValueError for anything the engine does not run."""
-    check_inputs_not_rewritten(model, mode)  # PEFT prompt learning
+    virtual = check_inputs_not_rewritten(model, mode)  # PEFT prompt learning
     for name in _UNSUPPORTED_ARGUMENTS:
         if arguments.get(name) is not None:
             raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
@@ -74,16 +80,20 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
         raise ValueError(f"generate(batching={mode!r}) does not support `synced_gpus`.")
     kwargs = dict(arguments.get("kwargs", {}))
     inputs = arguments.get("inputs")
-    if "inputs_embeds" in kwargs:
-        raise ValueError(f"generate(batching={mode!r}) needs input_ids; `inputs_embeds` is not supported.")
+    embeds = kwargs.pop("inputs_embeds", None)
     if inputs is None:
         inputs = kwargs.pop("input_ids", None)
     else:
         kwargs.pop("input_ids", None)
-    if inputs is None:
-        raise ValueError(f"generate(batching={mode!r}) needs input_ids (a LongTensor [batch, length]).")
+    if inputs is None and embeds is None:
+        raise ValueError(f"generate(batching={mode!r}) needs input_ids (a LongTensor [batch, length]) or "
+                         "inputs_embeds ([batch, length, hidden]).")
+    embeds_only = inputs is None
+    if embeds is not None:
+        inputs = check_inputs_embeds(embeds, inputs)
     tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    media = media_inputs(model, model_kwargs, mode)  # a vision-language model's images and their kin
     for key, neutral in _IGNORED_MODEL_KWARGS.items():
         if model_kwargs.get(key, neutral) == neutral:
             model_kwargs.pop(key, None)
@@ -110,7 +120,10 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
                          "as in stock generate.")
 
     input_ids = check_input_ids(inputs, model)
-    attention_mask = padding_mask(input_ids, model_kwargs.get("attention_mask"), gc)
+    given_mask = model_kwargs.get("attention_mask")
+    if embeds_only and given_mask is None:  # (no ids to infer padding from: stock attends to every position)
+        given_mask = torch.ones(input_ids.shape, dtype=torch.long, device=input_ids.device)
+    attention_mask = padding_mask(input_ids, given_mask, gc)
     inferred = "" if model_kwargs.get("attention_mask") is not None else \
         f" (inferred as input_ids != pad_token_id {gc.pad_token_id}, as stock does: none was passed)"
     prompts, prefixes = unpad(input_ids, attention_mask, inferred)
@@ -120,8 +133,8 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     if pad is None and eos:
         logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
         pad = eos[0]
-    call = GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids, attention_mask, prompts, prefixes, eos, pad,
-                        arguments)
+    call = GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids[:, :0] if embeds_only else input_ids,
+                        attention_mask, prompts, prefixes, eos, pad, arguments, embeds, media, virtual)
     stops = ["stopping_criteria"] if arguments.get("stopping_criteria") else []
     stops += [name for name in ("stop_strings", "max_time") if getattr(gc, name, None) is not None]
     check_rows_stop_together(call, stops)
@@ -143,9 +156,11 @@ def check_rows_stop_together(call: GenerateCall, stops: list[str]) -> None:
         )
 
 
-def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor) -> int:
+def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.Tensor,
+                   inputs_embeds: torch.Tensor | None = None) -> int:
     """Stock generate's own length rules (max_new_tokens over max_length, 20 new tokens by default,
-    min_new_tokens -> min_length), applied to `gc` in place as stock applies them."""
+    min_new_tokens -> min_length; max_length counts the embeddings of a call without input_ids),
+    applied to `gc` in place as stock applies them."""
     # Integral floats run in stock (max_new_tokens=3.0): use them as ints. Other fractions would
     # make stock round the length up by accident of its comparisons: refuse them.
     gc.max_new_tokens = _whole("max_new_tokens", gc.max_new_tokens)
@@ -156,7 +171,8 @@ def max_new_tokens(model, gc, generation_config, kwargs: dict, input_ids: torch.
     has_default_max = kwargs.get("max_length") is None and all(c.max_length is None for c in defaults)
     has_default_min = kwargs.get("min_length") is None and all(c.min_length is None for c in defaults)
     input_len = input_ids.shape[1]
-    model._prepare_generated_length(gc, has_default_max, has_default_min, "input_ids", input_len, input_ids)
+    name, tensor = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
+    model._prepare_generated_length(gc, has_default_max, has_default_min, name, input_len, tensor)
     model._validate_generated_length(gc, input_len, has_default_max)  # ValueError when max_length <= input
     return int(gc.max_length) - input_len
 
@@ -168,6 +184,21 @@ def _whole(name: str, value):
     if isinstance(value, (float, np.floating, np.integer)) and float(value).is_integer():
         return int(value)
     raise ValueError(f"{name} must be an integer, got {value!r}.")
+
+
+def check_inputs_embeds(embeds, input_ids) -> torch.Tensor:
+    """Check inputs_embeds ([batch, length, hidden], floating point, matching input_ids when given);
+    returns the token ids of the prompts: input_ids, or placeholders (0) for a call without them."""
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or not embeds.dtype.is_floating_point:
+        what = f"{embeds.dtype} tensor of shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) \
+            else type(embeds).__name__
+        raise ValueError(f"inputs_embeds must be a floating-point tensor [batch, length, hidden], got a {what}.")
+    if input_ids is None:
+        return torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    if isinstance(input_ids, torch.Tensor) and tuple(input_ids.shape) != tuple(embeds.shape[:2]):
+        raise ValueError(f"inputs_embeds {tuple(embeds.shape)} does not match input_ids {tuple(input_ids.shape)}: "
+                         "give one embedding per token.")
+    return input_ids
 
 
 def check_input_ids(inputs, model) -> torch.Tensor:

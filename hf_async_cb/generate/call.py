@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.generate.arguments import GenerateCall, parse_call
 from hf_async_cb.generate.outputs import stock_output
 from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer
+from hf_async_cb.model.vision import merged_prompts
 
 
 @torch.no_grad()
@@ -54,27 +57,56 @@ def _start_clocks(criteria, own) -> None:
             c.initial_timestamp = time.time()
 
 
+def fed_prompts(model, call: GenerateCall) -> tuple[list[list[int]], list[PromptEmbeds | None]]:
+    """Per row of the call: the tokens its prompt feeds and what it feeds beyond their embeddings
+    (the call's inputs_embeds, a vision-language model's merged images: model/vision.py, a PEFT
+    prompt-tuning adapter's virtual tokens: generate/prompt_learning.py), or None."""
+    sources = [name for name, value in (("inputs_embeds", call.inputs_embeds), ("images", call.media),
+                                        ("a PEFT prompt-tuning adapter", call.virtual)) if value is not None]
+    if len(sources) > 1:
+        raise ValueError(f"generate(batching=...) takes one of {' and '.join(sources)} per call, not both.")
+    prompts = call.prompts
+    if call.media is not None:
+        return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media)
+    if call.virtual is not None:
+        rows = [call.virtual.prompt(p, len(prefix)) for p, prefix in zip(prompts, call.prefixes)]
+        return [r[0] for r in rows], [r[1] for r in rows]
+    if call.inputs_embeds is None:
+        return prompts, [None] * len(prompts)
+    mask = call.attention_mask.bool()
+    return prompts, [PromptEmbeds(row[keep], np.arange(int(keep.sum())))
+                     for row, keep in zip(call.inputs_embeds, mask)]
+
+
 def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     """The call's requests (copies of a row next to each other, sharing its prompt pages), the
     input ids they answer (rows repeated per copy) and the streamer fed from them, if any."""
     gc, params, processor = call.gc, options.params, options.processor
-    input_ids, prompts, prefixes, attention_mask = call.input_ids, call.prompts, call.prefixes, call.attention_mask
+    input_ids, prefixes, attention_mask = call.input_ids, call.prefixes, call.attention_mask
+    prompts, embeds = fed_prompts(engine.model, call)
     copies = call.copies
     if copies > 1:  # (parse_call refused greedy copies)
         input_ids = input_ids.repeat_interleave(copies, dim=0)
         prompts = [p for p in prompts for _ in range(copies)]
         prefixes = [p for p in prefixes for _ in range(copies)]
+        embeds = [e for e in embeds for _ in range(copies)]
     # The slow path and the history processors read each row's history as stock holds it (padding too).
     slow = processor is not None or options.criteria is not None or params.reads_history
     streamer = None
     if call.arguments.get("streamer") is not None:
         streamer = LockstepStreamer(call.arguments["streamer"], input_ids, call.pad)
     row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
+    hidden = "inputs_embeds without input_ids" if call.inputs_embeds is not None and call.input_ids.shape[1] == 0 \
+        else f"PEFT {call.virtual.method}" if call.virtual is not None else None
+    if hidden and slow:
+        raise ValueError(f"{hidden}: stock generate's logits processors and stopping criteria then see a history "
+                         "without the embedded prompt positions, which the engine does not reproduce; use "
+                         "batching='off' for this call.")
     requests: list[Request] = [
         engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
                             stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
-                            on_token=streamer.on_token if streamer else None)
-        for p, prefix, row_mask in zip(prompts, prefixes, row_masks)]
+                            on_token=streamer.on_token if streamer else None, embeds=row_embeds)
+        for p, prefix, row_mask, row_embeds in zip(prompts, prefixes, row_masks, embeds)]
     if params.repetition_penalty != 1.0:
         for req, row_mask in zip(requests, row_masks):  # where stock's penalty reads this row from
             req.penalty_start = next(start for start in map(penalty_start, options.stock_processors(row_mask))

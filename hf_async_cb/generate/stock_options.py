@@ -40,7 +40,7 @@ class CallOptions:
 def call_options(model, call: GenerateCall, generation_config) -> CallOptions:
     """The SamplingParams of every request of the call, and stock's slow-path objects."""
     gc, input_ids, eos = call.gc, call.input_ids, call.eos
-    max_new = max_new_tokens(model, gc, generation_config, call.kwargs, input_ids)
+    max_new = max_new_tokens(model, gc, generation_config, call.kwargs, input_ids, call.inputs_embeds)
     stock_processors, slow_processors, criteria, device_options, limits = _slow_path(
         model, gc, input_ids, call.attention_mask, call.arguments, call.tokenizer)
     if criteria is not None:  # parse_call checked the known sources; this covers any other

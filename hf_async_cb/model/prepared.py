@@ -27,6 +27,7 @@ from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
 from hf_async_cb.model.compiled import uncompiled
+from hf_async_cb.model.embeddings_path import embeddings_refusal
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
 from hf_async_cb.model.mask_semantics import apply_masks
 from hf_async_cb.model.weight_kinds import storage_key
@@ -173,6 +174,7 @@ class PreparedModel:
         check_model_supported(model, trust_untested_model)
         with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
             apply_masks(model)
+            self.embeddings_refusal = embeddings_refusal(model)  # None: prompt embeddings run exactly
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         self.fusion: FusedProjections | None = None

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from hf_async_cb.tools import timing
+
 logger = logging.getLogger(__name__)
 
 SHAPES = {
@@ -207,11 +209,6 @@ def _prompts(requests: int, prompt: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (requests, prompt), generator=g).tolist()
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # --sample: what every path draws with instead of greedy picks (ours seeded, so reproducible). top_k
 # is explicit: generate's default (GenerationConfig.top_k = 50) would apply to stock and HF only.
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95)
@@ -241,7 +238,7 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    timing.sync(device)
     start = time.perf_counter()
     extra: dict = {}
     steps = busy = decode_ms = None
@@ -261,17 +258,13 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         # The first call builds the model's runtime (captures, compiles): timed on its own, as ours.
         warm = time.perf_counter()
         model.generate(ids, **options)
-        _sync(device)
+        timing.sync(device)
         extra["warmup_s"] = time.perf_counter() - warm
         options["batching_config"] = _labelled(batching_config, timed)  # (per call: the runtime is kept)
         # The timed call must not reuse the prompts the first call cached: it measures a workload
         # seen for the first time, as the other paths do (sharing within the call still counts).
-        hf_async_cb.clear_prefix_cache(model)
-        start = time.perf_counter()
-        out = model.generate(ids, **options)
+        seconds, out = timing.timed(lambda: model.generate(ids, **options), device, unseen=model)
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-        _sync(device)
-        seconds = time.perf_counter() - start
         hf_async_cb.release(model)
         return Result(path, seconds, tokens, extra=extra)
     elif path.startswith("hf-cb"):
@@ -311,7 +304,7 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         # Warm-up: the same workload once (graph captures, kernel selection), timed on its own.
         warm = time.perf_counter()
         engine.generate(prompts, params)
-        _sync(device)
+        timing.sync(device)
         extra["warmup_s"] = time.perf_counter() - warm
         engine.config = _labelled(engine.config, timed)
         pipeline.record_step_times = device.type == "cuda"
@@ -327,7 +320,7 @@ def run_path(path: str, model, prompts: list[list[int]], new, config=None, sampl
         if engine.graphs is not None:
             extra["graphs"] = len(engine.graphs)
         engine.close()
-    _sync(device)
+    timing.sync(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return Result(path, seconds, tokens, steps, busy, decode_ms, peak, extra)

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 
 import torch
+
+from hf_async_cb.tools.timing import timed
 
 WORKLOADS = {
     "group": dict(groups=32, rows=8, prefix=1024, own=0, new=128),
@@ -43,16 +44,6 @@ def workload_prompts(kind: str, vocab: int, seed: int = 1, scale: float = 1.0) -
     return prompts, w["new"]
 
 
-def _timed(device, fn):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
-
-
 def run_ours(model, prompts, warm_prompts, new: int, caching: bool) -> dict:
     """model.generate(batching="async"): a first call on `warm_prompts`, the timed call, the same again."""
     import hf_async_cb
@@ -65,11 +56,11 @@ def run_ours(model, prompts, warm_prompts, new: int, caching: bool) -> dict:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                               batching="async", batching_config=config, eos_token_id=None, pad_token_id=0)
 
-    first_s, _ = _timed(device, lambda: call(warm_prompts))
+    first_s, _ = timed(lambda: call(warm_prompts), device)
     before = hf_async_cb.prefix_cache_stats(model) or {}
-    seconds, out = _timed(device, lambda: call(prompts))
+    seconds, out = timed(lambda: call(prompts), device)
     stats = hf_async_cb.prefix_cache_stats(model) or {}
-    second_s, _ = _timed(device, lambda: call(prompts))
+    second_s, _ = timed(lambda: call(prompts), device)
     hf_async_cb.release(model)
     hits = stats.get("hit_tokens", 0) - before.get("hit_tokens", 0)
     prefilled = stats.get("prefilled_tokens", 0) - before.get("prefilled_tokens", 0)

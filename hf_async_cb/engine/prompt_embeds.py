@@ -1,0 +1,125 @@
+"""What a prompt feeds besides its token ids: embeddings at some positions, and rotary positions
+of its own.
+
+A request's prompt is still a list of token ids (the scheduler, the prefix cache and the history
+processors count and key on them), but some positions may feed an embedding instead of their
+token's: a user's `inputs_embeds`, PEFT prompt tuning's virtual tokens, or image features merged
+in by a vision-language model (the token id there is the model's image placeholder). Prefill
+chunks that cover such positions run eagerly with `inputs_embeds` (engine/runner.py); every other
+step, decode included, feeds token ids as before and keeps its CUDA graph.
+
+Multimodal rotary positions (Qwen2-VL and its kin) give image tokens a [t, h, w] position each,
+and shift every later position by a per-prompt delta: `rope` holds the prompt's positions as the
+model computed them, and the tokens after the prompt take `position + rope_delta`.
+
+`key` names the embeddings' content for the prefix cache: pages that hold embedded positions are
+cached under it (the placeholder ids alone would let two different images share pages). None:
+such pages are shared only by the requests holding this same object (num_return_sequences copies,
+identical rows of one call), under a number of its own (the cache never holds the embeddings).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+_SALTS = itertools.count()
+
+
+@dataclass(eq=False)
+class PromptEmbeds:
+    values: torch.Tensor  # [P, hidden], on the model's device, in its dtype
+    positions: np.ndarray  # [P] int64, increasing: the prompt positions they replace
+    key: bytes | None = None
+    rope: np.ndarray | None = None  # [K, prompt length] int64 rotary positions, K >= 1; None: the plain ones
+    rope_delta: int = 0  # added to the positions of generated tokens when `rope` is set
+    first: int = field(init=False)  # positions[0] (0 when P == 0)
+    end: int = field(init=False)  # positions[-1] + 1
+    rope_first: int = field(init=False)  # the span of the prompt whose K rotary rows differ
+    rope_end: int = field(init=False)
+    _salt: int = field(init=False, repr=False)  # the key of pages holding them when `key` is None
+
+    def __post_init__(self) -> None:
+        self.positions = np.asarray(self.positions, dtype=np.int64)
+        if self.values.dim() != 2 or self.values.shape[0] != len(self.positions):
+            raise ValueError(f"prompt embeddings must be [positions, hidden], got {tuple(self.values.shape)} for "
+                             f"{len(self.positions)} positions.")
+        if len(self.positions) and np.any(np.diff(self.positions) <= 0):
+            raise ValueError("prompt embedding positions must be strictly increasing.")
+        self.first = int(self.positions[0]) if len(self.positions) else 0
+        self.end = int(self.positions[-1]) + 1 if len(self.positions) else 0
+        self.rope_first = self.rope_end = 0
+        self._salt = next(_SALTS)
+        self._rope_digest = None
+        self._rope_from = 0  # the first position whose rotary rows are not the plain position
+        if self.rope is not None:
+            self.rope = np.asarray(self.rope, dtype=np.int64)
+            if self.rope.ndim != 2:
+                raise ValueError(f"rotary positions must be [rows, prompt length], got {self.rope.shape}.")
+            differ = np.flatnonzero((self.rope != self.rope[:1]).any(axis=0))
+            if len(differ):
+                self.rope_first, self.rope_end = int(differ[0]), int(differ[-1]) + 1
+            departs = np.flatnonzero((self.rope != np.arange(self.rope.shape[1])).any(axis=0))
+            if len(departs) or self.rope_delta:
+                self._rope_from = int(departs[0]) if len(departs) else self.rope.shape[1]
+                self._rope_digest = ("rope", hashlib.blake2b(self.rope.tobytes() + str(self.rope_delta).encode(),
+                                                             digest_size=16).digest())
+
+    def feeds(self, start: int, stop: int) -> bool:
+        """Whether tokens [start, stop) feed an embedding or need all rotary rows (an eager step)."""
+        return (start < self.end and stop > self.first) or (start < self.rope_end and stop > self.rope_first)
+
+    def slice(self, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor]:
+        """The embedded positions in [start, stop) (relative to `start`) and their embeddings."""
+        a, b = np.searchsorted(self.positions, (start, stop))
+        return self.positions[a:b] - start, self.values[a:b]
+
+    def rope_positions(self, start: int, stop: int, prompt_length: int) -> np.ndarray:
+        """[K, stop - start] rotary positions of tokens [start, stop) (generated ones past the prompt)."""
+        rope = self.rope
+        head = rope[:, start:min(stop, prompt_length)]
+        if stop <= prompt_length:
+            return head
+        tail = np.arange(max(start, prompt_length), stop, dtype=np.int64) + self.rope_delta
+        return np.concatenate([head, np.broadcast_to(tail, (rope.shape[0], len(tail)))], axis=1)
+
+    def page_salt(self, start: int, stop: int) -> object:
+        """What a prefix-cache page of tokens [start, stop) adds to its key: the embeddings' key (or
+        this object's own number) when it holds an embedded position, and the rotary positions'
+        digest once they depart from the plain ones; None when neither."""
+        salt = ()
+        if len(self.positions) and stop > self.first and start < self.end:
+            a, b = np.searchsorted(self.positions, (start, stop))
+            if a < b:
+                salt = (self.key if self.key is not None else ("embeds", self._salt),)
+        if self._rope_digest is not None and stop > self._rope_from:
+            salt = (*salt, self._rope_digest)
+        return salt or None
+
+
+def checked_embeds(embeds: PromptEmbeds, prompt_length: int, embedding: torch.nn.Module,
+                   refusal: str | None) -> PromptEmbeds:
+    """`embeds` for a prompt of `prompt_length` tokens, moved to the embedding's device and dtype;
+    a ValueError for anything that cannot run (`refusal`: why the model cannot take them at all)."""
+    if not isinstance(embeds, PromptEmbeds):
+        raise TypeError(f"embeds must be a PromptEmbeds, got {type(embeds).__name__}.")
+    if refusal is not None:
+        raise ValueError(f"prompt embeddings cannot run on this model: {refusal}.")
+    weight = embedding.weight
+    hidden = weight.shape[1]
+    if embeds.values.shape[1] != hidden:
+        raise ValueError(f"prompt embeddings have width {embeds.values.shape[1]}; the model's embeddings have {hidden}.")
+    if len(embeds.positions) and not (embeds.positions[0] >= 0 and embeds.end <= prompt_length):
+        raise ValueError(f"prompt embedding positions must lie in [0, {prompt_length}), the prompt's length.")
+    if not embeds.values.dtype.is_floating_point:
+        raise ValueError(f"prompt embeddings must be floating point, got {embeds.values.dtype}.")
+    if embeds.rope is not None and embeds.rope.shape[1] != prompt_length:
+        raise ValueError(f"rotary positions cover {embeds.rope.shape[1]} tokens for a prompt of {prompt_length}.")
+    dtype = weight.dtype if weight.dtype.is_floating_point else embeds.values.dtype
+    embeds.values = embeds.values.detach().to(weight.device, dtype)
+    return embeds

@@ -1,0 +1,147 @@
+"""A vision-language model's prompts as the engine feeds them: the model's own merge of its image
+features, read where it hands them to its language model.
+
+Each family merges images its own way (placeholder tokens replaced by projected features, image
+newlines, tiles, multimodal rotary positions). Rather than follow each, the call's batch runs once
+through the model's forward, images included, as stock generate's first step runs it (the vision
+tower batched over the call's rows), and stops where the language model is entered: what the
+language model receives then (`inputs_embeds`, `position_ids`, its mask) is what the prompt must
+feed. The rows' embeddings that differ from the plain token embeddings become PromptEmbeds, and
+their rotary positions (Qwen2-VL's [t, h, w] and the shift they leave) come along.
+
+What the engine's causal paged attention cannot reproduce is refused by name: a mask that lets
+image tokens attend to later ones (Gemma 3's and PaliGemma's bidirectional blocks), and inputs the
+language model takes beyond the embeddings (Qwen3-VL's deepstack features).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds
+
+# What the language model may receive besides the embeddings and positions without changing them.
+_PLAIN_KWARGS = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache",
+                 "use_cache", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
+                 "logits_to_keep"}
+
+
+class _Entered(Exception):
+    """Raised by the hook on the language model: the merge is done, nothing more needs to run."""
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module the model hands its merged prompt embeddings to."""
+    for path in ("model.language_model", "language_model", "model.text_model"):
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.Module):
+            return module
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if isinstance(decoder, torch.nn.Module) and decoder is not model:
+        return decoder
+    raise ValueError(f"{type(model).__name__}: its language model was not found (model.language_model, "
+                     "model.model.language_model or get_decoder()), so its images cannot be merged.")
+
+
+@torch.no_grad()
+def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   media: dict) -> list[PromptEmbeds | None]:
+    """Per row of the left-padded batch: the embeddings (and rotary positions) its prompt feeds
+    beyond its tokens', or None for a row that feeds its tokens alone. Identical rows (the same
+    tokens and the same image features) share one object, so that they share their pages."""
+    received = _language_model_inputs(model, input_ids, attention_mask, media)
+    name = type(model).__name__
+    extra = sorted(k for k, v in received.items() if k not in _PLAIN_KWARGS and v is not None)
+    if extra:
+        raise ValueError(f"{name}'s language model also takes {extra} beyond the prompt embeddings (e.g. features "
+                         "added at several layers); the engine does not feed them: use batching='off'.")
+    valid = attention_mask.bool()
+    _check_causal(received.get("attention_mask"), valid, name)
+    merged = received.get("inputs_embeds")
+    if not isinstance(merged, torch.Tensor) or merged.shape[:2] != input_ids.shape:
+        raise ValueError(f"{name}'s language model did not receive inputs_embeds [batch, length, hidden].")
+    plain = model.get_input_embeddings()(input_ids)
+    differs = (merged != plain.to(merged.dtype)).any(-1) & valid
+    rope = _rotary_rows(received.get("position_ids"), valid)
+    rows: list[PromptEmbeds | None] = []
+    seen: dict[tuple, list[PromptEmbeds]] = {}
+    for b in range(input_ids.shape[0]):
+        keep = valid[b]
+        where = torch.nonzero(differs[b][keep]).flatten()
+        values = merged[b][keep][where]
+        row_rope = rope[:, b][:, keep].cpu().numpy() if rope is not None else None
+        if row_rope is not None and (row_rope == torch.arange(row_rope.shape[1]).numpy()).all():
+            row_rope = None  # the plain positions
+        if not len(where) and row_rope is None:
+            rows.append(None)
+            continue
+        embeds = PromptEmbeds(values, where.cpu().numpy(), rope=row_rope,
+                              rope_delta=int(row_rope.max()) + 1 - row_rope.shape[1] if row_rope is not None else 0)
+        same = (tuple(input_ids[b][keep].tolist()), tuple(embeds.positions.tolist()))
+        twin = next((e for e in seen.get(same, ()) if _same(e, embeds)), None)
+        if twin is None:
+            seen.setdefault(same, []).append(embeds)
+        rows.append(twin or embeds)
+    return rows
+
+
+def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
+    received: dict = {}
+
+    def stop(module, args, kwargs):
+        if args:
+            received["inputs_embeds"] = args[0]
+        received.update(kwargs)
+        raise _Entered
+
+    handle = language_model(model).register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
+    except _Entered:
+        pass
+    finally:
+        handle.remove()
+    if not received:
+        raise ValueError(f"{type(model).__name__}'s forward never reached its language model.")
+    return received
+
+
+def _rotary_rows(position_ids, valid: torch.Tensor) -> torch.Tensor | None:
+    """[K, batch, length] positions as the language model got them (None: it computes plain ones). A
+    leading row of text positions beside the [t, h, w] rows (Qwen2-VL in newer transformers) goes."""
+    if position_ids is None:
+        return None
+    if position_ids.dim() == 2:
+        return position_ids[None]
+    if position_ids.dim() == 3:
+        return position_ids[1:] if position_ids.shape[0] == 4 else position_ids
+    raise ValueError(f"position ids of shape {tuple(position_ids.shape)} are not understood.")
+
+
+def _check_causal(mask, valid: torch.Tensor, name: str) -> None:
+    """Refuse a mask the model built itself that lets a token attend to a later one."""
+    masks = mask.values() if isinstance(mask, dict) else [mask]
+    for m in masks:
+        if m is None or (isinstance(m, torch.Tensor) and m.dim() <= 2):
+            continue  # a padding mask: the language model is causal
+        if not isinstance(m, torch.Tensor) or m.dim() != 4:
+            raise ValueError(f"{name} builds an attention mask the engine cannot read ({type(m).__name__}).")
+        allowed = m if m.dtype == torch.bool else m == 0
+        length = allowed.shape[-1]
+        later = torch.ones(length, length, dtype=torch.bool, device=allowed.device).triu(1)
+        pairs = valid[:, None, :, None] & valid[:, None, None, :] & later
+        if (allowed[..., -length:, :] & pairs).any():
+            raise ValueError(
+                f"{name} lets image tokens attend to later tokens (a bidirectional block over each image), which "
+                "the engine's causal paged attention does not do yet: use batching='off' for its images "
+                "(text-only calls run).")
+
+
+def _same(a: PromptEmbeds, b: PromptEmbeds) -> bool:
+    if (a.rope is None) != (b.rope is None) or (a.rope is not None and not (a.rope == b.rope).all()):
+        return False
+    return torch.equal(a.values, b.values)

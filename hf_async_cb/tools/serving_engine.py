@@ -1,0 +1,94 @@
+"""The serving benchmark's "sync" / "async" paths (with bench's ablation suffixes): a held Engine
+in online mode, each request added at its arrival and stamped token by token on the loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from hf_async_cb.tools import bench
+from hf_async_cb.tools.serving_client import decoding_options, drive
+from hf_async_cb.tools.serving_metrics import Trace
+from hf_async_cb.tools.serving_warmup import decode_grid, fresh_prompts
+from hf_async_cb.tools.serving_workload import Workload
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.perf_counter())
+
+
+class OurServer:
+    """A held Engine with its loop started in `mode`; `serve` runs a workload against it."""
+
+    def __init__(self, model, path: str, config=None, sample: bool = False) -> None:
+        from hf_async_cb.config import BatchingConfig
+        from hf_async_cb.engine.engine import Engine
+
+        mode, changes = bench.our_path(path)
+        config = config or BatchingConfig()
+        if sample and config.seed is None:
+            changes["seed"] = 0
+        self.sample = sample
+        self.engine = Engine(model, replace(config, mode=mode, progress=False, **changes))
+        self.pipeline = self.engine.pipeline(mode)
+        self.engine.start(mode)
+
+    def counters(self) -> dict[str, int]:
+        """Steps launched, graphs captured and graph steps run so far (what run_path reports per run)."""
+        graphs = self.engine.graphs
+        return {"steps": self.pipeline.num_steps, "captures": len(graphs) if graphs is not None else 0,
+                "graph_steps": graphs.num_replays if graphs is not None else 0}
+
+    def warm_up(self, workload: Workload, timeout: float | None = None, deadline: float | None = None) -> bool:
+        """The replay warm-up (tools/serving.py's docstring); whether it finished before `deadline`."""
+        vocab = self.engine.vocab_size
+        traces, _ = self.serve(fresh_prompts(workload, vocab), timeout, deadline)
+        graphs = self.engine.graphs
+        if graphs is not None:
+            graphs.max_prefill_graphs = graphs.num_prefill_graphs  # the rest run eagerly: no capture in the run
+            config = self.engine.config
+            for group in decode_grid(workload, config.max_running_requests, config.max_batch_tokens, vocab):
+                traces += self.serve(group, timeout, deadline)[0]
+        return all(t.finished for t in traces)
+
+    def serve(self, workload: Workload, timeout: float | None = None,
+              deadline: float | None = None) -> tuple[list[Trace], float]:
+        """Run `workload`; each result is waited for at most `timeout` s (TimeoutError past it), and
+        none past `deadline` (a time.perf_counter() value): those left then are marked unfinished."""
+        from hf_async_cb.engine.requests import SamplingParams
+
+        engine, pipeline, handles = self.engine, self.pipeline, {}
+        decoding = decoding_options(self.sample)
+
+        def submit(i: int, trace: Trace) -> None:
+            # The stamp runs on the loop thread, between steps: a clock read and an append per
+            # token. A reader thread per request (iterating its handle) would instead wake on every
+            # token and contend for the GIL with the loop it measures, and its wake-up delay would
+            # land in the timestamps.
+            stamp = trace.token_times.append
+            submitted = pipeline.num_steps  # (read off the loop's thread: a step may be launching)
+
+            def on_token(request, token) -> None:
+                if trace.first_token_steps is None:
+                    trace.first_token_steps = pipeline.num_steps - submitted
+                stamp(time.perf_counter())
+
+            handles[i] = engine.add_request(workload.prompts[i],
+                                            SamplingParams(max_new_tokens=workload.new[i], **decoding),
+                                            on_token=on_token)
+
+        traces, lag = drive(workload, submit)
+        for i, trace in enumerate(traces):
+            left = _remaining(deadline)
+            by_deadline = left is not None and (timeout is None or left <= timeout)
+            try:
+                trace.output_token_ids = handles[i].result(left if by_deadline else timeout).output_token_ids
+            except TimeoutError:
+                if not by_deadline:
+                    raise
+                trace.finished = False
+        return traces, lag
+
+    def close(self) -> None:
+        self.engine.close()  # the loop stopped (cancelling what a failed run left), the model given back

@@ -1,0 +1,167 @@
+"""Prompt embeddings on the engine: generate(inputs_embeds=...) token-exact against stock generate,
+chunked, cached and preempted; PromptEmbeds' own arithmetic; refusals by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import left_pad, tiny_model
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds
+from hf_async_cb.engine.requests import Request
+from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
+
+MODES = ("sync", "async")
+
+
+def _model(family="llama", seed=0):
+    torch.manual_seed(seed)
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _embeds(model, ids, noise=0.5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        plain = model.get_input_embeddings()(ids)
+    return plain + noise * torch.randn(plain.shape, generator=g)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_inputs_embeds_match_stock(family, with_ids):
+    model = _model(family)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]])
+    embeds = _embeds(model, ids)
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    if with_ids:
+        kwargs["input_ids"] = ids
+    expected = model.generate(**kwargs)
+    assert expected.shape[1] == (ids.shape[1] if with_ids else 0) + 8  # embeddings alone: only the new tokens
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(expected[:, -8:], plain[:, -8:])  # the embeddings matter
+    for mode in MODES:
+        assert torch.equal(model.generate(**kwargs, batching=mode), expected), mode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_embeddings_split_across_chunks_preempted_and_cached_stay_exact(mode):
+    """Prompts longer than a step's token budget (chunks start and end inside the embeddings), a
+    pool small enough to preempt, and a second call with other embeddings at the same placeholder
+    ids: a cache keyed by token ids alone would serve the first call's pages."""
+    model = _model()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 23, 37, 51)]
+    ids, mask = left_pad(prompts)
+    config = BatchingConfig(max_batch_tokens=16, num_pages=14, page_size=8)
+    for seed in (1, 2):
+        embeds = _embeds(model, ids, seed=seed)
+        expected = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        got = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             batching=mode, batching_config=config)
+        assert torch.equal(got, expected), seed
+    hf_async_cb.release(model)
+
+
+def test_copies_share_their_row_embeddings_pages():
+    """num_return_sequences copies hold one PromptEmbeds: they share its pages through the cache."""
+    model = _model()
+    ids, mask = left_pad([list(range(3, 40))])
+    embeds = _embeds(model, ids)
+    out = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=True,
+                         num_return_sequences=4, batching="sync", batching_config=BatchingConfig(seed=0))
+    assert out.shape == (4, 4)
+    stats = hf_async_cb.prefix_cache_stats(model)
+    assert stats["hit_tokens"] == 3 * 32  # each later copy took the first one's 2 full pages
+    hf_async_cb.release(model)
+
+
+def test_history_reading_options_with_embeddings_alone_are_refused():
+    model = _model()
+    ids, mask = left_pad([[5, 6, 7]])
+    with pytest.raises(ValueError, match="inputs_embeds without input_ids"):
+        model.generate(inputs_embeds=_embeds(model, ids), attention_mask=mask, max_new_tokens=3,
+                       repetition_penalty=1.3, batching="sync")
+    with pytest.raises(ValueError, match="does not match input_ids"):
+        model.generate(input_ids=ids, inputs_embeds=_embeds(model, ids)[:, 1:], max_new_tokens=3, batching="sync")
+    with pytest.raises(ValueError, match=r"inputs_embeds must be a floating-point tensor \[batch, length, hidden\]"):
+        model.generate(inputs_embeds=torch.zeros(1, 3), max_new_tokens=3, batching="sync")
+
+
+def test_engine_requests_with_embeddings_and_their_checks():
+    model = _model()
+    ids = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        plain = model.get_input_embeddings()(torch.tensor(ids))
+    engine = Engine(model, BatchingConfig(mode="sync"))
+    try:
+        same = engine.make_request(ids, SamplingParams(max_new_tokens=6), embeds=PromptEmbeds(plain[2:4], [2, 3]))
+        base = engine.make_request(ids, SamplingParams(max_new_tokens=6))
+        moved = engine.make_request(ids, SamplingParams(max_new_tokens=6),
+                                    embeds=PromptEmbeds(plain[2:4] + 1.0, [2, 3]))
+        engine.run([same, base, moved])
+        assert same.output_token_ids == base.output_token_ids  # its own embeddings: the tokens' ones
+        assert moved.output_token_ids != base.output_token_ids
+        with pytest.raises(ValueError, match="width 5"):
+            engine.make_request(ids, SamplingParams(), embeds=PromptEmbeds(torch.zeros(1, 5), [0]))
+        with pytest.raises(ValueError, match=r"lie in \[0, 6\)"):
+            engine.make_request(ids, SamplingParams(), embeds=PromptEmbeds(plain[:1], [6]))
+    finally:
+        engine.close()
+
+
+def test_a_model_whose_forward_does_more_with_ids_is_refused_by_name():
+    model = _model()
+    forward = model.forward
+
+    def doubled(input_ids=None, inputs_embeds=None, **kwargs):
+        if input_ids is not None:  # a forward that treats ids and embeddings differently
+            inputs_embeds, input_ids = model.get_input_embeddings()(input_ids) * 2, None
+        return forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    model.forward = doubled
+    ids, mask = left_pad([[5, 6, 7]])
+    with pytest.raises(ValueError, match="computes more from input_ids than get_input_embeddings"):
+        model.generate(inputs_embeds=_embeds(model, ids), attention_mask=mask, max_new_tokens=3, batching="sync",
+                       batching_config=BatchingConfig(trust_untested_model=True))
+
+
+def test_prompt_embeds_arithmetic():
+    values = torch.arange(12.0).view(3, 4)
+    e = PromptEmbeds(values, [2, 3, 7])
+    assert (e.first, e.end) == (2, 8)
+    assert e.feeds(0, 3) and e.feeds(7, 9) and not e.feeds(0, 2) and not e.feeds(8, 20)
+    rel, vals = e.slice(3, 8)
+    assert rel.tolist() == [0, 4] and torch.equal(vals, values[1:])
+    assert e.page_salt(0, 2) is None and e.page_salt(4, 7) is None
+    assert e.page_salt(0, 4) == e.page_salt(6, 8) != PromptEmbeds(values, [2, 3, 7]).page_salt(0, 4)
+    assert PromptEmbeds(values, [2, 3, 7], key=b"x").page_salt(0, 4) == (b"x",)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        PromptEmbeds(values, [2, 2, 7])
+    # Multimodal rotary positions: rows differ over [1, 3); generated tokens shifted by the delta.
+    rope = np.array([[0, 1, 1, 3, 4], [0, 1, 2, 3, 4], [0, 2, 1, 3, 4]])
+    r = PromptEmbeds(values[:2], [1, 2], rope=rope, rope_delta=-1)
+    assert (r.rope_first, r.rope_end) == (1, 3)
+    assert r.rope_positions(3, 7, 5).tolist() == [[3, 4, 4, 5]] * 3
+    assert r.page_salt(3, 5) is not None  # after the rows departed from the plain positions
+    shifted = PromptEmbeds(values[:1], [0], key=b"v", rope=np.array([[0, 3, 4]]), rope_delta=2)
+    unshifted = PromptEmbeds(values[:1], [0], key=b"v")
+    assert shifted.page_salt(0, 1) == unshifted.page_salt(0, 1)  # position 0: the same K/V either way
+    assert shifted.page_salt(0, 2) != unshifted.page_salt(0, 2)
+
+
+def test_steps_feeding_embeddings_never_take_a_graph():
+    graphs = DecodeGraphs(None, 8, is_cuda=False, prefill=True)
+    plain = Request([3] * 5, SamplingParams())
+    embedded = Request([3] * 5, SamplingParams(), embeds=PromptEmbeds(torch.zeros(1, 4), [4]))
+    decode = StepPlan([ScheduledChunk(plain, 4, 1, True), ScheduledChunk(embedded, 4, 1, True)], [])
+    assert decode.embedded == [1] and graphs.key_for(decode) is None
+    after = Request([3] * 5, SamplingParams(), embeds=PromptEmbeds(torch.zeros(1, 4), [2]))
+    later = StepPlan([ScheduledChunk(plain, 4, 1, True), ScheduledChunk(after, 4, 1, True)], [])
+    assert later.embedded == [] and graphs.key_for(later) is not None

@@ -1,0 +1,119 @@
+"""Vision-language models on the engine: generate(pixel_values=..., batching=...) token-exact
+against stock generate for every tiny family of tests/vlm_families.py, in both loops; families
+whose attention the engine cannot reproduce are refused by name before any token.
+
+Scenarios: one image per row (two rows with the same text and different images), rows with and
+without images, several images in one row; then the prefix cache (identical rows share their
+pages, different images never do, within a call or across calls), chunked prefill through the
+image tokens and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+import vlm_families as V  # noqa: E402  (tests/ is on sys.path: conftest.py)
+
+import hf_async_cb  # noqa: E402
+from hf_async_cb import BatchingConfig  # noqa: E402
+
+MODES = ("sync", "async")
+NEW = 6
+
+# What the engine says, by name, for the families it refuses (and why: docs/models.md).
+REFUSED = {
+    "qwen3_vl": r"also takes \['deepstack_visual_embeds', 'visual_pos_masks'\]",
+    "gemma3": r"lets image tokens attend to later tokens",
+    "paligemma": r"cannot run on hf_async_cb|lets image tokens attend to later tokens",
+    "paligemma2": r"cannot run on hf_async_cb|lets image tokens attend to later tokens",
+    "mllama": r"cannot run on hf_async_cb: only layers",
+}
+
+
+def _families():
+    return [pytest.param(name, id=name) for name, fam in V.FAMILIES.items() if not fam.stock_broken]
+
+
+_MODELS: dict = {}
+
+
+def _model(name):
+    if name not in _MODELS:
+        model = V.build_model(name)
+        model.generation_config.eos_token_id = None  # every row generates NEW tokens
+        _MODELS[name] = model
+    return _MODELS[name]
+
+
+def _stock(model, inputs, **kwargs):
+    return model.generate(**inputs, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("name", _families())
+def test_family_matches_stock_or_is_refused_by_name(name):
+    model = _model(name)
+    for scenario in V.scenarios_for(name):
+        inputs = V.build_inputs(name, scenario)
+        if name in REFUSED:
+            for mode in MODES:
+                with pytest.raises(ValueError, match=REFUSED[name]):
+                    _stock(model, inputs, batching=mode)
+            continue
+        expected = _stock(model, inputs)
+        for mode in MODES:
+            assert torch.equal(_stock(model, inputs, batching=mode), expected), (scenario, mode)
+    if name in REFUSED:  # its text alone still runs where its text model does
+        return
+    text_only = V.build_inputs(name, "mixed")["input_ids"][1:2] if "mixed" in V.scenarios_for(name) else None
+    if text_only is not None:
+        assert torch.equal(model.generate(input_ids=text_only, max_new_tokens=NEW, batching="sync"),
+                           model.generate(input_ids=text_only, max_new_tokens=NEW))
+    hf_async_cb.release(model)
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("mode", MODES)
+def test_prefix_cache_shares_identical_rows_and_never_different_images(name, mode):
+    """Rows 0 and 1 of "one_each" have the same tokens and different images; a copy of row 0 is
+    added. Small pages: the copy takes row 0's pages from the cache, row 1 takes none of them past
+    its image; a later call with other images (the same ids) is served nothing stale."""
+    model = _model(name)
+    config = BatchingConfig(page_size=4)
+    hf_async_cb.release(model)
+    for seed in (0, 1):
+        inputs = V.build_inputs(name, "one_each", image_seed=seed)
+        rows = inputs["input_ids"].shape[0]
+        pixels, extra = _repeat_first_image(name, inputs)
+        inputs = {k: (torch.cat([v, v[:1]]) if isinstance(v, torch.Tensor) and v.shape[0] == rows else v)
+                  for k, v in inputs.items()}
+        inputs.update(pixel_values=pixels, **extra)
+        expected = _stock(model, inputs)
+        assert torch.equal(expected[0], expected[3]) and not torch.equal(expected[0], expected[1])
+        got = _stock(model, inputs, batching=mode, batching_config=config)
+        assert torch.equal(got, expected), seed
+        stats = hf_async_cb.prefix_cache_stats(model)
+        assert stats["hit_tokens"] > 0
+    hf_async_cb.release(model)
+
+
+def _repeat_first_image(name, inputs):
+    """pixel_values (and its companions) with row 0's image again for an added fourth row."""
+    pixels = inputs["pixel_values"]
+    if name == "qwen2_vl":  # flattened patches: row 0's are the first grid's
+        grid = inputs["image_grid_thw"]
+        first = int(grid[0].prod())
+        return torch.cat([pixels, pixels[:first]]), {"image_grid_thw": torch.cat([grid, grid[:1]])}
+    return torch.cat([pixels, pixels[:1]]), {}
+
+
+@pytest.mark.parametrize("name", ["llava_next", "qwen2_5_vl"])
+@pytest.mark.parametrize("mode", MODES)
+def test_image_tokens_split_across_chunks_and_preempted(name, mode):
+    model = _model(name)
+    inputs = V.build_inputs(name, "two_images")
+    expected = _stock(model, inputs)
+    config = BatchingConfig(max_batch_tokens=7, page_size=4, num_pages=2 * (inputs["input_ids"].shape[1] + NEW) // 4)
+    assert torch.equal(_stock(model, inputs, batching=mode, batching_config=config), expected)
+    hf_async_cb.release(model)
