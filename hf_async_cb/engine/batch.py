@@ -264,8 +264,11 @@ def _rotary_positions(plan: StepPlan, positions: np.ndarray, query_start: np.nda
         embeds = req.embeds
         if embeds is None or embeds.rope is None:
             continue
-        rope = embeds.rope_positions(start, start + n, len(req.prompt_token_ids))
         q = query_start[i]
+        if n == 1 and start >= embeds.rope.shape[1]:  # a decode token: its position, shifted
+            positions[q] = start + embeds.rope_delta
+            continue
+        rope = embeds.rope_positions(start, start + n, len(req.prompt_token_ids))
         positions[q:q + n] = rope[0]
         if start < embeds.rope_end and start + n > embeds.rope_first:
             wide.append((q, rope))
