@@ -165,3 +165,15 @@ def test_steps_feeding_embeddings_never_take_a_graph():
     after = Request([3] * 5, SamplingParams(), embeds=PromptEmbeds(torch.zeros(1, 4), [2]))
     later = StepPlan([ScheduledChunk(plain, 4, 1, True), ScheduledChunk(after, 4, 1, True)], [])
     assert later.embedded == [] and graphs.key_for(later) is not None
+
+
+def test_chunks_never_end_inside_a_bidirectional_block():
+    """Positions 3-6 see each other (an image), 9-10 too: a chunk ends before a block or after it,
+    the nearest end before the budget's when there is one after the chunk's start, else the block's end."""
+    visible = np.arange(12)
+    visible[3:7], visible[9:11] = 6, 10
+    e = PromptEmbeds(torch.zeros(4, 2), [3, 4, 5, 6], visible=visible)
+    assert e.sees_ahead == (3, 10) and e.visible_from[3:7].tolist() == [3] * 4 and e.visible_from[7] == 7
+    ends = {(0, 5): 3, (0, 3): 3, (0, 7): 7, (4, 5): 7, (0, 10): 9, (8, 10): 9, (0, 12): 12, (10, 11): 11}
+    assert {k: e.chunk_end(*k) for k in ends} == ends
+    assert e.feeds(7, 10) and not e.feeds(11, 12)  # (the second block sees ahead too: an eager chunk)

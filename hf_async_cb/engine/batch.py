@@ -196,6 +196,7 @@ class BatchBuilder:
         slot_mapping = table[token_rows, positions // ps] * ps + positions % ps
         positions[real_tokens:] = 0  # padding: its slots are on the trash page; position 0 fits any model
         rotary = None
+        cache_positions = positions
         if plan.rotary:  # positions of the model's own (multimodal rotary), not the cache's
             positions, rotary = _rotary_positions(plan, positions, query_start)
         input_ids = np.zeros(num_tokens, dtype=np.int64)  # PLACEHOLDER past the real tokens
@@ -236,6 +237,10 @@ class BatchBuilder:
             embeds = _embeds(plan, query_start, input_ids.device)
             if rotary is not None:
                 rotary_ids = torch.from_numpy(rotary).to(input_ids.device)[:, None]
+            visible = _visible(plan, cache_positions, query_start)
+            if visible is not None:  # a bidirectional block: the reference attention takes the mask
+                meta.visible_from, meta.visible = torch.from_numpy(visible).to(input_ids.device)
+                meta.backend = "reference"
         return StepInputs(
             embeds=embeds,
             rotary_position_ids=rotary_ids,
@@ -293,3 +298,23 @@ def _embeds(plan: StepPlan, query_start: np.ndarray, device: torch.device):
         return None
     return (torch.from_numpy(np.concatenate(where)).to(device),
             torch.cat([v.to(device) for v in values]) if len(values) > 1 else values[0].to(device))
+
+
+def _visible(plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray | None:
+    """[2, T] the first and the last key position of each token's bidirectional block, where a
+    chunk's tokens see past themselves (PromptEmbeds.visible), else None."""
+    visible = None
+    for i in plan.embedded:
+        chunk = plan.chunks[i]
+        embeds = chunk.request.embeds
+        lo, hi = embeds.sees_ahead
+        start, stop = chunk.start, chunk.start + chunk.num_tokens
+        if embeds.visible is None or not (start < hi and stop > lo):
+            continue
+        if visible is None:
+            visible = np.stack([positions, positions])
+        q = query_start[i]
+        prompt_stop = min(stop, len(embeds.visible))
+        visible[0, q:q + prompt_stop - start] = embeds.visible_from[start:prompt_stop]
+        visible[1, q:q + prompt_stop - start] = embeds.visible[start:prompt_stop]
+    return visible

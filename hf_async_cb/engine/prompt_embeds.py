@@ -38,6 +38,11 @@ class PromptEmbeds:
     key: bytes | None = None
     rope: np.ndarray | None = None  # [K, prompt length] int64 rotary positions, K >= 1; None: the plain ones
     rope_delta: int = 0  # added to the positions of generated tokens when `rope` is set
+    # [prompt length] the last position each prompt token may see (>= its own), where some see past
+    # themselves: a bidirectional block over an image (Gemma 3), over the prompt (PaliGemma). Each
+    # token sees every key of its block (from the first position that sees as far: `visible_from`),
+    # whatever the layer's window, and the causal keys within it. None: causal.
+    visible: np.ndarray | None = None
     first: int = field(init=False)  # positions[0] (0 when P == 0)
     end: int = field(init=False)  # positions[-1] + 1
     rope_first: int = field(init=False)  # the span of the prompt whose K rotary rows differ
@@ -57,6 +62,20 @@ class PromptEmbeds:
         self._salt = next(_SALTS)
         self._rope_digest = None
         self._rope_from = 0  # the first position whose rotary rows are not the plain position
+        self.sees_ahead = (0, 0)  # the span of prompt positions that see past themselves
+        self.visible_from: np.ndarray | None = None
+        self._cuts: np.ndarray | None = None  # chunk ends that leave no token seeing past them
+        if self.visible is not None:
+            self.visible = np.asarray(self.visible, dtype=np.int64)
+            ahead = np.flatnonzero(self.visible > np.arange(len(self.visible)))
+            if len(ahead):
+                self.sees_ahead = (int(ahead[0]), int(ahead[-1]) + 1)
+                seen = np.maximum.accumulate(self.visible)  # seen[i]: the furthest any token <= i sees
+                self._cuts = np.flatnonzero(seen < np.arange(len(seen)) + 1) + 1  # ends e with seen[e-1] < e
+                _, first, inverse = np.unique(self.visible, return_index=True, return_inverse=True)
+                self.visible_from = first[inverse]
+            else:
+                self.visible = None
         if self.rope is not None:
             self.rope = np.asarray(self.rope, dtype=np.int64)
             if self.rope.ndim != 2:
@@ -71,8 +90,24 @@ class PromptEmbeds:
                                                              digest_size=16).digest())
 
     def feeds(self, start: int, stop: int) -> bool:
-        """Whether tokens [start, stop) feed an embedding or need all rotary rows (an eager step)."""
-        return (start < self.end and stop > self.first) or (start < self.rope_end and stop > self.rope_first)
+        """Whether tokens [start, stop) feed an embedding, need all rotary rows or see past
+        themselves (an eager step)."""
+        return ((start < self.end and stop > self.first) or (start < self.rope_end and stop > self.rope_first)
+                or (start < self.sees_ahead[1] and stop > self.sees_ahead[0]))
+
+    def chunk_end(self, start: int, stop: int) -> int:
+        """Where a prefill chunk from `start` that would end at `stop` may end: never inside a block
+        whose tokens see past it (they would attend to keys not computed yet). The nearest such end
+        before `stop`, else the first after it (a chunk over the budget beats a wrong one)."""
+        cuts = self._cuts
+        if cuts is None or stop >= len(self.visible) or stop <= self.sees_ahead[0]:
+            return stop
+        i = int(np.searchsorted(cuts, stop, side="right"))  # cuts[i - 1] <= stop < cuts[i]
+        if i and cuts[i - 1] == stop:
+            return stop
+        if i and cuts[i - 1] > start:
+            return int(cuts[i - 1])
+        return int(cuts[i]) if i < len(cuts) else len(self.visible)
 
     def slice(self, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor]:
         """The embedded positions in [start, stop) (relative to `start`) and their embeddings."""

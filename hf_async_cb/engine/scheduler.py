@@ -187,11 +187,13 @@ class Scheduler:
         if chunks and self.mixed_prefill_tokens is not None:  # decodes wait on this step: keep it short
             budget = min(budget, self.mixed_prefill_tokens)
         for req, left in prefilling:
-            if budget == 0:
+            if budget <= 0:  # (below 0 after a chunk that could not end inside a bidirectional block)
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
+            if req.embeds is not None:
+                n = req.embeds.chunk_end(req.num_computed, req.num_computed + n) - req.num_computed
             fits = req.num_computed + n <= len(req.pages) * page_size
             victims = () if fits else self._reserve(req, n)
             if victims:
@@ -219,6 +221,8 @@ class Scheduler:
             else:
                 self._attach_shared_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
+            if req.embeds is not None:
+                n = req.embeds.chunk_end(req.num_computed, req.num_computed + n) - req.num_computed
             needed = self._pages_needed(req, n)
             if needed > self.allocator.num_free:
                 self._detach_shared_prefix(req)

@@ -32,6 +32,11 @@ class StepMetadata:
     max_query_len: int  # host: the longest query of the step
     max_context: int  # host: a bound on every context length (a bucket: shapes change rarely)
     backend: str = "reference"  # the attention kernel: "reference" or "triton" (attention.resolve_backend)
+    # [T] each token's bidirectional block, [visible_from, visible] key positions it sees whatever
+    # the window, when some tokens see past themselves (an image's tokens: engine/prompt_embeds.py);
+    # None: causal. Such a step runs the reference attention.
+    visible: torch.Tensor | None = None
+    visible_from: torch.Tensor | None = None
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
     # Decode steps on the Triton kernels: each layer's new K/V, which PagedKVCache.update leaves to the
@@ -118,6 +123,8 @@ class StepMetadata:
                     block_table=self.block_table[requests, : -(-longest // self.page_size)],
                     query_start=torch.tensor([0, *itertools.accumulate(query_lens)], device=dev),
                     context_lens=self.context_lens[requests], max_query_len=max(query_lens), max_context=longest,
+                    visible=None if self.visible is None else self.visible[tokens],
+                    visible_from=None if self.visible_from is None else self.visible_from[tokens],
                     attention_calls=0, kv_gathered=False, _derived={})
                 groups.append((tokens, group))
             self._derived["groups"] = groups
@@ -138,8 +145,8 @@ class StepMetadata:
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Bool [B, 1, max_q, max_ctx] of the padded view: query at position p sees key k when
-        k <= p (and p - k < window). Padding query rows see key 0 only, so that no row is fully
-        masked (no NaN anywhere)."""
+        k <= p (and p - k < window), or k in its bidirectional block [visible_from, visible].
+        Padding query rows see key 0 only, so that no row is fully masked (no NaN anywhere)."""
         name = ("mask", sliding_window)
         if name not in self._derived:
             view = self.padded_view()
@@ -148,6 +155,9 @@ class StepMetadata:
             allowed = k <= p
             if sliding_window is not None:
                 allowed &= (p - k) < sliding_window
+            if self.visible is not None:
+                rows = view["q_index"]
+                allowed |= (k >= self.visible_from[rows][:, :, None]) & (k <= self.visible[rows][:, :, None])
             self._derived[name] = torch.where(view["q_valid"][:, :, None], allowed, k == 0)[:, None]
         return self._derived[name]
 

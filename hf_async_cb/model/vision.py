@@ -9,9 +9,11 @@ language model receives then (`inputs_embeds`, `position_ids`, its mask) is what
 feed. The rows' embeddings that differ from the plain token embeddings become PromptEmbeds, and
 their rotary positions (Qwen2-VL's [t, h, w] and the shift they leave) come along.
 
-What the engine's causal paged attention cannot reproduce is refused by name: a mask that lets
-image tokens attend to later ones (Gemma 3's and PaliGemma's bidirectional blocks), and inputs the
-language model takes beyond the embeddings (Qwen3-VL's deepstack features).
+A mask the model builds itself is read too: where image tokens attend to the later tokens of
+their image (Gemma 3's bidirectional blocks), each prompt keeps the last position each token sees
+(PromptEmbeds.visible: such chunks run the reference attention with that mask, and never end inside
+a block). Refused by name: any other forward pattern, and inputs the language model takes beyond the
+embeddings (Qwen3-VL's deepstack features).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         raise ValueError(f"{name}'s language model also takes {extra} beyond the prompt embeddings (e.g. features "
                          "added at several layers); the engine does not feed them: use batching='off'.")
     valid = attention_mask.bool()
-    _check_causal(received.get("attention_mask"), valid, name)
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    sees = _visible(received.get("attention_mask"), valid, name, window)  # [B, L] or None: causal
     merged = received.get("inputs_embeds")
     if not isinstance(merged, torch.Tensor) or merged.shape[:2] != input_ids.shape:
         raise ValueError(f"{name}'s language model did not receive inputs_embeds [batch, length, hidden].")
@@ -76,11 +79,17 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         row_rope = rope[:, b][:, keep].cpu().numpy() if rope is not None else None
         if row_rope is not None and (row_rope == torch.arange(row_rope.shape[1]).numpy()).all():
             row_rope = None  # the plain positions
-        if not len(where) and row_rope is None:
+        row_sees = None
+        if sees is not None:
+            row_sees = (sees[b][keep] - int((~keep).sum())).cpu().numpy()  # padded columns -> prompt positions
+            if (row_sees == torch.arange(len(row_sees)).numpy()).all():
+                row_sees = None
+        if not len(where) and row_rope is None and row_sees is None:
             rows.append(None)
             continue
         embeds = PromptEmbeds(values, where.cpu().numpy(), rope=row_rope,
-                              rope_delta=int(row_rope.max()) + 1 - row_rope.shape[1] if row_rope is not None else 0)
+                              rope_delta=int(row_rope.max()) + 1 - row_rope.shape[1] if row_rope is not None else 0,
+                              visible=row_sees)
         same = (tuple(input_ids[b][keep].tolist()), tuple(embeds.positions.tolist()))
         twin = next((e for e in seen.get(same, ()) if _same(e, embeds)), None)
         if twin is None:
@@ -116,32 +125,61 @@ def _rotary_rows(position_ids, valid: torch.Tensor) -> torch.Tensor | None:
     if position_ids is None:
         return None
     if position_ids.dim() == 2:
-        return position_ids[None]
-    if position_ids.dim() == 3:
-        return position_ids[1:] if position_ids.shape[0] == 4 else position_ids
-    raise ValueError(f"position ids of shape {tuple(position_ids.shape)} are not understood.")
+        position_ids = position_ids[None]
+    elif position_ids.dim() == 3:
+        position_ids = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
+    else:
+        raise ValueError(f"position ids of shape {tuple(position_ids.shape)} are not understood.")
+    return position_ids.expand(-1, *valid.shape)  # (one row of positions for the whole batch, broadcast)
 
 
-def _check_causal(mask, valid: torch.Tensor, name: str) -> None:
-    """Refuse a mask the model built itself that lets a token attend to a later one."""
-    masks = mask.values() if isinstance(mask, dict) else [mask]
-    for m in masks:
+def _visible(mask, valid: torch.Tensor, name: str, window: int | None) -> torch.Tensor | None:
+    """From the masks the model built itself: [B, L] the last column each query may see, where some
+    see later tokens (a bidirectional block over each image: Gemma 3; over the whole prompt:
+    PaliGemma); None when every mask is causal. Each mask must be what the engine's attention
+    builds from it (model/step_metadata.py): the causal keys within the layer's window ("sliding" in
+    the mask's name: the text config's `window`), and every key of the query's block whatever the
+    window; anything else is refused by name, never run differently."""
+    masks = mask.items() if isinstance(mask, dict) else [("", mask)]
+    tensors = []
+    for kind, m in masks:
         if m is None or (isinstance(m, torch.Tensor) and m.dim() <= 2):
             continue  # a padding mask: the language model is causal
         if not isinstance(m, torch.Tensor) or m.dim() != 4:
             raise ValueError(f"{name} builds an attention mask the engine cannot read ({type(m).__name__}).")
-        allowed = m if m.dtype == torch.bool else m == 0
-        length = allowed.shape[-1]
-        later = torch.ones(length, length, dtype=torch.bool, device=allowed.device).triu(1)
-        pairs = valid[:, None, :, None] & valid[:, None, None, :] & later
-        if (allowed[..., -length:, :] & pairs).any():
+        length = valid.shape[1]
+        tensors.append((str(kind), (m if m.dtype == torch.bool else m == 0)[:, 0, -length:, -length:]))
+    if not tensors:
+        return None
+    columns = torch.arange(valid.shape[1], device=valid.device)
+    q, k = columns[None, :, None], columns[None, None, :]
+    pairs = valid[:, :, None] & valid[:, None, :]
+    sees = torch.stack([torch.where(a & pairs & (k > q), k, q).amax(-1) for _, a in tensors]).amax(0)  # [B, L]
+    first = torch.stack([_block_starts(row) for row in sees])  # [B, L]
+    block = (k >= first[:, :, None]) & (k <= sees[:, :, None])
+    for kind, allowed in tensors:
+        causal = k <= q
+        if "sliding" in kind and window:
+            causal = causal & ((q - k) < window)
+        if not torch.equal(allowed & pairs, (causal | block) & pairs):
             raise ValueError(
-                f"{name} lets image tokens attend to later tokens (a bidirectional block over each image), which "
-                "the engine's causal paged attention does not do yet: use batching='off' for its images "
-                "(text-only calls run).")
+                f"{name} builds a {kind or 'attention'} mask the engine's attention does not express (tokens seeing "
+                "later ones other than a block around them, or a window other than its own): use batching='off'.")
+    if bool((sees == columns).all()):
+        return None
+    return sees
+
+
+def _block_starts(sees: torch.Tensor) -> torch.Tensor:
+    """[L] for each position the first position that sees as far (the start of its block)."""
+    _, inverse = torch.unique(sees, return_inverse=True)
+    starts = torch.full((int(inverse.max()) + 1,), sees.numel(), dtype=torch.long, device=sees.device)
+    starts.scatter_reduce_(0, inverse, torch.arange(sees.numel(), device=sees.device), reduce="amin")
+    return starts[inverse]
 
 
 def _same(a: PromptEmbeds, b: PromptEmbeds) -> bool:
-    if (a.rope is None) != (b.rope is None) or (a.rope is not None and not (a.rope == b.rope).all()):
-        return False
+    for x, y in ((a.rope, b.rope), (a.visible, b.visible)):
+        if (x is None) != (y is None) or (x is not None and (x.shape != y.shape or not (x == y).all())):
+            return False
     return torch.equal(a.values, b.values)
