@@ -117,3 +117,34 @@ def test_image_tokens_split_across_chunks_and_preempted(name, mode):
     config = BatchingConfig(max_batch_tokens=7, page_size=4, num_pages=2 * (inputs["input_ids"].shape[1] + NEW) // 4)
     assert torch.equal(_stock(model, inputs, batching=mode, batching_config=config), expected)
     hf_async_cb.release(model)
+
+
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_the_same_images_in_a_later_call_come_from_the_cache(name):
+    """Image embeddings are keyed by their content: a later call with the same images and text takes
+    every full page of its prompts from the cache; one with other images (the same ids) none past
+    their first image, and both give stock's tokens."""
+    model = _model(name)
+    hf_async_cb.release(model)
+    config = BatchingConfig(page_size=4)
+    inputs = V.build_inputs(name, "one_each")
+    expected = _stock(model, inputs)
+    assert torch.equal(_stock(model, inputs, batching="sync", batching_config=config), expected)
+    before = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
+    assert torch.equal(_stock(model, inputs, batching="async", batching_config=config), expected)
+    lengths = inputs["attention_mask"].sum(1).tolist()
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] - before == sum((n - 1) // 4 * 4 for n in lengths)
+    other = V.build_inputs(name, "one_each", image_seed=5)
+    assert torch.equal(other["input_ids"], inputs["input_ids"])
+    before = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
+    assert torch.equal(_stock(model, other, batching="sync", batching_config=config), _stock(model, other))
+    first_image = [int(row.tolist().index(t)) for row, t in zip(other["input_ids"], [_image_token(model)] * 3)]
+    pads = (1 - other["attention_mask"]).sum(1).tolist()
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] - before <= sum((f - p) // 4 * 4 for f, p in
+                                                                                zip(first_image, pads))
+    hf_async_cb.release(model)
+
+
+def _image_token(model):
+    config = model.config
+    return getattr(config, "image_token_id", None) or getattr(config, "image_token_index")

@@ -158,3 +158,29 @@ def checked_embeds(embeds: PromptEmbeds, prompt_length: int, embedding: torch.nn
     dtype = weight.dtype if weight.dtype.is_floating_point else embeds.values.dtype
     embeds.values = embeds.values.detach().to(weight.device, dtype)
     return embeds
+
+
+_KEY_WORDS = 2  # two independent 64-bit sums: a 128-bit key
+
+
+def content_keys(rows: list[torch.Tensor]) -> list[bytes]:
+    """A key per [P, hidden] embeddings tensor naming its content, computed on its device with one
+    transfer for all: two sums over the values' bits (as integers) times random 64-bit multipliers
+    per column and per position, wrapping modulo 2**64. Two tensors of other contents share a key
+    only if both sums of their difference vanish: for multipliers drawn at random, about one chance
+    in 2**64 each. Shapes and dtypes are part of the key."""
+    if not rows:
+        return []
+    device = rows[0].device
+    width = max(r.shape[1] for r in rows)
+    length = max(r.shape[0] for r in rows)
+    g = torch.Generator().manual_seed(0x5EED)
+    columns = torch.randint(-2**62, 2**62, (_KEY_WORDS, width), generator=g).to(device)
+    positions = torch.randint(-2**62, 2**62, (_KEY_WORDS, length), generator=g).to(device)
+    sums = []
+    for r in rows:
+        bits = r.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[r.element_size()]).long()
+        per_position = torch.stack([(bits * columns[w, :r.shape[1]]).sum(1) for w in range(_KEY_WORDS)])
+        sums.append((per_position * positions[:, :r.shape[0]]).sum(1))
+    words = torch.stack(sums).cpu().numpy()  # one transfer
+    return [b"embeds:" + str((tuple(r.shape), r.dtype)).encode() + w.tobytes() for r, w in zip(rows, words)]

@@ -18,9 +18,11 @@ embeddings (Qwen3-VL's deepstack features).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from hf_async_cb.engine.prompt_embeds import PromptEmbeds
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds, content_keys
 
 # What the language model may receive besides the embeddings and positions without changing them.
 _PLAIN_KWARGS = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache",
@@ -95,7 +97,18 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         if twin is None:
             seen.setdefault(same, []).append(embeds)
         rows.append(twin or embeds)
+    _name_contents([e for group in seen.values() for e in group])
     return rows
+
+
+def _name_contents(embeds: list[PromptEmbeds]) -> None:
+    """Key each row's image embeddings by their content (and where they sit, and the blocks their
+    tokens see), so that the prefix cache serves the same image after the same text in later calls
+    and other rows too, and never another image."""
+    keys = content_keys([e.values for e in embeds])
+    for e, key in zip(embeds, keys):
+        where = e.positions.tobytes() + (e.visible.tobytes() if e.visible is not None else b"")
+        e.key = key + hashlib.blake2b(where, digest_size=16).digest()
 
 
 def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
