@@ -31,10 +31,25 @@ def _timed_compile(self, key, signature, device, constexprs, options, attrs, war
     finally:
         COMPILES.append(dict(kernel=self.fn.__module__.rsplit(".", 1)[-1] + "." + self.fn.__name__,
                              constexprs={str(k): str(v) for k, v in constexprs.items()},
-                             seconds=round(time.perf_counter() - start, 3)))
+                             seconds=round(time.perf_counter() - start, 3),
+                             key=str(key)))  # the JIT's specialisation key: compare with the precompiled ones
 
 
 JITFunction._do_compile = _timed_compile
+
+
+def _precompiled_keys(ahead) -> dict[str, list[str]]:
+    """The JIT keys of the variants compiled ahead, per kernel: a compile in a call whose key is not
+    among them is a variant the list missed (or a launch specialised otherwise)."""
+    from hf_async_cb.kernels.variant import variant_key
+
+    keys: dict[str, list[str]] = {}
+    for variant in ahead.variants:
+        try:
+            keys.setdefault(variant.name, []).append(variant_key(variant))
+        except Exception as e:  # noqa: BLE001 (a diagnostic)
+            keys.setdefault(variant.name, []).append(f"(no key: {type(e).__name__})")
+    return keys
 
 
 def runtime_of(model):
@@ -78,6 +93,7 @@ def main() -> None:
         ahead = getattr(getattr(runtime_of(model), "engine", None), "_precompile", None)
         if ahead is not None and "precompile" not in report:  # kernels/precompile.py, at the runtime's build
             report["precompile"] = ahead.summary()
+            report["precompiled_keys"] = _precompiled_keys(ahead)
             print(f"   compiled ahead: {report['precompile']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,8 +1,10 @@
-"""Vision-language generate on the GPU: exactness on a tiny fp32 LLaVA, then a LLaVA-1.5-7B shape
-(random bf16 weights) with 64 requests x (1 image of 576 tokens + 64 text tokens) -> 256 new,
-stock generate beside generate(batching="async") in one process, and the roofline.
+"""Vision-language generate on the GPU: exactness on a tiny fp32 LLaVA, then a 7B shape (random bf16
+weights) with 64 requests x (1 image of 576 tokens + 64 text tokens) -> 256 new, stock generate beside
+generate(batching="async") in one process, and the roofline. Shapes: LLaVA-1.5-7B (CLIP ViT-L/14 at
+336 px, Llama-2-7B), Qwen2.5-VL-7B (its ViT at 672 x 672 px: 2304 patches merged 2 x 2 into 576 tokens,
+multimodal rotary positions). Inputs are built without a processor (no image library needed).
 
-    PYTHONPATH=. python benchmarks/gpu_vlm.py [--requests 64] [--new 256] [--json out.json]
+    PYTHONPATH=. python benchmarks/gpu_vlm.py [--shape llava-1.5-7b|qwen2.5-vl-7b] [--requests 64] [--new 256]
 
 Roofline: the vision tower's and the prefill's FLOPs at 790 TFLOP/s, plus every decode step at
 the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth).
@@ -11,6 +13,7 @@ the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth)
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
@@ -32,6 +35,45 @@ def llava(text: dict, vision: dict, image_size: int, patch: int, dtype, device):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def qwen25_vl(text: dict, vision: dict, dtype, device):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = text["vocab_size"]
+    ids = dict(image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
+               vision_end_token_id=vocab - 4)
+    half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs: [t, h, w] as Qwen's 16/24/24 of 64
+    sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    config = Qwen2_5_VLConfig(text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                      "mrope_section": sections}),
+                              vision_config=vision, **ids)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def qwen_batch(model, rows: int, text_tokens: int, grid: int, device, seed: int = 0):
+    """rows x (text, <vision_start>, grid*grid/4 image tokens, <vision_end>, text): input ids, mask,
+    flattened patches [rows * grid * grid, 3 * 2 * 14 * 14], grids, and the token types 5.24 reads."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    vocab = config.text_config.vocab_size
+    tokens = grid * grid // 4
+    ids = torch.randint(3, vocab - 8, (rows, text_tokens), generator=g)
+    half = text_tokens // 2
+    image = torch.tensor([config.vision_start_token_id] + [config.image_token_id] * tokens + [config.vision_end_token_id])
+    ids = torch.cat([ids[:, :half], image.repeat(rows, 1), ids[:, half:]], dim=1)
+    vision = config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    inputs = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                  pixel_values=torch.randn(rows * grid * grid, patch, generator=g).to(device, next(model.parameters()).dtype),
+                  image_grid_thw=torch.tensor([[1, grid, grid]] * rows).to(device))
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        inputs["mm_token_type_ids"] = (ids == config.image_token_id).int().to(device)
+    return inputs
 
 
 def batch(model, rows: int, text_tokens: int, image_tokens: int, image_size: int, device, seed: int = 0):
@@ -81,25 +123,43 @@ def copy_bandwidth(device) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=("llava-1.5-7b", "qwen2.5-vl-7b"), default="llava-1.5-7b")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--text", type=int, default=64)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
-    report = {"tiny_fp32_exact": exact_tiny(device)}
-    print("tiny fp32 LLaVA equals stock:", report["tiny_fp32_exact"], flush=True)
+    report = {}
+    if not args.skip_tiny:
+        report["tiny_fp32_exact"] = exact_tiny(device)
+        print("tiny fp32 LLaVA equals stock:", report["tiny_fp32_exact"], flush=True)
 
-    text = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)
-    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                  projection_dim=768)
     started = time.perf_counter()
-    model = llava(text, vision, 336, 14, torch.bfloat16, device)
+    if args.shape == "llava-1.5-7b":
+        text = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)
+        vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                      projection_dim=768)
+        model = llava(text, vision, 336, 14, torch.bfloat16, device)
+        image_tokens = (336 // 14) ** 2
+        ids, mask, pixels = batch(model, args.requests, args.text, image_tokens, 336, device)
+        inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+        tower, vision_tokens = model.model.vision_tower, image_tokens + 1
+    else:
+        text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                    num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768)
+        vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31])
+        model = qwen25_vl(text, vision, torch.bfloat16, device)
+        grid = 48
+        inputs = qwen_batch(model, args.requests, args.text, grid, device)
+        image_tokens, ids = grid * grid // 4, inputs["input_ids"]
+        tower, vision_tokens = model.model.visual, grid * grid
     built = time.perf_counter() - started
-    image_tokens = (336 // 14) ** 2
-    ids, mask, pixels = batch(model, args.requests, args.text, image_tokens, 336, device)
-    kw = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, max_new_tokens=args.new, do_sample=False)
+    kw = dict(inputs, max_new_tokens=args.new, do_sample=False)
     first, _ = timed(lambda: model.generate(**kw, batching="async"))
     hf_async_cb.clear_prefix_cache(model)
     ours, out = timed(lambda: model.generate(**kw, batching="async"))
@@ -108,17 +168,18 @@ def main() -> None:
     new_tokens = args.requests * args.new
     # Roofline.
     params = sum(p.numel() for p in model.parameters())
-    vision_params = sum(p.numel() for p in model.model.vision_tower.parameters())
+    vision_params = sum(p.numel() for p in tower.parameters())
     text_params = params - vision_params
     prompt = ids.shape[1]
-    flops = 2 * vision_params * (image_tokens + 1) * args.requests + 2 * text_params * prompt * args.requests
+    flops = 2 * vision_params * vision_tokens * args.requests + 2 * text_params * prompt * args.requests
     bandwidth = copy_bandwidth(device)
-    kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * 128 * 2
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 2
     weight_bytes = text_params * 2
     decode = sum((weight_bytes + kv_per_token * args.requests * (prompt + t)) / bandwidth for t in range(args.new))
     roofline = flops / PEAK_FLOPS + decode
     report.update(
-        shape="llava-1.5-7b", requests=args.requests, prompt_tokens=prompt, image_tokens=image_tokens, new=args.new,
+        shape=args.shape, requests=args.requests, prompt_tokens=prompt, image_tokens=image_tokens, new=args.new,
         build_s=round(built, 2), first_call_s=round(first, 3), async_s=round(ours, 3), stock_s=round(stock, 3),
         speedup=round(stock / ours, 2), async_tok_s=round(new_tokens / ours), stock_tok_s=round(new_tokens / stock),
         roofline_s=round(roofline, 3), fraction_of_roofline=round(roofline / ours, 3),
