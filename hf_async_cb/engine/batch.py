@@ -49,11 +49,14 @@ class StepInputs:
     # The two device buffers every tensor above was uploaded in (int64, float32 or None): a CUDA
     # graph loads a step with one copy of each.
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    # Prompt embeddings (engine/prompt_embeds.py): (stream indices [E], embeddings [E, hidden]) fed
-    # there instead of the tokens' own, else None; and multimodal rotary positions [K, 1, T] when
-    # some token's K rows differ (else position_ids holds them all). Eager steps only.
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-    rotary_position_ids: torch.Tensor | None = None
+    # Eager steps only, kept on the host until the runner's forward puts them on the device (on
+    # its stream): prompt embeddings (engine/prompt_embeds.py) as (stream indices [E], the device
+    # embeddings fed there, in pieces) instead of the tokens' own; multimodal rotary positions
+    # [K, T] when some token's K rows differ (else position_ids holds them all); and [2, T] the
+    # bidirectional block of each token (StepMetadata.visible_from / visible), else None.
+    embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
+    rotary: np.ndarray | None = None
+    visible: np.ndarray | None = None
 
 
 def _split(items: list, *sizes: int) -> list[list]:
@@ -232,18 +235,16 @@ class BatchBuilder:
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend,
         )
-        embeds = rotary_ids = None
+        embeds = visible = None
         if plan.embedded:
-            embeds = _embeds(plan, query_start, input_ids.device)
-            if rotary is not None:
-                rotary_ids = torch.from_numpy(rotary).to(input_ids.device)[:, None]
+            embeds = _embeds(plan, query_start)
             visible = _visible(plan, cache_positions, query_start)
             if visible is not None:  # a bidirectional block: the reference attention takes the mask
-                meta.visible_from, meta.visible = torch.from_numpy(visible).to(input_ids.device)
                 meta.backend = "reference"
         return StepInputs(
             embeds=embeds,
-            rotary_position_ids=rotary_ids,
+            rotary=rotary if plan.embedded else None,
+            visible=visible,
             input_ids=input_ids[None],
             carry_src=carry_src if has_carry else None,
             position_ids=position_ids[None],
@@ -285,8 +286,8 @@ def _rotary_positions(plan: StepPlan, positions: np.ndarray, query_start: np.nda
     return positions, rows
 
 
-def _embeds(plan: StepPlan, query_start: np.ndarray, device: torch.device):
-    """(stream indices, embeddings) of the prompt embeddings the step's chunks feed, or None."""
+def _embeds(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor]] | None:
+    """(stream indices, embeddings in pieces) of the prompt embeddings the step's chunks feed, or None."""
     where, values = [], []
     for i in plan.embedded:
         chunk = plan.chunks[i]
@@ -294,10 +295,7 @@ def _embeds(plan: StepPlan, query_start: np.ndarray, device: torch.device):
         if len(rel):
             where.append(rel + query_start[i])
             values.append(vals)
-    if not where:
-        return None
-    return (torch.from_numpy(np.concatenate(where)).to(device),
-            torch.cat([v.to(device) for v in values]) if len(values) > 1 else values[0].to(device))
+    return (np.concatenate(where), values) if where else None
 
 
 def _visible(plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray | None:

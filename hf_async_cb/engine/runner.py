@@ -72,14 +72,9 @@ class ModelRunner:
         meta.begin_forward()
         self.cache.step = meta
         model = self.model
-        if inputs.embeds is None:
-            feed = {"input_ids": inputs.input_ids}
-        else:  # prompt embeddings at some tokens: the model's own embedding of the others
-            where, values = inputs.embeds
-            embedded = model.get_input_embeddings()(inputs.input_ids)
-            embedded[0, where] = values.to(embedded.dtype)
-            feed = {"inputs_embeds": embedded}
-        positions = inputs.position_ids if inputs.rotary_position_ids is None else inputs.rotary_position_ids
+        feed, positions = {"input_ids": inputs.input_ids}, inputs.position_ids
+        if inputs.embeds is not None or inputs.rotary is not None or inputs.visible is not None:
+            feed, positions = self._embedded_step(model, inputs)
         with attention.current_step(meta):
             out = model(
                 **feed,
@@ -98,6 +93,26 @@ class ModelRunner:
                 "its architecture bypasses the attention interface and is not supported."
             )
         return out.logits[0]
+
+    @staticmethod
+    def _embedded_step(model: torch.nn.Module, inputs: StepInputs) -> tuple[dict, torch.Tensor]:
+        """The forward's inputs for a step that feeds prompt embeddings, rotary positions of their
+        own or bidirectional blocks (engine/prompt_embeds.py), put on the device here, on the step's
+        stream, after what the default stream queued (the embeddings were made there)."""
+        device = inputs.input_ids.device
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+        feed, positions = {"input_ids": inputs.input_ids}, inputs.position_ids
+        if inputs.embeds is not None:  # the model's own embedding of the other tokens
+            where, values = inputs.embeds
+            embedded = model.get_input_embeddings()(inputs.input_ids)
+            embedded[0, torch.from_numpy(where).to(device)] = torch.cat(values).to(embedded.dtype)
+            feed = {"inputs_embeds": embedded}
+        if inputs.rotary is not None:
+            positions = torch.from_numpy(inputs.rotary).to(device)[:, None]
+        if inputs.visible is not None:
+            inputs.meta.visible_from, inputs.meta.visible = torch.from_numpy(inputs.visible).to(device)
+        return feed, positions
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
