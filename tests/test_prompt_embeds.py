@@ -3,6 +3,8 @@ chunked, cached and preempted; PromptEmbeds' own arithmetic; refusals by name.""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -19,8 +21,8 @@ MODES = ("sync", "async")
 
 
 def _model(family="llama", seed=0):
-    torch.manual_seed(seed)
-    model = tiny_model(family)
+    """A copy of the shared tiny model: these tests change its generation config and its forward."""
+    model = copy.deepcopy(tiny_model(family, seed))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
