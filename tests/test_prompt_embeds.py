@@ -179,3 +179,22 @@ def test_chunks_never_end_inside_a_bidirectional_block():
     ends = {(0, 5): 3, (0, 3): 3, (0, 7): 7, (4, 5): 7, (0, 10): 9, (8, 10): 9, (0, 12): 12, (10, 11): 11}
     assert {k: e.chunk_end(*k) for k in ends} == ends
     assert e.feeds(7, 10) and not e.feeds(11, 12)  # (the second block sees ahead too: an eager chunk)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_online_requests_take_embeddings(mode):
+    """add_request(..., embeds=...) on a started engine gives what stock generate gives for them."""
+    model = _model()
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]])
+    embeds = _embeds(model, ids)
+    expected = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    try:
+        handles = [engine.add_request([0] * int(keep.sum()), max_new_tokens=6, eos_token_ids=(),
+                                      embeds=PromptEmbeds(row[keep.bool()], np.arange(int(keep.sum()))))
+                   for row, keep in zip(embeds, mask)]
+        assert [h.result(timeout=60).output_token_ids for h in handles] == expected.tolist()
+    finally:
+        engine.shutdown()
+        engine.close()

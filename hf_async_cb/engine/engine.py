@@ -455,10 +455,11 @@ class Engine:
         self._background = background
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
-                    stopping_criteria=None, on_token=None, **param_kwargs) -> RequestHandle:
+                    stopping_criteria=None, on_token=None, embeds: PromptEmbeds | None = None,
+                    **param_kwargs) -> RequestHandle:
         """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle.
         `params` or the keyword arguments as in generate(): it stops at the model's EOS ids unless
-        they name others (eos_token_ids=() runs past EOS).
+        they name others (eos_token_ids=() runs past EOS); `embeds` as in make_request().
 
         `on_token(request, token)`: called on the loop thread for every token, right after the
         handle has it (the moment any reader can see it), e.g. to time tokens without a reader
@@ -472,7 +473,7 @@ class Engine:
             prompt = self.tokenizer(prompt)["input_ids"]
         params = one_params(params, param_kwargs)
         request = self.make_request(prompt, params, logits_processor=logits_processor,
-                                    stopping_criteria=stopping_criteria, on_token=on_token)
+                                    stopping_criteria=stopping_criteria, on_token=on_token, embeds=embeds)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))
         handle = RequestHandle(request)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
