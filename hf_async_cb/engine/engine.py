@@ -22,6 +22,7 @@ from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.prefix_cache import PrefixCache
 from hf_async_cb.engine.profiling import StepProfile
+from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
 from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
@@ -39,7 +40,7 @@ from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length, text_config_of
+from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.graph_safety import graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
@@ -157,10 +158,10 @@ class Engine:
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
         self.layout = measured_layout(model, self.dtype, self.device)  # raises ValueError with the reason
         self._model_config = text_config
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_positions = max_positions(text_config)
-        self._learned_positions = has_learned_positions(model)
-        self.rope_switch = rope_switch_length(model)  # (length, rope type) or None
+        self.prompt_limits = PromptLimits.of(model, text_config)
+        self.vocab_size = self.prompt_limits.vocab_size
+        self.max_positions = self.prompt_limits.max_positions
+        self.rope_switch = self.prompt_limits.rope_switch  # (length, rope type) or None
         page_size = self.config.page_size
         num_pages = self._num_pages()
         if self.config.num_pages is None and max_pages_needed is not None:
@@ -263,34 +264,7 @@ class Engine:
         """
         params = with_model_eos(params, self.model, self.tokenizer)
         (ids,) = as_token_lists([prompt])
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        sequences = {"bad_words_ids": [t for w in params.bad_words_ids for t in w],
-                     "sequence_bias": [t for key, _ in params.sequence_bias for t in key]}
-        for name in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "sequence_bias"):
-            outside = [t for t in sequences.get(name, getattr(params, name)) if not 0 <= t < self.vocab_size]
-            if outside:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
-        fed_positions = len(ids) + params.max_new_tokens - 1  # (the last token is sampled, never fed)
-        if self.max_positions is not None:
-            if len(ids) > self.max_positions:
-                raise ValueError(
-                    f"prompt of {len(ids)} tokens is longer than the model's maximum of {self.max_positions}."
-                )
-            if self._learned_positions and fed_positions > self.max_positions:
-                raise ValueError(
-                    f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
-                    f"{self.max_positions} positions of its position table; lower max_new_tokens."
-                )
-        if self.rope_switch is not None and fed_positions > self.rope_switch[0]:
-            length, kind = self.rope_switch
-            raise ValueError(
-                f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "
-                f"the model's {kind!r} RoPE starts to pick its frequencies by the longest sequence in a forward: past "
-                "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
-                "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
-                f"{length + 1}, or run stock generate (batching='off').")
+        check_prompt(ids, params, self.prompt_limits)
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
                                     self.prepared_model.embeddings_refusal)

@@ -1,0 +1,60 @@
+"""What a prompt may be on a model: token ids in its vocabulary, within its positions.
+
+Checked for every request as it is made (Engine.make_request), so that a prompt that cannot run is
+a ValueError naming the limit, before any step: ids outside the vocabulary, a prompt longer than
+the model's positions, a learned position table too short for prompt + max_new_tokens, or a RoPE
+whose frequencies switch with the longest sequence of a forward (model/checks.rope_switch_length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    vocab_size: int
+    max_positions: int | None
+    learned_positions: bool
+    rope_switch: tuple[int, str] | None  # (length, rope type) past which the frequencies switch
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, text_config) -> "PromptLimits":
+        return cls(model.get_input_embeddings().num_embeddings, max_positions(text_config),
+                   has_learned_positions(model), rope_switch_length(model))
+
+
+def check_prompt(ids: list[int], params, limits: PromptLimits) -> None:
+    """Raise ValueError when prompt `ids` with `params` (SamplingParams) cannot run within `limits`."""
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
+    sequences = {"bad_words_ids": [t for w in params.bad_words_ids for t in w],
+                 "sequence_bias": [t for key, _ in params.sequence_bias for t in key]}
+    for name in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "sequence_bias"):
+        outside = [t for t in sequences.get(name, getattr(params, name)) if not 0 <= t < limits.vocab_size]
+        if outside:
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
+    fed_positions = len(ids) + params.max_new_tokens - 1  # (the last token is sampled, never fed)
+    if limits.max_positions is not None:
+        if len(ids) > limits.max_positions:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is longer than the model's maximum of {limits.max_positions}."
+            )
+        if limits.learned_positions and fed_positions > limits.max_positions:
+            raise ValueError(
+                f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
+                f"{limits.max_positions} positions of its position table; lower max_new_tokens."
+            )
+    if limits.rope_switch is not None and fed_positions > limits.rope_switch[0]:
+        length, kind = limits.rope_switch
+        raise ValueError(
+            f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "
+            f"the model's {kind!r} RoPE starts to pick its frequencies by the longest sequence in a forward: past "
+            "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
+            "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
+            f"{length + 1}, or run stock generate (batching='off').")
