@@ -1,0 +1,90 @@
+"""The vision tower's packed attention in a few calls instead of one per window.
+
+Qwen2-VL, Qwen2.5-VL and GLM-4V pack every image's patches into one sequence and attend within
+windows (or whole images) given by `cu_seqlens`. With a flash-attention implementation they make
+one variable-length call per layer; with SDPA (what runs without flash-attn) they split the
+sequence and make one call per window: 64 images of 2304 patches are ~2,300 calls per windowed
+layer, and the tower took 4.7 s of a 7B call on an H200 (docs/benchmarks.md).
+
+`varlen_attention` is registered under a name that says "flash", so these towers take their
+variable-length branch and hand it `cu_seq_lens_q`; it runs one SDPA call per distinct window
+length, the windows of that length stacked as a batch. It is set on the vision config only, and
+only for the merge of a call's images (model/vision.py); without `cu_seq_lens_q` it is SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from hf_async_cb.model import attention
+
+NAME = "hf_async_cb_flash_varlen"
+
+
+def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, is_causal=False,
+                     cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
+    """query/key/value [1, H, T, D] packed -> ([1, T, H, D], None), attending within each segment of
+    `cu_seq_lens_q` (non-causal, as the vision towers ask)."""
+    if cu_seq_lens_q is None or attention_mask is not None or is_causal or query.shape[0] != 1:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             is_causal=is_causal)
+        return out.transpose(1, 2).contiguous(), None
+    starts = cu_seq_lens_q[:-1]
+    lengths = (cu_seq_lens_q[1:] - starts).tolist()  # (the tower's SDPA branch reads them too)
+    out = torch.empty(query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            by_length.setdefault(n, []).append(i)
+    for n, segments in by_length.items():
+        rows = (starts[segments][:, None] + torch.arange(n, device=query.device)[None]).reshape(-1)  # [S * n]
+        q, k, v = (t[0][:, rows].unflatten(1, (len(segments), n)).transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [S, H, n, D]
+        out[rows] = o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[-1])
+    return out[None], None
+
+
+def splits_per_window(model: torch.nn.Module) -> list:
+    """The vision configs whose attention modules make one call per window without flash attention
+    (they take `cu_seq_lens_q` in their flash branch)."""
+    configs = []
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("VisionAttention") and "cu_seq_lens_q" in _source(type(m).forward):
+            config = getattr(m, "config", None)
+            if config is not None and all(c is not config for c in configs):
+                configs.append(config)
+    return configs
+
+
+@contextlib.contextmanager
+def packed_vision_attention(model: torch.nn.Module) -> Iterator[None]:
+    """varlen_attention as the attention of the model's window-splitting vision towers, for a block;
+    a tower whose config asks for flash attention already keeps it."""
+    configs = [c for c in splits_per_window(model) if "flash" not in str(c._attn_implementation)]
+    if not configs:
+        yield
+        return
+    register()
+    with contextlib.ExitStack() as stack:
+        for config in configs:
+            stack.enter_context(attention.implementation(config, NAME))
+        yield
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""

@@ -1,0 +1,28 @@
+"""The vision towers' packed attention: one SDPA call per window length equals one per window."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf_async_cb.model.vision_attention import varlen_attention
+
+
+def test_windows_stacked_by_length_equal_one_call_per_window():
+    g = torch.Generator().manual_seed(0)
+    lengths = [16, 7, 16, 0, 3, 16, 7]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    q, k, v = (torch.randn(1, 4, sum(lengths), 8, generator=g) for _ in range(3))
+    out, _ = varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    parts = [F.scaled_dot_product_attention(*(t[:, :, a:b] for t in (q, k, v)), scale=0.3)
+             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+    expected = torch.cat(parts, dim=2).transpose(1, 2)
+    assert out.shape == (1, sum(lengths), 4, 8)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_without_windows_it_is_sdpa():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    out, _ = varlen_attention(None, q, k, v, scaling=0.5)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(1, 2))
