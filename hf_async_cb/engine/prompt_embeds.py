@@ -31,6 +31,13 @@ import torch
 _SALTS = itertools.count()
 
 
+def block_starts(visible: np.ndarray) -> np.ndarray:
+    """For each position, the first position that sees as far (`visible`: the last position each
+    sees): the start of its bidirectional block, or itself."""
+    _, first, inverse = np.unique(visible, return_index=True, return_inverse=True)
+    return first[inverse]
+
+
 @dataclass(eq=False)
 class PromptEmbeds:
     values: torch.Tensor  # [P, hidden], on the model's device, in its dtype
@@ -72,8 +79,7 @@ class PromptEmbeds:
                 self.sees_ahead = (int(ahead[0]), int(ahead[-1]) + 1)
                 seen = np.maximum.accumulate(self.visible)  # seen[i]: the furthest any token <= i sees
                 self._cuts = np.flatnonzero(seen < np.arange(len(seen)) + 1) + 1  # ends e with seen[e-1] < e
-                _, first, inverse = np.unique(self.visible, return_index=True, return_inverse=True)
-                self.visible_from = first[inverse]
+                self.visible_from = block_starts(self.visible)
             else:
                 self.visible = None
         if self.rope is not None:

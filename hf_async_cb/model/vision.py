@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
-from hf_async_cb.engine.prompt_embeds import PromptEmbeds, content_keys
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, content_keys
 from hf_async_cb.model.vision_attention import packed_vision_attention
 
 # What the language model may receive besides the embeddings and positions without changing them.
@@ -170,7 +171,7 @@ def _visible(mask, valid: torch.Tensor, name: str, window: int | None) -> torch.
     q, k = columns[None, :, None], columns[None, None, :]
     pairs = valid[:, :, None] & valid[:, None, :]
     sees = torch.stack([torch.where(a & pairs & (k > q), k, q).amax(-1) for _, a in tensors]).amax(0)  # [B, L]
-    first = torch.stack([_block_starts(row) for row in sees])  # [B, L]
+    first = torch.from_numpy(np.stack([block_starts(row) for row in sees.cpu().numpy()])).to(sees.device)  # [B, L]
     block = (k >= first[:, :, None]) & (k <= sees[:, :, None])
     for kind, allowed in tensors:
         causal = k <= q
@@ -183,14 +184,6 @@ def _visible(mask, valid: torch.Tensor, name: str, window: int | None) -> torch.
     if bool((sees == columns).all()):
         return None
     return sees
-
-
-def _block_starts(sees: torch.Tensor) -> torch.Tensor:
-    """[L] for each position the first position that sees as far (the start of its block)."""
-    _, inverse = torch.unique(sees, return_inverse=True)
-    starts = torch.full((int(inverse.max()) + 1,), sees.numel(), dtype=torch.long, device=sees.device)
-    starts.scatter_reduce_(0, inverse, torch.arange(sees.numel(), device=sees.device), reduce="amin")
-    return starts[inverse]
 
 
 def _same(a: PromptEmbeds, b: PromptEmbeds) -> bool:
