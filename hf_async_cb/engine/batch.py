@@ -57,6 +57,9 @@ class StepInputs:
     embeds: tuple[np.ndarray, list[torch.Tensor]] | None = None
     rotary: np.ndarray | None = None
     visible: np.ndarray | None = None
+    # (stream indices [N], per chunk (PrefixKV, first, stop)) of the positions whose K/V are given
+    # (model/prefix_kv.py), else None.
+    prefix_kv: tuple[np.ndarray, list] | None = None
 
 
 def _split(items: list, *sizes: int) -> list[list]:
@@ -235,9 +238,10 @@ class BatchBuilder:
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend,
         )
-        embeds = visible = None
+        embeds = visible = prefix_kv = None
         if plan.embedded:
             embeds = _embeds(plan, query_start)
+            prefix_kv = _prefix_kv(plan, query_start)
             visible = _visible(plan, cache_positions, query_start)
             if visible is not None:  # a bidirectional block: the reference attention takes the mask
                 meta.backend = "reference"
@@ -245,6 +249,7 @@ class BatchBuilder:
             embeds=embeds,
             rotary=rotary if plan.embedded else None,
             visible=visible,
+            prefix_kv=prefix_kv,
             input_ids=input_ids[None],
             carry_src=carry_src if has_carry else None,
             position_ids=position_ids[None],
@@ -296,6 +301,20 @@ def _embeds(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list[t
             where.append(rel + query_start[i])
             values.append(vals)
     return (np.concatenate(where), values) if where else None
+
+
+def _prefix_kv(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list] | None:
+    """(stream indices, per chunk (PrefixKV, first, stop)) of the prefix positions whose K/V the
+    step's chunks are given (PromptEmbeds.kv), or None."""
+    where, pieces = [], []
+    for i in plan.embedded:
+        chunk = plan.chunks[i]
+        embeds = chunk.request.embeds
+        stop = min(embeds.kv_end, chunk.start + chunk.num_tokens)
+        if chunk.start < stop:
+            where.append(np.arange(stop - chunk.start) + query_start[i])
+            pieces.append((embeds.kv, chunk.start, stop))
+    return (np.concatenate(where), pieces) if where else None
 
 
 def _visible(plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray | None:

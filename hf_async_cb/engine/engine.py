@@ -267,7 +267,7 @@ class Engine:
         check_prompt(ids, params, self.prompt_limits)
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
-                                    self.prepared_model.embeddings_refusal)
+                                    self.prepared_model.embeddings_refusal, self.cache)
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                           history_prefix=[int(t) for t in history_prefix], on_token=on_token, embeds=embeds)
         self.scheduler.check_fits(request)

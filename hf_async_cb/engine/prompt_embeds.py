@@ -12,6 +12,9 @@ Multimodal rotary positions (Qwen2-VL and its kin) give image tokens a [t, h, w]
 and shift every later position by a per-prompt delta: `rope` holds the prompt's positions as the
 model computed them, and the tokens after the prompt take `position + rope_delta`.
 
+`kv` gives keys and values per layer for the prompt's first positions instead of computing them
+(PEFT prefix tuning: model/prefix_kv.py); the chunks that cover them run eagerly too.
+
 `key` names the embeddings' content for the prefix cache: pages that hold embedded positions are
 cached under it (the placeholder ids alone would let two different images share pages). None:
 such pages are shared only by the requests holding this same object (num_return_sequences copies,
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from hf_async_cb.model.prefix_kv import PrefixKV
 
 
 _SALTS = itertools.count()
@@ -50,6 +55,7 @@ class PromptEmbeds:
     # token sees every key of its block (from the first position that sees as far: `visible_from`),
     # whatever the layer's window, and the causal keys within it. None: causal.
     visible: np.ndarray | None = None
+    kv: PrefixKV | None = None  # keys and values given for positions [0, kv.count) (model/prefix_kv.py)
     first: int = field(init=False)  # positions[0] (0 when P == 0)
     end: int = field(init=False)  # positions[-1] + 1
     rope_first: int = field(init=False)  # the span of the prompt whose K rotary rows differ
@@ -66,6 +72,7 @@ class PromptEmbeds:
         self.first = int(self.positions[0]) if len(self.positions) else 0
         self.end = int(self.positions[-1]) + 1 if len(self.positions) else 0
         self.rope_first = self.rope_end = 0
+        self.kv_end = self.kv.count if self.kv is not None else 0
         self._salt = next(_SALTS)
         self._rope_digest = None
         self._rope_from = 0  # the first position whose rotary rows are not the plain position
@@ -99,7 +106,7 @@ class PromptEmbeds:
         """Whether tokens [start, stop) feed an embedding, need all rotary rows or see past
         themselves (an eager step)."""
         return ((start < self.end and stop > self.first) or (start < self.rope_end and stop > self.rope_first)
-                or (start < self.sees_ahead[1] and stop > self.sees_ahead[0]))
+                or (start < self.sees_ahead[1] and stop > self.sees_ahead[0]) or start < self.kv_end)
 
     def chunk_end(self, start: int, stop: int) -> int:
         """Where a prefill chunk from `start` that would end at `stop` may end: never inside a block
@@ -131,30 +138,39 @@ class PromptEmbeds:
 
     def page_salt(self, start: int, stop: int) -> object:
         """What a prefix-cache page of tokens [start, stop) adds to its key: the embeddings' key (or
-        this object's own number) when it holds an embedded position, and the rotary positions'
-        digest once they depart from the plain ones; None when neither."""
-        salt = ()
+        this object's own number) when it holds an embedded position, the given K/V's key when it
+        holds one of their positions, and the rotary positions' digest once they depart from the
+        plain ones; None when none."""
+        salt = (self.kv.key,) if start < self.kv_end else ()
         if len(self.positions) and stop > self.first and start < self.end:
             a, b = np.searchsorted(self.positions, (start, stop))
             if a < b:
-                salt = (self.key if self.key is not None else ("embeds", self._salt),)
+                salt = (*salt, self.key if self.key is not None else ("embeds", self._salt))
         if self._rope_digest is not None and stop > self._rope_from:
             salt = (*salt, self._rope_digest)
         return salt or None
 
 
 def checked_embeds(embeds: PromptEmbeds, prompt_length: int, embedding: torch.nn.Module,
-                   refusal: str | None) -> PromptEmbeds:
-    """`embeds` for a prompt of `prompt_length` tokens, moved to the embedding's device and dtype;
-    a ValueError for anything that cannot run (`refusal`: why the model cannot take them at all)."""
+                   refusal: str | None, cache=None) -> PromptEmbeds:
+    """`embeds` for a prompt of `prompt_length` tokens, moved to the embedding's device and dtype
+    (given K/V to the pool's); a ValueError for anything that cannot run (`refusal`: why the model
+    cannot take embeddings at all; `cache`: the engine's PagedKVCache, whose layout K/V must fit)."""
     if not isinstance(embeds, PromptEmbeds):
         raise TypeError(f"embeds must be a PromptEmbeds, got {type(embeds).__name__}.")
-    if refusal is not None:
+    if embeds.kv is not None:
+        if cache is None:
+            raise ValueError(f"{embeds.kv.name} needs the engine's KV cache to check against.")
+        if embeds.kv_end > prompt_length:
+            raise ValueError(f"{embeds.kv.name} covers {embeds.kv_end} positions of a prompt of {prompt_length}.")
+        embeds.kv = embeds.kv.checked(cache.layout, cache.keys[0].dtype, cache.keys[0].device)
+    if refusal is not None and len(embeds.positions):  # (given K/V alone feed no embedding)
         raise ValueError(f"prompt embeddings cannot run on this model: {refusal}.")
     weight = embedding.weight
     hidden = weight.shape[1]
-    if embeds.values.shape[1] != hidden:
-        raise ValueError(f"prompt embeddings have width {embeds.values.shape[1]}; the model's embeddings have {hidden}.")
+    if len(embeds.positions) and embeds.values.shape[1] != hidden:
+        raise ValueError(f"prompt embeddings have width {embeds.values.shape[1]}; the model's embeddings have "
+                         f"{hidden}.")
     if len(embeds.positions) and not (embeds.positions[0] >= 0 and embeds.end <= prompt_length):
         raise ValueError(f"prompt embedding positions must lie in [0, {prompt_length}), the prompt's length.")
     if not embeds.values.dtype.is_floating_point:

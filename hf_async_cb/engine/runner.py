@@ -12,6 +12,7 @@ import torch
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
+from hf_async_cb.model.prefix_kv import StepPrefixKV
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
@@ -73,7 +74,8 @@ class ModelRunner:
         self.cache.step = meta
         model = self.model
         feed, positions = {"input_ids": inputs.input_ids}, inputs.position_ids
-        if inputs.embeds is not None or inputs.rotary is not None or inputs.visible is not None:
+        if (inputs.embeds is not None or inputs.rotary is not None or inputs.visible is not None
+                or inputs.prefix_kv is not None):
             feed, positions = self._embedded_step(model, inputs)
         with attention.current_step(meta):
             out = model(
@@ -97,8 +99,8 @@ class ModelRunner:
     @staticmethod
     def _embedded_step(model: torch.nn.Module, inputs: StepInputs) -> tuple[dict, torch.Tensor]:
         """The forward's inputs for a step that feeds prompt embeddings, rotary positions of their
-        own or bidirectional blocks (engine/prompt_embeds.py), put on the device here, on the step's
-        stream, after what the default stream queued (the embeddings were made there)."""
+        own, bidirectional blocks or given K/V (engine/prompt_embeds.py), put on the device here,
+        on the step's stream, after what the default stream queued (the embeddings were made there)."""
         device = inputs.input_ids.device
         if device.type == "cuda":
             torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
@@ -112,6 +114,9 @@ class ModelRunner:
             positions = torch.from_numpy(inputs.rotary).to(device)[:, None]
         if inputs.visible is not None:
             inputs.meta.visible_from, inputs.meta.visible = torch.from_numpy(inputs.visible).to(device)
+        if inputs.prefix_kv is not None:  # K/V given for some positions (model/prefix_kv.py)
+            where, pieces = inputs.prefix_kv
+            inputs.meta.prefix_kv = StepPrefixKV(torch.from_numpy(where).to(device), pieces)
         return feed, positions
 
     @torch.no_grad()

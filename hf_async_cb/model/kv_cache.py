@@ -80,6 +80,8 @@ class PagedKVCache(Cache):
         if self.step is None:
             raise RuntimeError("PagedKVCache.update called outside an engine step")
         slots = self.step.slot_mapping
+        if self.step.prefix_kv is not None:  # positions whose K/V are given (model/prefix_kv.py)
+            key_states, value_states = self.step.prefix_kv.replace(key_states, value_states, layer_idx)
         k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
         dense = key_states.stride(-1) == 1 and value_states.stride(-1) == 1
         gathered = self.layout.layers[layer_idx].gathered

@@ -37,6 +37,9 @@ class StepMetadata:
     # None: causal. Such a step runs the reference attention.
     visible: torch.Tensor | None = None
     visible_from: torch.Tensor | None = None
+    # Eager steps only: the rows of the stream whose K/V are given instead of computed, and what
+    # (model/prefix_kv.py: StepPrefixKV, applied by PagedKVCache.update); None: every row computes its own.
+    prefix_kv: object = None
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
     # Decode steps on the Triton kernels: each layer's new K/V, which PagedKVCache.update leaves to the
