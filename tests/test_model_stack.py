@@ -130,7 +130,6 @@ def test_a_mixed_adapter_batch_is_refused():
 def _prompt_learning(method):
     peft = pytest.importorskip("peft", reason="peft is not installed")
     return {
-        "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         "p_tuning": lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4,
                                                      encoder_hidden_size=32),
@@ -182,17 +181,19 @@ def test_peft_prompt_tuning_runs_as_prompt_embeddings(method):
     hf_async_cb.release(base)
 
 
-@pytest.mark.parametrize("method", ["prefix_tuning"])
-def test_peft_prompt_learning_is_refused_by_name_before_any_work(method):
+def test_peft_prompt_learning_of_other_methods_is_refused_by_name_before_any_work():
+    """Multitask prompt tuning (task ids of its own); prefix tuning runs: tests/test_prefix_tuning.py."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     base = _llama()
-    model = peft.get_peft_model(base, _prompt_learning(method)).eval()
-    expected = _greedy(model, "off")
+    config = peft.MultitaskPromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, num_tasks=2)
+    model = peft.get_peft_model(base, config).eval()
+    task_ids = torch.zeros(4, dtype=torch.long)
+    expected = _greedy(model, "off", task_ids=task_ids)
     for mode in MODES:
-        with pytest.raises(ValueError, match=rf"cannot run PEFT prompt learning \({method.upper()}, 4 virtual tokens\)"):
-            _greedy(model, mode)
+        with pytest.raises(ValueError, match=r"cannot run PEFT prompt learning \(MULTITASK_PROMPT_TUNING, 4 virtual"):
+            _greedy(model, mode, task_ids=task_ids)
     assert runtime_module._RUNTIMES.get(base) is None  # refused before the engine was built
-    assert torch.equal(_greedy(model, "off"), expected)
+    assert torch.equal(_greedy(model, "off", task_ids=task_ids), expected)
     assert torch.equal(_greedy(base, "sync"), _greedy(base, "off"))  # the base model alone still runs
 
 

@@ -21,6 +21,7 @@ from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.generate.arguments import GenerateCall, parse_call
 from hf_async_cb.generate.outputs import stock_output
+from hf_async_cb.generate.prompt_learning import check_window
 from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer
@@ -35,7 +36,8 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
     config = batching_config or BatchingConfig()  # the hook resolved it (generate/hook.py)
     max_new = options.params.max_new_tokens
     page = config.page_size
-    pages_needed = sum(-(-(len(p) + max_new) // page) for p in call.prompts) * call.copies
+    extra = call.virtual.count if call.virtual is not None else 0  # a PEFT adapter's virtual tokens
+    pages_needed = sum(-(-(len(p) + extra + max_new) // page) for p in call.prompts) * call.copies
     with runtime_engine(model, config.with_mode(mode), pages_needed) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
         _start_clocks(options.criteria, call.arguments.get("stopping_criteria"))
@@ -69,6 +71,7 @@ def fed_prompts(model, call: GenerateCall) -> tuple[list[list[int]], list[Prompt
     if call.media is not None:
         return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media)
     if call.virtual is not None:
+        check_window(model, call.virtual, call)
         rows = [call.virtual.prompt(p, len(prefix)) for p, prefix in zip(prompts, call.prefixes)]
         return [r[0] for r in rows], [r[1] for r in rows]
     if call.inputs_embeds is None:
