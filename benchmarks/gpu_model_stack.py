@@ -108,6 +108,10 @@ def _lora(path, device):
 
 
 def _prefix_tuning(path, device):
+    """Runs on the engine (exact in tests/test_prefix_tuning.py). The oracle here is stock PEFT generate,
+    which feeds the prefix where the model's cache keyword is `past_key_values` (transformers <= 5.23);
+    on 5.24 stock drops it for generate's `cache` and this form reads DIFFERS against stock's own error
+    (docs/models.md, PEFT prefix tuning's oracle)."""
     peft = _need("peft")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     return peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))

@@ -1,12 +1,13 @@
-"""Does stock PEFT prompt tuning / p-tuning generate give the tokens the engine gives? (Run where
-PEFT's generate works with the installed transformers; in 5.24 its prompt injection repeats at
-every decode step, since the cache keyword was renamed.) Prints one line per method and mode.
+"""Does stock PEFT prompt tuning / p-tuning / prefix tuning generate give the tokens the engine
+gives? (Run where PEFT's generate works with the installed transformers; in 5.24 its prompt
+injection repeats at every decode step and its prefix never reaches the model, since the cache
+keyword was renamed.) Prints one line per method and mode.
 
     PYTHONPATH=. python benchmarks/peft_stock_check.py
 """
 
 import torch
-from peft import PromptEncoderConfig, PromptTuningConfig, get_peft_model
+from peft import PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_async_cb  # noqa: F401
@@ -19,7 +20,8 @@ base = LlamaForCausalLM(config).eval()
 ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7]])
 mask = (ids != 0).long()
 for peft_config in (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5),
-                    PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=5, encoder_hidden_size=32)):
+                    PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=5, encoder_hidden_size=32),
+                    PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5)):
     model = get_peft_model(base, peft_config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
