@@ -84,8 +84,8 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
         found += elementwise.rotary_variants(q_heads, k_heads, head_dim, facts.dtype)
     for width, gelu in facts.mlps:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
-    for n, k, bias, bucket, config in facts.gemms:
-        found += skinny_gemm.variants(n, k, facts.dtype, bias, bucket, dict(config))
+    for n, k, bias, bucket, config, *weight_dtype in facts.gemms:  # (int8: the scaled form)
+        found += skinny_gemm.variants(n, k, facts.dtype, bias, bucket, dict(config), *weight_dtype)
     if facts.draws:
         # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
         for dtype in dict.fromkeys((facts.dtype, torch.float32)):
@@ -130,7 +130,8 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
     if prepared.decode_gemms is not None:
         for weight, bias, configs in prepared.decode_gemms.kernel_picks():
             for bucket, cfg in configs.items():
-                gemms.append((weight.shape[0], weight.shape[1], bias is not None, bucket, tuple(sorted(cfg.items()))))
+                gemms.append((weight.shape[0], weight.shape[1], bias is not None, bucket, tuple(sorted(cfg.items())),
+                              weight.dtype if weight.dtype == torch.int8 else None))
     return ModelFacts(
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,
         attention=attention, norms=norms, add_norms=add_norms, rotary=rotary, mlps=mlps,

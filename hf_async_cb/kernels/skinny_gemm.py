@@ -68,11 +68,16 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, k_per_split, stride_xm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
-    """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32)."""
+                        HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
+                        SCALED: tl.constexpr):
+    """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
+    An int8 weight (the scaled form) is converted to x's dtype (exactly) tile by tile before the
+    product. SCALED: the product, rounded to x's dtype, is multiplied by its output row's scale
+    (s_ptr, in x's dtype) and rounded again, as `(x @ w.to(dtype).T) * scale` rounds (with split-K,
+    the reduce kernel does this)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -100,6 +105,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stri
             k_ok = (k0 + k + offs_k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
+            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
         if SWAP_AB:
             if IEEE:
                 acc += tl.dot(w, tl.trans(x), input_precision="ieee")
@@ -119,16 +126,22 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stri
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if SCALED:
+            scale = tl.load(s_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) * scale[None, :]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], y, mask=mask)
     else:
         part = out_ptr + (pid_k * M).to(tl.int64) * N
         tl.store(part + offs_m[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["total"])
-def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, total, N,
-                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[i] = sum over splits, in order, of partial[split, i] (+ bias[i % N]), over the flat M x N."""
+def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, s_ptr, total, N,
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SCALED: tl.constexpr):
+    """out[i] = sum over splits, in order, of partial[split, i] (+ bias[i % N]), over the flat M x N;
+    SCALED: rounded to the output dtype, then times the scale of row i % N (the GEMM's SCALED)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -136,7 +149,11 @@ def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, total, N,
         acc += tl.load(part_ptr + s * total.to(tl.int64) + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SCALED:
+        scale = tl.load(s_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=ok)
 
 
 REDUCE_BLOCK = 1024
@@ -244,13 +261,14 @@ def runs_on(device: torch.device) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias), the contract of torch.nn.functional.linear for x [..., K] with at
     most MAX_M (256) rows once the leading dims are flattened, weight [N, K] contiguous (nn.Linear's
     layout), bias [N] or None, all of one dtype (bf16, fp16 or fp32); fp32 accumulation, output in
     x's dtype. `config` overrides default_config's keys (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
-    num_stages, SWAP_AB). Raises ValueError for what it does not take, so that a caller can fall
-    back to F.linear."""
+    num_stages, SWAP_AB). With `scale` ([N], x's dtype), weight is int8 with a scale per output row
+    (weight-only int8 quantization) and y = (x @ weight.to(dtype).T, rounded) * scale, rounded, with
+    no bias. Raises ValueError for what it does not take, so that a caller can fall back to F.linear."""
     if x.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"skinny_linear needs x [..., K] and weight [N, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -258,9 +276,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[-1] != K:
         raise ValueError(f"skinny_linear: x has {x.shape[-1]} features, weight [N, K] = {tuple(weight.shape)} "
                          f"expects {K}")
+    if scale is not None:
+        if weight.dtype != torch.int8 or bias is not None or scale.dtype != x.dtype or scale.numel() != N:
+            raise ValueError(f"skinny_linear with a scale takes an int8 weight, a scale of {N} values in x's dtype "
+                             f"and no bias; got {weight.dtype}, {scale.dtype} ({scale.numel()}), "
+                             f"bias {'given' if bias is not None else None}")
+        return _launch(x, weight, None, config, scale.reshape(-1).contiguous())
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"skinny_linear takes one dtype of {_DTYPES} for x, weight and bias, got {x.dtype}, "
                          f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    return _launch(x, weight, bias, config, None)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """skinny_linear once its dtypes are checked: the shapes' checks and the launch."""
+    N, K = weight.shape
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
         raise ValueError("skinny_linear: x, weight and bias must be on one device")
     if not runs_on(x.device):
@@ -283,23 +316,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    cfg = _check_config({**default_config(M, N, K, x.dtype, num_sms(x.device)), **(config or {})})
+    cfg = _check_config({**default_config(M, N, K, weight.dtype, num_sms(x.device)), **(config or {})})
     bm, bn, bk, split = block_m(M), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     even_k = split * k_per_split == K
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    scaled = scale is not None
     _skinny_gemm_kernel[(triton.cdiv(N, bn), split)](
         # One row's stride is never read: K keeps it from specialising a variant of its own (a stride of 1).
-        x2, weight, bias if bias is not None else weight, target, M, N, K, k_per_split, x2.stride(0) if M > 1 else K,
+        x2, weight, bias if bias is not None else weight, target, scale if scaled else x2, M, N, K, k_per_split,
+        x2.stride(0) if M > 1 else K,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % bn == 0,
         HAS_BIAS=bias is not None and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]), IEEE=x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALED=scaled and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
         total = M * N
         _splitk_reduce_kernel[(triton.cdiv(total, REDUCE_BLOCK),)](
-            target, bias if bias is not None else target, out, total, N,
-            SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
+            target, bias if bias is not None else target, out, scale if scaled else target, total, N,
+            SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=bias is not None, SCALED=scaled, num_warps=4,
         )
     return out.reshape(*lead, N)
 
@@ -460,20 +495,25 @@ class GemmChoice:
         self._save()
 
 
-def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict) -> list[Variant]:
+def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict,
+             weight_dtype: torch.dtype | None = None) -> list[Variant]:
     """The kernels' compiled variants of a [M, K] x [N, K].T product run with `config` at the rows
-    bucket `bucket` (every M of it launches these: M itself is not specialised)."""
-    cfg = _check_config({**default_config(bucket, N, K, dtype), **config})
+    bucket `bucket` (every M of it launches these: M itself is not specialised). `weight_dtype`
+    int8: the scaled int8 form (skinny_linear's `scale`), with no bias."""
+    weight_dtype = weight_dtype or dtype
+    scaled = weight_dtype == torch.int8
+    cfg = _check_config({**default_config(bucket, N, K, weight_dtype), **config})
     bm, bn, bk, split = block_m(bucket), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     target = dtype if split == 1 else torch.float32
-    found = [Variant(_skinny_gemm_kernel, (dtype, dtype, dtype, target, 2, N, K, k_per_split, K),
+    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, dtype, 2, N, K, k_per_split, K),
                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                           EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
-                          IEEE=dtype == torch.float32),
+                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1),
                      dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if split > 1:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,
-                                                     2, N), dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias),
+                                                     dtype if scaled else torch.float32, 2, N),
+                             dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=scaled),
                              dict(num_warps=4)))
     return found

@@ -7,7 +7,10 @@ alternative, never a guess: each (rows bucket, N, K, dtype, GPU, Triton version)
 only if `GemmChoice` recorded that it beat cuBLAS there. A shape never measured runs cuBLAS.
 
 `DecodeGemms` covers every nn.Linear of the model (lm_head included) and the fused q/k/v and
-gate/up groups (model/fusion.py). attach() routes their products through `_project`, which picks
+gate/up groups (model/fusion.py). Linears whose weight is torchao's weight-only int8 (one scale
+per output row) take the kernel's scaled int8 form for every decode bucket without a measurement:
+it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
+activations' dtype at every call), with the same rounding steps. attach() routes their products through `_project`, which picks
 per call by row count: more than 256 rows (prefill), or a bucket without a recorded win, goes to
 F.linear as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
 pay nothing for it. detach() puts everything back. `tune()` measures the shapes not yet known, at
@@ -55,6 +58,56 @@ class _Projection:
             return F.linear(x, self.weight, self.bias)
 
 
+class _ScaledInt8Projection:
+    """A weight-only int8 linear (torchao's per-row Int8Tensor) through the kernel's scaled form for
+    decode rows: it reads the int8 weight once (a byte per weight), where the module's own path
+    writes and reads a converted copy of it (five bytes per weight) every call. Other row counts and
+    dtypes run the module's own forward."""
+
+    def __init__(self, module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        self.module, self.qdata, self.scale = module, qdata, scale
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if not 0 < rows <= MAX_M or x.dtype not in _DTYPES or x.device != self.qdata.device:
+            return F.linear(x, self.module.weight, self.module.bias)
+        scale = self._scales.get(x.dtype)
+        if scale is None:  # as the module's own path rounds it: scale.to(x's dtype)
+            scale = self._scales[x.dtype] = self.scale.to(x.dtype).reshape(-1).contiguous()
+        return skinny_linear(x, self.qdata, None, scale=scale)
+
+
+def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 weight [N, K], scale per row) of a bias-free nn.Linear whose weight is torchao's
+    weight-only int8 tensor with one scale per output row (Int8WeightOnlyConfig's default: an
+    Int8Tensor, or before torchao 0.18 an AffineQuantizedTensor in the plain layout, whose linear
+    rounds alike), else None: whatever else it holds (activation quantization, pre-scales, groups,
+    other layouts) runs its own path."""
+    w = getattr(module, "weight", None)
+    if type(module) is not nn.Linear or module.bias is not None:
+        return None
+    kind = type(w).__name__
+    if kind == "Int8Tensor":
+        if getattr(w, "act_quant_kwargs", None) is not None or getattr(w, "act_pre_scale", None) is not None:
+            return None
+        qdata, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
+    elif kind == "AffineQuantizedTensor":
+        impl = getattr(w, "tensor_impl", None)
+        if (type(impl).__name__ != "PlainAQTTensorImpl" or type(getattr(w, "_layout", None)).__name__ != "PlainLayout"
+                or not str(getattr(w, "zero_point_domain", "")).endswith("INT")):
+            return None
+        qdata, scale = getattr(impl, "int_data", None), getattr(impl, "scale", None)
+    else:
+        return None
+    if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor) and qdata.dtype == torch.int8
+            and qdata.dim() == 2 and qdata.is_contiguous() and scale.numel() == qdata.shape[0]
+            and scale.is_floating_point() and list(getattr(w, "block_size", ())) == [1, qdata.shape[1]]
+            and runs_on(qdata.device)):
+        return None
+    return qdata, scale
+
+
 def _eligible(weight: torch.Tensor) -> bool:
     """A plain 2-D weight the kernels read as it is (never a quantized tensor subclass)."""
     return (is_plain(weight) and weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous()
@@ -70,6 +123,7 @@ class DecodeGemms:
         self._linears = [m for m in model.modules()
                          if type(m) is nn.Linear and id(m) not in fused and _eligible(m.weight)]
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
+        self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -108,12 +162,15 @@ class DecodeGemms:
 
     def kernel_picks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, dict]]]:
         """(weight, bias, {rows bucket: config}) of every covered projection: what attach() routes
-        through the kernel (the variants kernels/precompile.py compiles ahead)."""
+        through the kernel (the variants kernels/precompile.py compiles ahead). A scaled int8
+        weight appears as its int8 data, with the default config at every bucket."""
+        every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
         return [(m.weight, m.bias, self._configs(m.weight)) for m in self._linears] + \
-            [(g.weight, g.bias, self._configs(g.weight)) for g in self._groups]
+            [(g.weight, g.bias, self._configs(g.weight)) for g in self._groups] + \
+            [(qdata, None, every_bucket) for _, (qdata, _) in self._int8]
 
     def wins(self) -> int:
-        """How many (weight, rows bucket) pairs run the kernel."""
+        """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
         return sum(len(self._configs(m.weight)) for m in self._linears) + \
             sum(len(self._configs(g.weight)) for g in self._groups)
 
@@ -130,6 +187,9 @@ class DecodeGemms:
             if configs:
                 group.linear = _Projection(group.weight, group.bias, configs)
                 self._attached.append(group)
+        for module, (qdata, scale) in self._int8:
+            module.forward = _ScaledInt8Projection(module, qdata, scale)
+            self._attached.append(module)
 
     def detach(self) -> None:
         for item in self._attached:
@@ -140,7 +200,8 @@ class DecodeGemms:
         self._attached.clear()
 
     def summary(self) -> str:
-        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs"
+        scaled = f"; {len(self._int8)} weight-only int8 projections read as int8" if self._int8 else ""
+        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}"
 
 
 def _name(device: torch.device) -> str:
