@@ -271,6 +271,37 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     assert sum("capture failed" in r.message for r in caplog.records) == 1  # warned once
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real capture needs CUDA")
+def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
+    """A capture that raises midway (here: a host read inside it, as bitsandbytes' LLM.int8() does)
+    must leave the process as it was: torch's CUDA generators otherwise stay marked as capturing and
+    every later random draw raises, a model's init included."""
+    from hf_async_cb.engine import cuda_graphs
+
+    def host_read_inside(self, pool, stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            torch.rand(1, device="cuda")  # the generator is registered with the capture
+            torch.zeros(1, device="cuda").item()  # not allowed while capturing
+
+    monkeypatch.setattr(cuda_graphs._Graph, "_capture", host_read_inside)
+    model = tiny_model("llama")
+    prompts = random_prompts(4, 3, 20, seed=6)
+    expected = expected_rows(model, prompts, 6)
+    engine = Engine(model.cuda(), BatchingConfig(mode="sync", cuda_graphs=True, max_batch_tokens=64))
+    outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected
+    assert engine.graphs.failed and len(engine.graphs) == 0
+    engine.close()
+    torch.randn(4, device="cuda")  # raised "Offset increment outside graph capture" before the repair
+    monkeypatch.undo()
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph):  # and captures work again
+        x.add_(torch.rand(1, device="cuda"))
+    graph.replay()
+
+
 def test_a_closed_engine_frees_its_pool_without_the_garbage_collector():
     """On CUDA each engine's pool is most of the free memory: a reference cycle through the graphs
     would keep it until the next collection, and the next engine would find no room."""

@@ -207,6 +207,20 @@ class _Graph:
         return self.out.clone()
 
 
+def release_generators_after_failed_capture() -> None:
+    """A capture that raised never reached its end, where torch tells each CUDA generator that the
+    capture is over: they stay marked as capturing, and every later random draw of the process
+    (a model's init, dropout, sampling) raises "Offset increment outside graph capture". Each
+    default generator gets a fresh copy of its own state (same seed and offset, not capturing)."""
+    if not torch.cuda.is_available():
+        return
+    for generator in torch.cuda.default_generators:
+        try:
+            generator.graphsafe_set_state(generator.clone_state())
+        except (AttributeError, RuntimeError) as e:  # an older torch: nothing to repair with
+            logger.debug("could not reset a CUDA generator after a failed capture: %s", e)
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool, prefill: bool = False,
                  max_prefill_graphs: int = 16, tall_query_len: int | None = None) -> None:
@@ -309,6 +323,7 @@ class DecodeGraphs:
                     logger.warning("CUDA graph capture failed (%s: %s); steps of that shape run eagerly",
                                    type(e).__name__, str(e).splitlines()[0])
                 self.failed.add(key)
+                release_generators_after_failed_capture()
                 return self.runner.step(inputs, previous_tokens)
             self._graphs[key] = graph
             self.num_prefill_graphs += key.tokens > 0

@@ -7,6 +7,12 @@ replay skips them and reads whatever the captured buffers hold. On an H200, quan
 tokens than stock's from the first one with the engine's graphs, and stock's tokens without them
 (its forward outside a graph is right, so the parity check, which runs eagerly, passed it). The
 engine runs such a model without CUDA graphs, and says so.
+
+bitsandbytes' LLM.int8() linears with an outlier threshold (its default) cannot be captured at all:
+each call sizes its outlier tensors on the host. On the H200 an 8B model's first decode capture
+failed, and the failed capture left torch's CUDA generator marked as capturing, so that every later
+random draw of the process raised (engine/cuda_graphs.py now also repairs that). Such models run
+without CUDA graphs from the start.
 """
 
 from __future__ import annotations
@@ -23,7 +29,21 @@ def launches_off_stream(weight: torch.Tensor) -> bool:
     return any(cls.__module__.startswith(prefix) and cls.__name__ in names for prefix, names in _OFF_STREAM_WEIGHTS)
 
 
+def splits_outliers_on_host(module: torch.nn.Module) -> bool:
+    """Whether `module` is bitsandbytes' LLM.int8() linear with an outlier threshold (its default,
+    6.0): each call finds the activation columns above it and sizes tensors by their count, which
+    waits for the GPU, which a capture does not allow."""
+    cls = type(module)
+    return (cls.__module__.startswith("bitsandbytes") and cls.__name__ == "Linear8bitLt"
+            and float(getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0) > 0.0)
+
+
 def graph_unsafe_weights(model: torch.nn.Module) -> list[str]:
-    """Names of the CUDA weights whose kernels a CUDA graph would not record."""
-    return [name for name, weight in model.named_parameters()
-            if weight.device.type == "cuda" and launches_off_stream(weight)]
+    """Names of the CUDA weights whose kernels a CUDA graph would not record or cannot capture."""
+    unsafe = [name for name, weight in model.named_parameters()
+              if weight.device.type == "cuda" and launches_off_stream(weight)]
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module):
+            unsafe.append(f"{name}.weight" if name else "weight")
+    return unsafe
