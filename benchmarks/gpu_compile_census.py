@@ -37,6 +37,85 @@ def _timed_compile(self, key, signature, device, constexprs, options, attrs, war
 
 JITFunction._do_compile = _timed_compile
 
+# Where a first call's time goes: seconds inside each of these (module, attribute path), summed per
+# call (nested phases count in both). A name imported into another module is patched there too.
+PHASES = [
+    ("hf_async_cb.model.prepared", "PreparedModel.__init__"),
+    ("hf_async_cb.model.mask_semantics", "apply_masks"),
+    ("hf_async_cb.model.prepared", "apply_masks"),
+    ("hf_async_cb.model.prepared", "embeddings_refusal"),
+    ("hf_async_cb.model.prepared", "fuse_projections"),
+    ("hf_async_cb.model.elementwise_fusion", "fuse_elementwise"),
+    ("hf_async_cb.model.decode_gemm", "DecodeGemms.__init__"),
+    ("hf_async_cb.model.decode_gemm", "DecodeGemms.tune"),
+    ("hf_async_cb.engine.engine", "Engine._build"),
+    ("hf_async_cb.engine.engine", "measured_layout"),
+    ("hf_async_cb.engine.engine", "PagedKVCache"),
+    ("hf_async_cb.engine.engine", "precompile"),
+    ("hf_async_cb.kernels.precompile", "Precompile.wait"),
+    ("hf_async_cb.engine.engine", "check_parity"),
+    ("hf_async_cb.engine.cuda_graphs", "_Graph._capture"),
+]
+PHASE_SECONDS: dict[str, float] = {}
+
+
+def _time_phases() -> None:
+    import functools
+    import importlib
+
+    for module_name, path in PHASES:
+        try:
+            owner = importlib.import_module(module_name)
+            *parents, attr = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            original = getattr(owner, attr)
+        except (ImportError, AttributeError):
+            continue
+        label = path
+
+        def wrap(fn, label=label):
+            @functools.wraps(fn)
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    PHASE_SECONDS[label] = PHASE_SECONDS.get(label, 0.0) + time.perf_counter() - start
+            return timed
+        if isinstance(original, type):  # a class called by name: time its construction
+            continue
+        setattr(owner, attr, wrap(original))
+
+
+def cache_entries(folder: str) -> dict[str, list[dict]]:
+    """Triton's disk cache, per kernel: each compiled entry's folder and metadata (what differs
+    between two entries of one kernel with the same constexprs is why a load missed a compile)."""
+    import glob
+    import os
+
+    found: dict[str, list[dict]] = {}
+    for path in glob.glob(os.path.join(folder, "*", "*.json")):
+        if os.path.basename(path).startswith("__grp__"):
+            continue
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+        except Exception:  # noqa: BLE001 (a diagnostic)
+            continue
+        name = meta.get("name") or os.path.basename(path)[:-5]
+        found.setdefault(name, []).append(dict(folder=os.path.basename(os.path.dirname(path)), **{
+            k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool, type(None))) or k in (
+                "target", "constants", "signature")}))
+    return found
+
+
+def _differences(entries: list[dict]) -> dict:
+    """The metadata fields whose values differ between a kernel's cache entries."""
+    keys = set().union(*(e.keys() for e in entries)) - {"folder", "hash"}
+    return {k: [str(e.get(k))[:200] for e in entries] for k in sorted(keys)
+            if len({json.dumps(e.get(k), sort_keys=True, default=str) for e in entries}) > 1}
+
 
 def _precompiled_keys(ahead) -> dict[str, list[str]]:
     """The JIT keys of the variants compiled ahead, per kernel: a compile in a call whose key is not
@@ -76,25 +155,40 @@ def main() -> None:
                         help="rows:prompt:new:(s)ampled|(g)reedy, comma-separated")
     parser.add_argument("--json")
     args = parser.parse_args()
+    _time_phases()
     t0 = time.perf_counter()
     model = build_model(args.shape, torch.device("cuda"), torch.bfloat16)
     report = dict(shape=args.shape, build_s=round(time.perf_counter() - t0, 2), calls=[])
     for spec in args.calls.split(","):
         n, prompt, new, kind = spec.split(":")
         before = len(COMPILES)
+        PHASE_SECONDS.clear()
         seconds = call(model, int(n), int(prompt), int(new), kind == "s")
         new_compiles = COMPILES[before:]
         report["calls"].append(dict(call=spec, seconds=round(seconds, 3), compiles=new_compiles,
-                                    compile_s=round(sum(c["seconds"] for c in new_compiles), 2)))
+                                    compile_s=round(sum(c["seconds"] for c in new_compiles), 2),
+                                    phases={k: round(v, 3) for k, v in PHASE_SECONDS.items()}))
         print(f"{spec:<16} {seconds:8.2f} s, {len(new_compiles)} compiles "
               f"({sum(c['seconds'] for c in new_compiles):.1f} s)", flush=True)
         for c in new_compiles:
             print(f"   {c['seconds']:6.2f} s  {c['kernel']:<40} {c['constexprs']}", flush=True)
+        if PHASE_SECONDS:
+            print("   phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in PHASE_SECONDS.items()), flush=True)
         ahead = getattr(getattr(runtime_of(model), "engine", None), "_precompile", None)
         if ahead is not None and "precompile" not in report:  # kernels/precompile.py, at the runtime's build
             report["precompile"] = ahead.summary()
             report["precompiled_keys"] = _precompiled_keys(ahead)
             print(f"   compiled ahead: {report['precompile']}", flush=True)
+    import os
+
+    from triton import knobs
+
+    folder = os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir
+    entries = cache_entries(folder)
+    report["cache_duplicates"] = {name: dict(entries=len(found), differ=_differences(found))
+                                  for name, found in entries.items() if len(found) > 1}
+    for name, dup in report["cache_duplicates"].items():
+        print(f"   cache: {name} has {dup['entries']} entries; differing fields: {dup['differ']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

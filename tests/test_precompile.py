@@ -131,3 +131,20 @@ def test_a_slow_first_use_is_said_once(caplog):
         module.note_slow_preparation("TinyModel on cuda:7", 4.0)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "TinyModel on cuda:7 took 3.0 s (compiling its kernels)" in lines[0]
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16), ("phi3", torch.float32)])
+def test_the_checks_variants_cover_the_element_wise_checks(family, dtype, launches):
+    """What the preparation compiles ahead for fuse_elementwise's checks (model/elementwise_fusion.
+    check_variants) covers every launch the checks make, so that they compile nothing themselves."""
+    from hf_async_cb.kernels.variant import variant_key
+    from hf_async_cb.model.elementwise_fusion import check_variants, fuse_elementwise
+    from hf_async_cb.model.fusion import fuse_projections
+
+    model = copy.deepcopy(tiny_model(family)).to(dtype)
+    listed = {variant_key(v) for v in check_variants(model)}
+    with fuse_projections(model), fuse_elementwise(model) as fused:
+        assert fused.rms_norms and fused.silu_muls + fused.gelu_muls
+    ran = _keys(launches)
+    missing = {key: name for key, name in ran.items() if key not in listed}
+    assert ran and not missing, f"{len(missing)} launched variants not listed: {sorted(set(missing.values()))}"

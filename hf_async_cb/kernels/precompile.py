@@ -34,6 +34,7 @@ from hf_async_cb.kernels.variant import Variant
 
 logger = logging.getLogger(__name__)
 _ONE_AT_A_TIME = threading.Lock()
+_LOAD_IS_A_COMPILE = 0.3  # seconds: a load from the disk cache takes milliseconds, a compile far longer
 # Compile workers: unset for one per core but one; a number for that many; 0 for none (compile
 # as steps need them, as before: for A/B runs).
 WORKERS_VARIABLE = "HF_ASYNC_CB_COMPILE_WORKERS"
@@ -54,6 +55,7 @@ class Precompile:
         self.compiled: list[Compiled] = []
         self.loaded = 0
         self.failed: list[str] = []
+        self.compiled_on_load: list[str] = []  # variants the workers compiled but this process compiled again
         self.seconds = 0.0
         with _on(device):
             self._target = driver.active.get_current_target()
@@ -67,11 +69,16 @@ class Precompile:
                 missing = _not_loaded(self.variants, self.device)
                 if missing:
                     self.compiled = compile_in_workers(missing, self._target, self.workers)
+                    self.failed += [f"{c.name} ({c.described}) in a worker: {c.error}" for c in self.compiled if c.error]
             with _on(self.device):
                 for variant in missing:
                     try:
+                        start = time.perf_counter()
                         variant.warmup()  # from the disk cache the workers filled
                         self.loaded += 1
+                        if time.perf_counter() - start > _LOAD_IS_A_COMPILE:  # the workers' entry was not found
+                            self.compiled_on_load.append(f"{variant.name} ({variant.describe()}): "
+                                                         f"{time.perf_counter() - start:.2f} s")
                     except Exception as e:  # noqa: BLE001 (it raises again where the step launches it)
                         self.failed.append(f"{variant.name} ({variant.describe()}): {type(e).__name__}")
         except Exception:  # noqa: BLE001 (the steps compile what is missing, as without precompiling)
@@ -94,6 +101,8 @@ class Precompile:
                 f"in {self.seconds:.1f} s ({work:.1f} s of compiling)")
         if self.failed:
             text += f"; {len(self.failed)} failed: {', '.join(self.failed[:3])}"
+        if self.compiled_on_load:
+            text += f"; {len(self.compiled_on_load)} compiled again on loading: {', '.join(self.compiled_on_load[:3])}"
         return text
 
 
@@ -118,6 +127,20 @@ def precompile(engine, model: torch.nn.Module) -> Precompile | None:
     except Exception:  # noqa: BLE001 (facts not as expected: this model's steps compile as they go, as before)
         logger.warning("hf_async_cb: could not compile %s's kernels ahead; its first steps will compile them",
                        type(model).__name__, exc_info=True)
+        return None
+
+
+def precompile_variants(variants: list[Variant], device: torch.device, what: str) -> Precompile | None:
+    """Start compiling `variants` ahead in workers (as precompile() does for an engine's), or None
+    where nothing is compiled ahead (off CUDA, no Triton, HF_ASYNC_CB_COMPILE_WORKERS=0, nothing
+    listed). The model's preparation uses it for the kernels its own checks run."""
+    workers = os.environ.get(WORKERS_VARIABLE, "").strip()
+    if not variants or device.type != "cuda" or workers == "0":
+        return None
+    try:
+        return Precompile(variants, device, what, int(workers) if workers else None)
+    except Exception:  # noqa: BLE001 (the checks compile as they run, as before)
+        logger.warning("hf_async_cb: could not compile %s's kernels ahead", what, exc_info=True)
         return None
 
 

@@ -119,18 +119,20 @@ def rotary_candidates(model: nn.Module) -> list[str]:
                   and callable(getattr(sys.modules[n], "apply_rotary_pos_emb", None)))
 
 
-def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int] = (4, 2, 8)) -> bool:
     """Whether the fused rotary reproduces the module's own bit for bit on random inputs (checked
     once per kind): Llama's rotate-half form, which most families copy; an interleaved or otherwise
-    different one (Cohere, GLM, ...) disagrees and keeps its own."""
+    different one (Cohere, GLM, ...) disagrees and keeps its own. `heads`: (query heads, key heads,
+    head size) of the inputs, the model's where known (its steps' compiled variant then serves)."""
     key = (name, dtype, device)
     if key not in _ROTARY_CHECKED:
         original = getattr(sys.modules[name], "apply_rotary_pos_emb", None)
         if not callable(original) or not runs_on(device):
             return False
         fused, g = _fused_rotary(original), torch.Generator().manual_seed(0)
-        q, k = (torch.randn(2, 3, h, 8, generator=g).to(device, dtype).transpose(1, 2) for h in (4, 2))
-        cos, sin = (torch.randn(2, 3, 8, generator=g).to(device, dtype) for _ in range(2))
+        q_heads, k_heads, dim = heads
+        q, k = (torch.randn(2, 3, h, dim, generator=g).to(device, dtype).transpose(1, 2) for h in (q_heads, k_heads))
+        cos, sin = (torch.randn(2, 3, dim, generator=g).to(device, dtype) for _ in range(2))
         try:
             with torch.no_grad():
                 got, expected = fused(q, k, cos, sin), original(q, k, cos, sin)
@@ -159,6 +161,59 @@ def _unpatch_rotary(name: str) -> None:
         module = sys.modules[name]
         if module.apply_rotary_pos_emb is entry[1]:  # leave anyone else's later wrapper alone
             module.apply_rotary_pos_emb = entry[0]
+
+
+def _heads(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """((query heads, key heads, head size),) from the model's text config, or () if it does not say."""
+    from hf_async_cb.model.checks import text_config_of
+
+    if getattr(model, "config", None) is None:  # a lone module
+        return ()
+    c = text_config_of(model.config)
+    q = getattr(c, "num_attention_heads", None)
+    hidden = getattr(c, "hidden_size", None)
+    if not isinstance(q, int) or not isinstance(hidden, int) or q <= 0:
+        return ()
+    k = getattr(c, "num_key_value_heads", None) or q
+    dim = getattr(c, "head_dim", None) or hidden // q
+    return ((q, k, dim),) if isinstance(k, int) and isinstance(dim, int) and dim % 2 == 0 else ()
+
+
+def check_variants(model: nn.Module) -> list:
+    """The compiled variants fuse_elementwise's checks (and the steps after them) launch for `model`:
+    its RMSNorms (alone and after a residual add), its gated MLPs' activation and its rotary, as
+    their kinds appear before any check. Listed so that they can compile in workers while the model
+    is prepared, rather than one by one in the checks (seconds on a first call)."""
+    from hf_async_cb.kernels import elementwise
+
+    found = []
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or not runs_on(params[0].device):
+        return found
+    dtype, libdevice = params[0].dtype, params[0].device.type == "cuda"  # (the interpreter has no libdevice)
+    for m in model.modules():
+        name, w = type(m).__name__, getattr(m, "weight", None)
+        if name.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1 and w.is_floating_point():
+            unit = not isinstance(getattr(m, "variance_epsilon", None), float)
+            for x_dtype in {w.dtype, dtype}:  # the check's inputs (the weight's dtype), the steps' (the model's)
+                found += elementwise.rms_variants(w.shape[0], x_dtype, w.dtype, unit_offset=unit, use_libdevice=libdevice)
+                if not unit:
+                    found += elementwise.rms_variants(w.shape[0], x_dtype, w.dtype, add=True, use_libdevice=libdevice)
+        elif name.endswith("MLP") and hasattr(m, "down_proj"):
+            gate, gate_up = getattr(m, "gate_proj", None), getattr(m, "gate_up_proj", None)
+            act = _activation(getattr(m, "act_fn", None) or getattr(m, "activation_fn", None))
+            width = gate.out_features if isinstance(gate, nn.Linear) else (
+                gate_up.out_features // 2 if isinstance(gate_up, nn.Linear) else None)
+            if act is not None and width:
+                found += elementwise.silu_mul_variants(width, dtype, act == "gelu_tanh", use_libdevice=libdevice)
+    if rotary_candidates(model):
+        for q, k, dim in _heads(model):
+            found += elementwise.rotary_variants(q, k, dim, dtype)
+    unique = {}
+    for variant in found:  # one each (many norms share a kind)
+        unique.setdefault((variant.name, repr(variant.args), repr(sorted(variant.constexprs.items())),
+                           repr(sorted(variant.options.items()))), variant)
+    return list(unique.values())
 
 
 def _is_silu(act) -> bool:
@@ -287,7 +342,7 @@ def fuse_elementwise(model: nn.Module) -> FusedElementwise:
                 setattr(fused, counter, getattr(fused, counter) + 1)
         params = [p for p in model.parameters() if p.is_floating_point()]
         for name in rotary_candidates(model):
-            if params and _rotary_agrees(name, params[0].dtype, params[0].device):
+            if params and _rotary_agrees(name, params[0].dtype, params[0].device, *_heads(model)):
                 fused._rotary.append(name)
                 fused.rotary_modules += 1
         from hf_async_cb.model.residual_fusion import fuse_residuals  # (it imports this module)

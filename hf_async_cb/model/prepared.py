@@ -165,6 +165,18 @@ def _config_snapshot(config) -> dict:
     return state
 
 
+def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
+    """Start compiling the element-wise kernels fuse_elementwise's checks launch (compile workers,
+    kernels/precompile.py); None if nothing is compiled ahead. Compiled one by one in the checks,
+    they took 2.2 s of a fresh H200 process's first call."""
+    try:
+        from hf_async_cb.kernels.precompile import precompile_variants
+        from hf_async_cb.model.elementwise_fusion import check_variants
+    except ImportError:  # no Triton: nothing is fused either
+        return None
+    return precompile_variants(check_variants(model), device, f"{type(model).__name__}'s element-wise checks")
+
+
 class PreparedModel:
     """A model checked and fused for the engine; see the module docstring."""
 
@@ -172,11 +184,14 @@ class PreparedModel:
                  fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
                  skinny_gemm: bool | None = None) -> None:
         check_model_supported(model, trust_untested_model)
+        self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        checks = None
+        if on_cuda and fuse_elementwise is not False and tensor_parallel_size(model) <= 1:
+            checks = _compile_check_kernels(model, self.device)  # in workers, during the forwards below
         with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
             apply_masks(model)
             self.embeddings_refusal = embeddings_refusal(model)  # None: prompt embeddings run exactly
-        self.device = next(model.parameters()).device
-        on_cuda = self.device.type == "cuda"
         self.fusion: FusedProjections | None = None
         self.elementwise = None
         self.decode_gemms = None
@@ -190,6 +205,8 @@ class PreparedModel:
             if on_cuda if fuse_elementwise is None else fuse_elementwise:
                 from hf_async_cb.model.elementwise_fusion import fuse_elementwise as fuse  # imports Triton
 
+                if checks is not None:
+                    checks.wait()
                 self.elementwise = fuse(model)
             if on_cuda if skinny_gemm is None else skinny_gemm:
                 from hf_async_cb.model.decode_gemm import DecodeGemms  # imports Triton
