@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""Quantized 8B models through generate(): stock generate beside generate(batching="async"), per form.
+
+    PYTHONPATH=. python benchmarks/gpu_quantized.py [--forms torchao-int8,bnb-nf4] [--new 512] [--json out.json]
+
+Random bf16 weights in the Llama-3-8B shape, quantized as a user would: torchao's `quantize_` on the loaded
+model, quanto's `quantize` + `freeze`, or `from_pretrained(..., quantization_config=...)` for
+bitsandbytes and HQQ (the model is saved once to a temporary folder for those). Per form, in one
+process: stock generate on 32 x 128 -> 512 greedy, then ours (its first call timed apart, then the
+timed call on prompts it has not cached), the rows whose tokens equal stock's, and the fraction of
+the bandwidth floor: the quantized weights' bytes as stored (inner tensors of subclasses, scales and
+zero points included) plus the K/V a step reads, at the measured copy bandwidth. Each form's row is
+written to --json as soon as it is done; forms left when --budget seconds have passed are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+import hf_async_cb
+from hf_async_cb.model.weight_kinds import is_plain
+from hf_async_cb.tools import timing
+from hf_async_cb.tools.bench import SHAPES, _prompts, build_model, copy_bandwidth
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy as stored: each distinct storage once, a tensor subclass
+    counted by its inner tensors (torchao), quantization states that are buffers or attributes
+    included where the state dict holds them (bitsandbytes, HQQ, quanto)."""
+    seen: set = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if not is_plain(t):
+            flatten = getattr(t, "__tensor_flatten__", None)
+            if callable(flatten):
+                names, _ = flatten()
+                for name in names:
+                    inner = getattr(t, name, None)
+                    if isinstance(inner, torch.Tensor):
+                        add(inner)
+                return
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for value in model.state_dict().values():
+        if isinstance(value, torch.Tensor):
+            add(value)
+    return total
+
+
+def _torchao(config_name: str, **settings):
+    def make(base):
+        from torchao import quantization
+
+        model = base()
+        quantization.quantize_(model, getattr(quantization, config_name)(**settings))
+        return model
+    return make
+
+
+def _quanto(weights: str):
+    def make(base):
+        from optimum import quanto
+
+        model = base()
+        quanto.quantize(model, weights=getattr(quanto, weights))
+        quanto.freeze(model)
+        return model
+    return make
+
+
+def _pretrained(make_config):
+    """A form loaded with `from_pretrained(..., quantization_config=make_config())` from the saved model."""
+    def make(base, path, device):
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=make_config(), device_map=str(device), dtype=torch.bfloat16).eval()
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        return model
+    make.needs_checkpoint = True
+    return make
+
+
+def _bnb(**settings):
+    import transformers
+
+    return _pretrained(lambda: transformers.BitsAndBytesConfig(**settings))
+
+
+def _hqq():
+    """HQQ's own linears put in place of the layers' projections (transformers' HqqConfig loading is
+    not available in every release)."""
+    from hqq.core import quantize
+
+    def make(base):
+        model = base()
+        settings = quantize.BaseQuantizeConfig(nbits=4, group_size=64)
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, torch.nn.Linear):
+                        setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=model.dtype,
+                                                                  device=str(model.device)))
+        return model
+    return make
+
+
+FORMS = {
+    "torchao-int8": lambda: _torchao("Int8WeightOnlyConfig"),
+    "bnb-nf4": lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "hqq-4bit": _hqq,
+    "quanto-int8": lambda: _quanto("qint8"),
+    "bnb-int8": lambda: _bnb(load_in_8bit=True),
+    "torchao-int4": lambda: _torchao("Int4WeightOnlyConfig", group_size=128),
+    "torchao-float8": lambda: _torchao("Float8WeightOnlyConfig"),
+}
+
+
+def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: float | None) -> dict:
+    row: dict = {"form": name}
+    t = time.perf_counter()
+    model = make(base, path, device) if getattr(make, "needs_checkpoint", False) else make(base)
+    row["load_s"] = round(time.perf_counter() - t, 1)
+    c = model.config
+    weights = stored_bytes(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_step = len(prompts) * (len(prompts[0]) + new / 2) * 2 * c.num_hidden_layers * c.num_key_value_heads \
+        * head_dim * 2
+    floor_ms = None if bandwidth is None else (weights + kv_step) / bandwidth * 1e3
+    row.update(weight_gib=round(weights / 2**30, 2), floor_ms_per_step=floor_ms and round(floor_ms, 3))
+    ids = torch.tensor(prompts, device=device)
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                   pad_token_id=0)
+    stock_s, stock = timing.timed(lambda: model.generate(ids, batching="off", **options), device)
+    row["stock_s"] = round(stock_s, 3)
+    print(f"  {name}: stock {stock_s:.2f} s", flush=True)
+    first_s, _ = timing.timed(lambda: model.generate(ids, batching="async", **options), device)
+    ours_s, ours = timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
+    tokens = len(prompts) * new
+    row.update(first_call_s=round(first_s, 2), async_s=round(ours_s, 3), speedup=round(stock_s / ours_s, 2),
+               async_tok_s=round(tokens / ours_s), stock_tok_s=round(tokens / stock_s),
+               of_floor=floor_ms and round(tokens / ours_s / (len(prompts) / floor_ms * 1e3), 3),
+               rows_equal=int((stock == ours).all(dim=1).sum()), rows=len(prompts))
+    row["first_diff_p50"] = _first_difference(stock[:, ids.shape[1]:], ours[:, ids.shape[1]:])
+    from hf_async_cb.generate import runtime
+
+    engine = getattr(runtime._RUNTIMES.get(model), "engine", None)
+    if engine is not None:  # how it ran: CUDA graphs, and the projections the int8 GEMM took
+        row["cuda_graphs"] = engine.graphs is not None
+        gemms = engine.prepared_model.decode_gemms
+        row["decode_gemms"] = gemms.summary() if gemms is not None else None
+    hf_async_cb.release(model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor):
+    """The median position of the first differing new token over rows that differ (None: none)."""
+    differ = (a != b)
+    rows = differ.any(dim=1)
+    if not rows.any():
+        return None
+    return int(differ[rows].float().argmax(dim=1).median())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
+    p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    names = args.forms.split(",")
+    constructors = {}
+    for name in names:
+        try:
+            constructors[name] = FORMS[name]()
+        except ImportError as error:
+            constructors[name] = error
+
+    def base():
+        return build_model(args.shape, device, torch.bfloat16)
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as path:
+        if any(getattr(c, "needs_checkpoint", False) for c in constructors.values()):
+            t = time.perf_counter()
+            model = base()
+            model.save_pretrained(path)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"saved the {args.shape} model in {time.perf_counter() - t:.1f} s", flush=True)
+        prompts = _prompts(args.requests, args.prompt, SHAPES[args.shape]["vocab_size"])
+        for name in names:
+            made = constructors[name]
+            if time.perf_counter() - start > args.budget:
+                rows.append({"form": name, "outcome": "skipped (budget)"})
+                continue
+            if isinstance(made, Exception):
+                rows.append({"form": name, "outcome": f"not installed ({made})"})
+                continue
+            try:
+                row = run_form(name, made, base, path, device, prompts, args.new, bandwidth)
+                row["outcome"] = "ran"
+            except ValueError as error:  # a refusal by name
+                row = {"form": name, "outcome": "refused", "reason": str(error).splitlines()[0][:300]}
+            except Exception as error:  # noqa: BLE001 - reported
+                row = {"form": name, "outcome": "CRASH", "reason": f"{type(error).__name__}: {error}"[:300]}
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"bandwidth_tb_s": bandwidth and bandwidth / 1e12, "shape": args.shape, "requests": args.requests,
+                               "prompt": args.prompt, "new": args.new, "rows": rows}, f, indent=1)
+    print("| form | weights GiB | stock s | async s | speedup | of floor | first call s | rows equal |")
+    for r in rows:
+        if r.get("outcome") == "ran":
+            print(f"| {r['form']} | {r['weight_gib']} | {r['stock_s']} | {r['async_s']} | {r['speedup']}x | "
+                  f"{r['of_floor']} | {r['first_call_s']} | {r['rows_equal']}/{r['rows']} |")
+        else:
+            print(f"| {r['form']} | {r['outcome']} {r.get('reason', '')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call (within 10 minutes on an H200) for quantized models and first use:
+#  1. the kernels' tests on CUDA (the weight-only int8 GEMM in bf16, which the CPU's interpreter cannot run);
+#  2. the first call's census in a fresh process with an empty Triton cache, then a warm one: every
+#     compile, where the time goes (phases), and any kernel the disk cache holds twice (why a load missed);
+#  3. the 8B quantized forms through generate() beside stock generate (benchmarks/gpu_quantized.py).
+# Needs the quantization wheels the GPU image lacks: run(carry=[".whl"], ...). Results in $OUT.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install --no-deps --no-index -q .whl/*.whl 2>&1 | tail -1
+git log --oneline -1 | tee "$OUT/commit.txt"
+timeout 120 python3 -m pytest -q tests/test_int8_gemm.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
+  -p no:cacheprovider --tb=short -rf 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/tests.txt" | tail -4
+CACHE=$(mktemp -d)
+for run in cold warm; do
+  TRITON_CACHE_DIR=$CACHE timeout 100 python3 benchmarks/gpu_compile_census.py --json "$OUT/census_$run.json" \
+    > "$OUT/census_$run.txt" 2>&1
+  grep -E "^[0-9]+:|phases|cache:|compiled ahead" "$OUT/census_$run.txt" | cut -c1-600
+done
+timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,bnb-int8,torchao-float8,torchao-int4,quanto-int8}" \
+  --budget ${QUANTIZED_BUDGET:-300} --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14
