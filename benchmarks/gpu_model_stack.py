@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from models import COMMON, left_pad, random_prompts, scaled  # noqa: E402
+from models import COMMON, hqq_in_place, left_pad, random_prompts, scaled  # noqa: E402
 
 import hf_async_cb  # noqa: E402
 from hf_async_cb import BatchingConfig  # noqa: E402
@@ -80,15 +80,7 @@ def _quanto(path, device, weights):
 
 def _hqq(path, device):
     quantize = _need("hqq.core.quantize")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    settings = quantize.BaseQuantizeConfig(nbits=4, group_size=64)
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=torch.float32,
-                                                              device=device))
-    return model
+    return hqq_in_place(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device), quantize)
 
 
 def _torchao(path, device, config_name, dtype=torch.float32, **settings):

@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 
@@ -102,21 +103,14 @@ def _bnb(**settings):
 
 
 def _hqq():
-    """HQQ's own linears put in place of the layers' projections (transformers' HqqConfig loading is
-    not available in every release)."""
+    """HQQ's own linears put in place of the layers' projections (tests/models.hqq_in_place: transformers'
+    HqqConfig loading is not available in every release)."""
     from hqq.core import quantize
 
-    def make(base):
-        model = base()
-        settings = quantize.BaseQuantizeConfig(nbits=4, group_size=64)
-        for layer in model.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, torch.nn.Linear):
-                        setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=model.dtype,
-                                                                  device=str(model.device)))
-        return model
-    return make
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from models import hqq_in_place
+
+    return lambda base: hqq_in_place(base(), quantize)
 
 
 FORMS = {

@@ -74,3 +74,17 @@ def generated_rows(sequences: torch.Tensor, prompt_width: int, pad: int, eos: tu
                 break
         rows.append(out)
     return rows
+
+
+def hqq_in_place(model: torch.nn.Module, quantize, nbits: int = 4, group_size: int = 64) -> torch.nn.Module:
+    """`model`'s decoder projections replaced by HQQ's own HQQLinear (`quantize`: hqq.core.quantize), in
+    its dtype and on its device: how HQQ is applied where transformers has no HqqConfig loading path
+    (5.24). The tests' and the GPU benchmarks' one way of building an HQQ model."""
+    settings = quantize.BaseQuantizeConfig(nbits=nbits, group_size=group_size)
+    dtype, device = model.dtype, str(next(model.parameters()).device)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=dtype, device=device))
+    return model

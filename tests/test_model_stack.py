@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 import transformers
-from models import COMMON, left_pad, random_prompts, scaled
+from models import COMMON, hqq_in_place, left_pad, random_prompts, scaled
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig
@@ -224,15 +224,7 @@ def _quanto(path, weights):
 def _hqq(path):
     """HQQ 4-bit (transformers 5.24 has no HqqConfig loading path: HQQ's own HQQLinear, put in place)."""
     quantize = pytest.importorskip("hqq.core.quantize", reason="hqq is not installed")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    settings = quantize.BaseQuantizeConfig(nbits=4, group_size=64)
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, quantize.HQQLinear(child, settings, compute_dtype=torch.float32,
-                                                              device="cpu"))
-    return model
+    return hqq_in_place(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), quantize)
 
 
 def _torchao(path, config_name, **settings):
