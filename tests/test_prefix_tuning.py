@@ -206,6 +206,7 @@ def test_history_options_are_refused_by_name():
     ids, kwargs = _call(repetition_penalty=1.2)
     with pytest.raises(ValueError, match=r"PEFT PREFIX_TUNING: stock generate's logits processors"):
         model.generate(input_ids=ids, batching="sync", **kwargs)
+    assert hf_async_cb.runtime_info(base) is None  # refused before any engine was built
     hf_async_cb.release(base)
 
 

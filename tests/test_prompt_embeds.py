@@ -90,6 +90,7 @@ def test_history_reading_options_with_embeddings_alone_are_refused():
     with pytest.raises(ValueError, match="inputs_embeds without input_ids"):
         model.generate(inputs_embeds=_embeds(model, ids), attention_mask=mask, max_new_tokens=3,
                        repetition_penalty=1.3, batching="sync")
+    assert hf_async_cb.runtime_info(model) is None  # refused before any engine was built
     with pytest.raises(ValueError, match="does not match input_ids"):
         model.generate(input_ids=ids, inputs_embeds=_embeds(model, ids)[:, 1:], max_new_tokens=3, batching="sync")
     with pytest.raises(ValueError, match=r"inputs_embeds must be a floating-point tensor \[batch, length, hidden\]"):

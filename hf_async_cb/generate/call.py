@@ -38,6 +38,7 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
     page = config.page_size
     extra = call.virtual.count if call.virtual is not None else 0  # a PEFT adapter's virtual tokens
     pages_needed = sum(-(-(len(p) + extra + max_new) // page) for p in call.prompts) * call.copies
+    _check_history_is_seen(call, options)  # before the engine is built or taken
     with runtime_engine(model, config.with_mode(mode), pages_needed) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
         _start_clocks(options.criteria, call.arguments.get("stopping_criteria"))
@@ -45,6 +46,24 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
         if streamer is not None:
             streamer.end()
     return stock_output(call, input_ids, requests)
+
+
+def _reads_history(options: CallOptions) -> bool:
+    """Whether the call's processors or criteria read each row's history as stock holds it (the
+    slow path, and the history processors: padding included)."""
+    return options.processor is not None or options.criteria is not None or options.params.reads_history
+
+
+def _check_history_is_seen(call: GenerateCall, options: CallOptions) -> None:
+    """A ValueError when the call's prompt is fed partly as embeddings the history does not show
+    (inputs_embeds without input_ids, a PEFT adapter's virtual tokens) and something reads that
+    history: stock's processors and criteria would see other rows than the engine keeps."""
+    hidden = "inputs_embeds without input_ids" if call.inputs_embeds is not None and call.input_ids.shape[1] == 0 \
+        else f"PEFT {call.virtual.method}" if call.virtual is not None else None
+    if hidden and _reads_history(options):
+        raise ValueError(f"{hidden}: stock generate's logits processors and stopping criteria then see a history "
+                         "without the embedded prompt positions, which the engine does not reproduce; use "
+                         "batching='off' for this call.")
 
 
 def _start_clocks(criteria, own) -> None:
@@ -93,18 +112,11 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
         prompts = [p for p in prompts for _ in range(copies)]
         prefixes = [p for p in prefixes for _ in range(copies)]
         embeds = [e for e in embeds for _ in range(copies)]
-    # The slow path and the history processors read each row's history as stock holds it (padding too).
-    slow = processor is not None or options.criteria is not None or params.reads_history
+    slow = _reads_history(options)
     streamer = None
     if call.arguments.get("streamer") is not None:
         streamer = LockstepStreamer(call.arguments["streamer"], input_ids, call.pad)
     row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
-    hidden = "inputs_embeds without input_ids" if call.inputs_embeds is not None and call.input_ids.shape[1] == 0 \
-        else f"PEFT {call.virtual.method}" if call.virtual is not None else None
-    if hidden and slow:
-        raise ValueError(f"{hidden}: stock generate's logits processors and stopping criteria then see a history "
-                         "without the embedded prompt positions, which the engine does not reproduce; use "
-                         "batching='off' for this call.")
     requests: list[Request] = [
         engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
                             stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
