@@ -23,7 +23,8 @@ SMALL = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2, SWAP_AB=False)
 
 def _int8_model(family: str = "llama") -> torch.nn.Module:
     model = copy.deepcopy(tiny_model(family)).to(DEVICE, DTYPE)
-    torchao_quantization.quantize_(model, torchao_quantization.Int8WeightOnlyConfig())
+    # (set_inductor_config=False: torchao would otherwise turn TF32 on for the whole process)
+    torchao_quantization.quantize_(model, torchao_quantization.Int8WeightOnlyConfig(set_inductor_config=False))
     return model
 
 
