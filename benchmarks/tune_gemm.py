@@ -42,9 +42,9 @@ import triton
 
 from hf_async_cb.devices import num_sms
 from hf_async_cb.kernels.graph_timing import cold_copies, graph_ms
-from hf_async_cb.kernels.skinny_gemm import (MAX_SHARED_MEMORY, WIN_MARGIN, GemmChoice, block_m, candidate_configs,
-                                             default_config, device_name, relative_error, shared_memory_estimate,
-                                             skinny_linear)
+from hf_async_cb.kernels.gemm_choice import WIN_MARGIN, GemmChoice, device_name, relative_error
+from hf_async_cb.kernels.skinny_gemm import (MAX_SHARED_MEMORY, block_m, candidate_configs, default_config,
+                                             shared_memory_estimate, skinny_linear)
 
 # name -> (decoder layers, {projection: (N, K)}); q/k/v and gate/up fused, as the engine runs them.
 MODELS = {

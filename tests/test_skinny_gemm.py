@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from sm90 import assert_compiles_for_sm90
 
-from hf_async_cb.kernels.skinny_gemm import (CONFIG_KEYS, GemmChoice, block_m, candidate_configs, default_config,
-                                             relative_error, skinny_linear)
+from hf_async_cb.kernels.gemm_choice import GemmChoice, relative_error
+from hf_async_cb.kernels.skinny_gemm import CONFIG_KEYS, block_m, candidate_configs, default_config, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(BLOCK_N=32, BLOCK_K=32)  # several N tiles and K blocks even at the small shapes, ragged tails included

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_async_cb.kernels.skinny_gemm import MAX_M, GemmChoice, m_bucket, runs_on, skinny_linear
+from hf_async_cb.kernels.gemm_choice import GemmChoice
+from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,7 +206,7 @@ class DecodeGemms:
 
 
 def _name(device: torch.device) -> str:
-    from hf_async_cb.kernels.skinny_gemm import device_name
+    from hf_async_cb.kernels.gemm_choice import device_name
 
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
