@@ -5,6 +5,7 @@ at the end every request that was not aborted has exactly stock's greedy tokens 
 position of them), every aborted one a prefix of them, and no page is left allocated.
 """
 
+import collections
 import copy
 import functools
 
@@ -74,10 +75,14 @@ class PipelineMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_are_accounted_for(self):
+        """Each held page counts exactly its holders (requests whose prompts start alike share the
+        prefix cache's pages), and every page is either held or free (cached pages no request
+        holds count as free: they are handed out last)."""
         allocator = self.engine.allocator
-        held = [p for r in self.engine.scheduler.running for p in r.pages]
-        assert len(held) == len(set(held)), "a page is held by two requests"
-        assert allocator.num_free + len(held) == allocator.num_pages
+        holders = collections.Counter(p for r in self.engine.scheduler.running for p in r.pages)
+        for page, n in holders.items():
+            assert allocator.ref_count(page) == n, f"page {page}: {allocator.ref_count(page)} references, {n} holders"
+        assert allocator.num_free + len(holders) == allocator.num_pages
         for r in self.engine.scheduler.running:
             assert r.num_computed <= len(r.pages) * self.engine.scheduler.page_size
         for r in self.engine.scheduler.waiting:
@@ -107,3 +112,19 @@ test_pipeline_state_machine = PipelineMachine.TestCase
 def test_oracle_is_deterministic():
     assert oracle((5, 6, 7)) == oracle((5, 6, 7)) and len(oracle((5, 6, 7))) == MAX_NEW
     assert torch.is_grad_enabled()  # the engine's no_grad does not leak
+
+
+def test_requests_sharing_a_cached_page_are_accounted_for():
+    """The sequence hypothesis found: a second prompt that starts with the first one's full page
+    takes that page from the prefix cache while the first still runs (two holders, one page)."""
+    machine = PipelineMachine()
+    try:
+        machine.add(prompt=[3, 3, 3, 3], new=2, eos_at=None)
+        machine.step(n=1)
+        machine.add(prompt=[3, 3, 3, 3, 3], new=1, eos_at=None)
+        machine.step(n=1)
+        machine.pages_are_accounted_for()
+        running = machine.engine.scheduler.running
+        assert len(running) == 2 and running[0].pages[0] == running[1].pages[0]  # shared, not copied
+    finally:
+        machine.teardown()
