@@ -148,3 +148,14 @@ def test_the_checks_variants_cover_the_element_wise_checks(family, dtype, launch
     ran = _keys(launches)
     missing = {key: name for key, name in ran.items() if key not in listed}
     assert ran and not missing, f"{len(missing)} launched variants not listed: {sorted(set(missing.values()))}"
+
+
+def test_a_failing_listing_leaves_the_checks_to_compile_as_they_run(monkeypatch):
+    """Listing the checks' kernels is an optimisation: if it fails, the preparation goes on."""
+    from hf_async_cb.model import elementwise_fusion, prepared
+
+    def fails(model):
+        raise AttributeError("a norm of an unexpected shape")
+
+    monkeypatch.setattr(elementwise_fusion, "check_variants", fails)
+    assert prepared._compile_check_kernels(tiny_model("llama"), torch.device("cuda")) is None

@@ -174,7 +174,12 @@ def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
         from hf_async_cb.model.elementwise_fusion import check_variants
     except ImportError:  # no Triton: nothing is fused either
         return None
-    return precompile_variants(check_variants(model), device, f"{type(model).__name__}'s element-wise checks")
+    try:
+        variants = check_variants(model)
+    except Exception:  # noqa: BLE001 (a module of an unexpected shape: the checks compile as they run)
+        logger.debug("hf_async_cb: the element-wise checks' kernels are not compiled ahead", exc_info=True)
+        return None
+    return precompile_variants(variants, device, f"{type(model).__name__}'s element-wise checks")
 
 
 class PreparedModel:
