@@ -90,6 +90,17 @@ def _call(prompts=None, seed=7, **kwargs):
                      **kwargs)
 
 
+def assert_exact(base, model, ids, configs=(None,), **kwargs):
+    """Stock PEFT's tokens differ from the base model's (the adapter matters, so the check can fail),
+    and every loop and config of the engine gives them."""
+    expected = stock_peft_generate(model, ids, **kwargs)
+    assert not torch.equal(expected, base.generate(ids, batching="off", **kwargs))
+    for mode in MODES:
+        for config in configs:
+            got = model.generate(input_ids=ids, batching=mode, batching_config=config, **kwargs)
+            assert torch.equal(got, expected), (mode, config)
+
+
 def test_the_oracle_is_peft_forward():
     _, model = _model()
     ids, kwargs = _call()
@@ -107,24 +118,15 @@ def test_prefix_tuning_matches_stock_peft(family, config):
     off, projections fused and not, chunks that end inside the virtual tokens."""
     base, model = _model(family, **config)
     ids, kwargs = _call()
-    expected = stock_peft_generate(model, ids, **kwargs)
-    assert not torch.equal(expected, base.generate(ids, batching="off", **kwargs))  # the adapter matters
-    configs = (None, BatchingConfig(prefix_caching=False),
-               BatchingConfig(fuse_projections=True, page_size=4, max_batch_tokens=6))
-    for mode in MODES:
-        for config in configs:
-            assert torch.equal(model.generate(input_ids=ids, batching=mode, batching_config=config, **kwargs),
-                               expected), (mode, config)
+    assert_exact(base, model, ids, (None, BatchingConfig(prefix_caching=False),
+                                    BatchingConfig(fuse_projections=True, page_size=4, max_batch_tokens=6)), **kwargs)
     hf_async_cb.release(base)
 
 
 def test_a_cartridge_matches_stock_peft():
     base, model = _model(method="cartridge", num_virtual_tokens=6)
     ids, kwargs = _call()
-    expected = stock_peft_generate(model, ids, **kwargs)
-    assert not torch.equal(expected, base.generate(ids, batching="off", **kwargs))
-    for mode in MODES:
-        assert torch.equal(model.generate(input_ids=ids, batching=mode, **kwargs), expected), mode
+    assert_exact(base, model, ids, **kwargs)
     hf_async_cb.release(base)
 
 
@@ -194,10 +196,7 @@ def test_a_sliding_window_with_padded_rows_is_refused_and_unpadded_rows_run(meth
         with pytest.raises(ValueError, match=rf"PEFT {method.upper()}_TUNING on a model with a sliding window of 24"):
             model.generate(input_ids=ids, batching=mode, **kwargs)
     ids, kwargs = _call(random_prompts(1, 20, 20, seed=9) * 3)  # 5 + 20 + 8 tokens: past the window
-    expected = stock_peft_generate(model, ids, **kwargs)
-    assert not torch.equal(expected, base.generate(ids, batching="off", **kwargs))
-    for mode in MODES:
-        assert torch.equal(model.generate(input_ids=ids, batching=mode, **kwargs), expected), mode
+    assert_exact(base, model, ids, **kwargs)
     hf_async_cb.release(base)
 
 

@@ -110,8 +110,7 @@ def precompile(engine, model: torch.nn.Module) -> Precompile | None:
     """Start compiling every kernel variant `model` can need on `engine`, which Engine._build calls
     once its pool and attention backend exist (CUDA only; None elsewhere: the interpreter compiles
     nothing). The engine waits for it before its first kernel runs."""
-    workers = os.environ.get(WORKERS_VARIABLE, "").strip()
-    if engine.device.type != "cuda" or workers == "0":
+    if engine.device.type != "cuda" or os.environ.get(WORKERS_VARIABLE, "").strip() == "0":
         return None
     try:
         import triton  # noqa: F401
@@ -121,19 +120,19 @@ def precompile(engine, model: torch.nn.Module) -> Precompile | None:
 
     try:
         variants = model_variants(facts_of(engine, model))
-        logger.info("hf_async_cb: compiling up to %d kernel variants ahead, in worker processes", len(variants))
-        return Precompile(variants, engine.device, f"{type(model).__name__} on {engine.device}",
-                          int(workers) if workers else None)
     except Exception:  # noqa: BLE001 (facts not as expected: this model's steps compile as they go, as before)
         logger.warning("hf_async_cb: could not compile %s's kernels ahead; its first steps will compile them",
                        type(model).__name__, exc_info=True)
         return None
+    logger.info("hf_async_cb: compiling up to %d kernel variants ahead, in worker processes", len(variants))
+    return precompile_variants(variants, engine.device, f"{type(model).__name__} on {engine.device}")
 
 
 def precompile_variants(variants: list[Variant], device: torch.device, what: str) -> Precompile | None:
     """Start compiling `variants` ahead in workers (as precompile() does for an engine's), or None
     where nothing is compiled ahead (off CUDA, no Triton, HF_ASYNC_CB_COMPILE_WORKERS=0, nothing
-    listed). The model's preparation uses it for the kernels its own checks run."""
+    listed). precompile() uses it for an engine's variants, the model's preparation for the kernels
+    its own checks run."""
     workers = os.environ.get(WORKERS_VARIABLE, "").strip()
     if not variants or device.type != "cuda" or workers == "0":
         return None
