@@ -29,7 +29,7 @@ import torch
 import hf_async_cb
 from hf_async_cb.model.weight_kinds import is_plain
 from hf_async_cb.tools import timing
-from hf_async_cb.tools.bench import SHAPES, _prompts, build_model, copy_bandwidth
+from hf_async_cb.tools.bench import SHAPES, _prompts, build_model, copy_bandwidth, run_path
 
 
 def stored_bytes(model: torch.nn.Module) -> int:
@@ -124,7 +124,8 @@ FORMS = {
 }
 
 
-def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: float | None) -> dict:
+def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: float | None,
+             paths: tuple[str, ...] = ()) -> dict:
     row: dict = {"form": name}
     t = time.perf_counter()
     model = make(base, path, device) if getattr(make, "needs_checkpoint", False) else make(base)
@@ -150,6 +151,10 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
                of_floor=floor_ms and round(tokens / ours_s / (len(prompts) / floor_ms * 1e3), 3),
                rows_equal=int((stock == ours).all(dim=1).sum()), rows=len(prompts))
     row["first_diff_p50"] = _first_difference(stock[:, ids.shape[1]:], ours[:, ids.shape[1]:])
+    if "sync" in paths:  # our loop without the overlap, on the same runtime (its first call timed apart)
+        timing.timed(lambda: model.generate(ids, batching="sync", **options), device, unseen=model)
+        sync_s, sync = timing.timed(lambda: model.generate(ids, batching="sync", **options), device, unseen=model)
+        row.update(sync_s=round(sync_s, 3), sync_rows_equal=int((stock == sync).all(dim=1).sum()))
     from hf_async_cb.generate import runtime
 
     engine = getattr(runtime._RUNTIMES.get(model), "engine", None)
@@ -158,6 +163,11 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
         gemms = engine.prepared_model.decode_gemms
         row["decode_gemms"] = gemms.summary() if gemms is not None else None
     hf_async_cb.release(model)
+    if "hf-cb" in paths:  # transformers' own continuous batching on the same quantized model
+        try:
+            row["hf_cb_s"] = round(run_path("hf-cb", model, prompts, new).seconds, 3)
+        except Exception as error:  # noqa: BLE001 - reported beside the row
+            row["hf_cb_s"] = f"{type(error).__name__}: {error}"[:200]
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -182,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
+    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb (comma-separated)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -223,7 +234,8 @@ def main(argv=None) -> int:
                 rows.append({"form": name, "outcome": f"not installed ({made})"})
                 continue
             try:
-                row = run_form(name, made, base, path, device, prompts, args.new, bandwidth)
+                row = run_form(name, made, base, path, device, prompts, args.new, bandwidth,
+                               tuple(x for x in args.paths.split(",") if x))
                 row["outcome"] = "ran"
             except ValueError as error:  # a refusal by name
                 row = {"form": name, "outcome": "refused", "reason": str(error).splitlines()[0][:300]}
@@ -237,11 +249,11 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as f:
                     json.dump({"bandwidth_tb_s": bandwidth and bandwidth / 1e12, "shape": args.shape, "requests": args.requests,
                                "prompt": args.prompt, "new": args.new, "rows": rows}, f, indent=1)
-    print("| form | weights GiB | stock s | async s | speedup | of floor | first call s | rows equal |")
+    print("| form | weights GiB | stock s | hf-cb s | sync s | async s | speedup | of floor | first call s | rows equal |")
     for r in rows:
         if r.get("outcome") == "ran":
-            print(f"| {r['form']} | {r['weight_gib']} | {r['stock_s']} | {r['async_s']} | {r['speedup']}x | "
-                  f"{r['of_floor']} | {r['first_call_s']} | {r['rows_equal']}/{r['rows']} |")
+            print(f"| {r['form']} | {r['weight_gib']} | {r['stock_s']} | {r.get('hf_cb_s', '-')} | {r.get('sync_s', '-')} | "
+                  f"{r['async_s']} | {r['speedup']}x | {r['of_floor']} | {r['first_call_s']} | {r['rows_equal']}/{r['rows']} |")
         else:
             print(f"| {r['form']} | {r['outcome']} {r.get('reason', '')} |")
     return 0

@@ -3,14 +3,20 @@
 #  1. the kernels' tests on CUDA (the weight-only int8 GEMM in bf16, which the CPU's interpreter cannot run);
 #  2. the first call's census in a fresh process with an empty Triton cache, then a warm one: every
 #     compile, where the time goes (phases), and any kernel the disk cache holds twice (why a load missed);
-#  3. the 8B quantized forms through generate() beside stock generate (benchmarks/gpu_quantized.py).
+#  3. the 8B quantized forms through generate() beside stock generate, transformers' continuous batching
+#     and our sync loop (benchmarks/gpu_quantized.py).
+# SKIP_TESTS=1 leaves step 1 out; RESOLVE_DIFF=1 first diffs the resolve kernel's worker and serving
+# compiles (benchmarks/gpu_resolve_cache_diff.py).
 # Needs the quantization wheels the GPU image lacks: run(carry=[".whl"], ...). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install --no-deps --no-index -q .whl/*.whl 2>&1 | tail -1
 git log --oneline -1 | tee "$OUT/commit.txt"
-timeout 120 python3 -m pytest -q tests/test_int8_gemm.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
+if [ "${RESOLVE_DIFF:-0}" = 1 ]; then
+  timeout 90 python3 benchmarks/gpu_resolve_cache_diff.py 2>&1 | tee "$OUT/resolve_diff.txt" | tail -40
+fi
+[ "${SKIP_TESTS:-0}" = 1 ] || timeout 120 python3 -m pytest -q tests/test_int8_gemm.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
   -p no:cacheprovider --tb=short -rf 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/tests.txt" | tail -4
 CACHE=$(mktemp -d)
 for run in cold warm; do
@@ -18,5 +24,5 @@ for run in cold warm; do
     > "$OUT/census_$run.txt" 2>&1
   grep -E "^[0-9]+:|phases|cache:|compiled ahead" "$OUT/census_$run.txt" | cut -c1-600
 done
-timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,bnb-int8,torchao-float8,torchao-int4,quanto-int8}" \
-  --budget ${QUANTIZED_BUDGET:-300} --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14
+timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,bnb-nf4,hqq-4bit,torchao-int4,torchao-float8,quanto-int8,bnb-int8}" \
+  --budget ${QUANTIZED_BUDGET:-300} --new ${NEW:-512} --paths "${PATHS:-sync,hf-cb}" --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14
