@@ -22,7 +22,7 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from hf_async_cb.kernels.variant import Variant, from_pickled
+from hf_async_cb.kernels.variant import Variant, from_pickled, settle_cache_keys
 
 
 @dataclass
@@ -76,6 +76,7 @@ def compile_in_workers(variants: list[Variant], target, workers: int | None = No
     if not variants:
         return []
     _warm_up_compiler(target)
+    settle_cache_keys({id(v.kernel): v.kernel for v in variants}.values())  # the workers inherit the keys
     workers = min(len(variants), workers or default_workers())
     ordered = sorted(variants, key=_expected_cost, reverse=True)
     with warnings.catch_warnings():

@@ -30,7 +30,7 @@ import time
 import torch
 
 from hf_async_cb.kernels.compile_workers import Compiled, compile_in_workers, default_workers
-from hf_async_cb.kernels.variant import Variant
+from hf_async_cb.kernels.variant import Variant, settle_cache_keys
 
 logger = logging.getLogger(__name__)
 _ONE_AT_A_TIME = threading.Lock()
@@ -59,6 +59,7 @@ class Precompile:
         self.seconds = 0.0
         with _on(device):
             self._target = driver.active.get_current_target()
+        settle_cache_keys({id(v.kernel): v.kernel for v in variants}.values())  # before any launch can key them
         self._thread = threading.Thread(target=self._run, name="hf_async_cb-precompile", daemon=True)
         self._started = time.perf_counter()
         self._thread.start()

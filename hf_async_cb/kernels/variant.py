@@ -158,3 +158,38 @@ def jit_key(kernel, args: tuple, kwargs: dict, target=None) -> str:
 
 def variant_key(variant: Variant, target=None) -> str:
     return jit_key(variant.kernel, variant.args, {**variant.constexprs, **variant.options}, target)
+
+
+def settle_cache_keys(kernels) -> None:
+    """Compute the Triton cache key of each of `kernels` and of every JIT function it calls, callees
+    first.
+
+    Why: up to Triton 3.6 a function's key counts the global constants of the functions it calls only
+    if their keys were computed before its own, so a kernel with nested helpers (the sampler's resolve
+    kernel) gets a key that depends on which kernel a process keyed first. A forked compile worker and
+    the serving process then filed one variant under two keys, and the serving process compiled it
+    again (2-3 s of a first call on an H200). Callees first, every process computes the complete key,
+    and a worker forked afterwards inherits it. Newer Triton computes it so already: nothing changes."""
+    try:
+        from triton.runtime import jit
+    except ImportError:
+        return
+    callable_type = getattr(jit, "JITCallable", jit.JITFunction)
+    done: set[int] = set()
+
+    def settle(fn) -> None:
+        if not isinstance(fn, callable_type) or id(fn) in done:
+            return
+        done.add(id(fn))
+        code, scope = fn.fn.__code__, fn.fn.__globals__
+        for name in code.co_names:  # the globals it reads, and attributes of the modules among them
+            value = scope.get(name)
+            if isinstance(value, type(jit)):
+                for attribute in code.co_names:
+                    settle(getattr(value, attribute, None))
+            settle(value)
+        fn.cache_key  # noqa: B018 (computed and kept by the function)
+
+    for kernel in kernels:
+        settle(kernel)  # (an interpreted kernel is no JIT function: nothing to key)
+
