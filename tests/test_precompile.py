@@ -41,9 +41,10 @@ def _keys(recorded) -> dict[str, str]:
     return {jit_key(kernel, args, kwargs): Variant(kernel, ()).name for kernel, args, kwargs in recorded}
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen3", torch.float32),
-                                           ("mistral", torch.float32), ("gpt2", torch.float32),
-                                           ("llama", torch.bfloat16)])
+# (Llama in fp32 is left out: Qwen3 in fp32 launches its kernels and its q/k norms' besides; each
+# family is a minute of the interpreter.)
+@pytest.mark.parametrize("family, dtype", [("qwen3", torch.float32), ("mistral", torch.float32),
+                                           ("gpt2", torch.float32), ("llama", torch.bfloat16)])
 def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeypatch):
     from hf_async_cb.engine import engine as engine_module
     from hf_async_cb.kernels.model_variants import facts_of, model_variants
