@@ -158,7 +158,7 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
     from hf_async_cb.generate import runtime
 
     engine = getattr(runtime._RUNTIMES.get(model), "engine", None)
-    if engine is not None:  # how it ran: CUDA graphs, and the projections the int8 GEMM took
+    if engine is not None:  # how it ran: CUDA graphs, and the projections the int8 and HQQ 4-bit GEMMs took
         row["cuda_graphs"] = engine.graphs is not None
         gemms = engine.prepared_model.decode_gemms
         row["decode_gemms"] = gemms.summary() if gemms is not None else None

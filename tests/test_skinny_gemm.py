@@ -120,18 +120,19 @@ def test_default_config_gives_two_waves(name):
 def test_kernels_compile_for_sm90():
     """bf16 with SPLIT_K 4 (the main kernel, plain and SWAP_AB, and the reduction) builds for an
     H200 without a GPU, and the default tiles of every M bucket fit its shared memory (227 KB a block)."""
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "s_ptr": "*bf16", "M": "i32",
-           "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
     reduce = {"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "s_ptr": "*fp32", "total": "i32", "N": "i32"}
     # What a launch sees at the 8B o-projection: aligned pointers, 16-divisible sizes (not M, never specialised).
-    aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "N", "K", "k_per_split", "stride_xm"]
+    aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     kernels = []
     for M in (1, 32, 64, 128, 256):
         c = default_config(M, 4096, 4096, torch.bfloat16, 132)
         for swap in ((False, True) if M == 32 else (False,)):
             kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel", sig,
                             dict(BLOCK_M=block_m(M), BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=4,
-                                 EVEN_K=True, EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False),
+                                 EVEN_K=True, EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False,
+                                 GROUP=0),
                             dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_splitk_reduce_kernel", reduce,
                     dict(SPLIT_K=4, BLOCK=1024, HAS_BIAS=True, SCALED=False)))
@@ -140,7 +141,7 @@ def test_kernels_compile_for_sm90():
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel", dict(sig, w_ptr="*i8", b_ptr="*i8",
                                                                                    out_ptr="*bf16"),
                     dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=1, EVEN_K=True, EVEN_N=True,
-                         HAS_BIAS=False, SWAP_AB=False, IEEE=False, SCALED=True),
+                         HAS_BIAS=False, SWAP_AB=False, IEEE=False, SCALED=True, GROUP=0),
                     dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_splitk_reduce_kernel", dict(reduce, b_ptr="*fp32",
                                                                                      s_ptr="*bf16"),

@@ -28,6 +28,13 @@ weight's BLOCK_N rows, not the few rows of x, fill the MMA's M dimension (on Hop
 then use wgmma for tiles of 64 rows or more); whether that streams faster is the H200's to say
 (benchmarks/tune_gemm.py sweeps both).
 
+Weight forms besides the activations' own dtype: int8 with a scale per output row (torchao's
+weight-only int8; `skinny_linear(..., scale=)`), converted exactly tile by tile, the scale applied
+after the product; and HQQ's 4-bit layout (`skinny_linear_4bit`), whose packed nibbles are rebuilt
+tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K. Both read
+the quantized bytes once, where the libraries' own forwards write and read a converted copy of the
+whole weight at every call.
+
 M is a `do_not_specialize` argument: one compiled variant serves every M of a BLOCK_M bucket, so
 the engine's CUDA-graph buckets compile a bounded number of variants. N and K are the weight's,
 fixed per layer, and are specialised as usual (divisibility by 16 lets loads vectorise).
@@ -57,34 +64,68 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, k_per_split, stride_xm,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_per_split, stride_xm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
-                        SCALED: tl.constexpr):
+                        SCALED: tl.constexpr, GROUP: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
     An int8 weight (the scaled form) is converted to x's dtype (exactly) tile by tile before the
     product. SCALED: the product, rounded to x's dtype, is multiplied by its output row's scale
     (s_ptr, in x's dtype) and rounded again, as `(x @ w.to(dtype).T) * scale` rounds (with split-K,
-    the reduce kernel does this)."""
+    the reduce kernel does this). GROUP > 0: the grouped 4-bit form (skinny_linear_4bit): w_ptr is
+    the packed [N / 2, K] uint8 weight, s_ptr and z_ptr a scale and a zero per GROUP weights along K,
+    and each tile is rebuilt in x's dtype as (q - zero) * scale, each step rounded to x's dtype."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n0 = pid_n * BLOCK_N
-    k0 = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K
+    k0 = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K (and of GROUP)
     m_ok = offs_m < M
     n_ok = (n0 + offs_n) < N
-    # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
-    w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
+    if GROUP > 0:
+        # Row n < N / 2 is the high nibbles of packed row n, row n >= N / 2 the low nibbles of row n - N / 2.
+        rows = n0 + offs_n
+        low = rows >= N // 2
+        w_ptrs = w_ptr + tl.where(low, rows - N // 2, rows).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
+        shift = tl.where(low, 0, 4).to(tl.uint8)[:, None]
+        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        g_offs = rows.to(tl.int64)[:, None] * (K // GROUP) + (k0 // GROUP + offs_g)[None, :]  # weight n's groups
+        s_ptrs = s_ptr + g_offs
+        z_ptrs = z_ptr + g_offs
+    else:
+        # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
+        w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
+        if GROUP > 0:
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                if EVEN_N:
+                    packed = tl.load(w_ptrs)
+                    zero = tl.load(z_ptrs)
+                    scale = tl.load(s_ptrs)
+                else:
+                    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                    zero = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0)
+                    scale = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + k + offs_k) < K
+                g_ok = n_ok[:, None] & ((k0 + k + offs_g * GROUP) < K)[None, :]
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+                zero = tl.load(z_ptrs, mask=g_ok, other=0.0)
+                scale = tl.load(s_ptrs, mask=g_ok, other=0.0)
+            w = _dequantize_4bit(packed, shift, zero, scale, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, GROUP)
+            s_ptrs += BLOCK_K // GROUP
+            z_ptrs += BLOCK_K // GROUP
+        elif EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs)
@@ -94,8 +135,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, k_per_spli
             k_ok = (k0 + k + offs_k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
-            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+        if GROUP == 0:
+            if w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
+                w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
         if SWAP_AB:
             if IEEE:
                 acc += tl.dot(w, tl.trans(x), input_precision="ieee")
@@ -123,6 +165,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, k_per_spli
     else:
         part = out_ptr + (pid_k * M).to(tl.int64) * N
         tl.store(part + offs_m[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _dequantize_4bit(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes (the nibble `shift` selects) and
+    its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds:
+    (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..15, is exact in any of them)."""
+    q = ((packed >> shift) & 0xF).to(tl.float32)
+    d = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) - zero.to(tl.float32)[:, :, None]
+    w = d.to(dtype).to(tl.float32) * scale.to(tl.float32)[:, :, None]
+    return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -277,10 +331,38 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _launch(x, weight, bias, config, None)
 
 
+def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       group_size: int, *, config: dict | None = None) -> torch.Tensor:
+    """y = x @ w.T for a 4-bit weight w [N, K] in HQQ's layout (4bit_u8, axis=1): `packed` [N / 2, K]
+    uint8 holds row n < N / 2 in its high nibbles (row n) and row n + N / 2 in its low ones; `scale` and
+    `zero` hold one value per `group_size` weights along K, in x's dtype, weight n's groups at
+    n * K / group_size on (N * K / group_size values in all). Each tile is rebuilt in x's dtype as
+    HQQ's dequantize rounds ((q - zero) rounded, times scale, rounded), then multiplied as
+    skinny_linear does (fp32 accumulation, output in x's dtype). group_size: a power of two from 16
+    to 256 dividing K; a config's BLOCK_K must be a multiple of it (the default is). Raises
+    ValueError for what it does not take."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise ValueError(f"skinny_linear_4bit takes a packed uint8 weight [N / 2, K], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    N, K = 2 * packed.shape[0], packed.shape[1]
+    if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0
+            and K % group_size == 0):
+        raise ValueError(f"skinny_linear_4bit takes a group size that is a power of two from 16 to 256 dividing "
+                         f"K = {K}, got {group_size!r}")
+    groups = N * K // group_size
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != x.dtype or t.numel() != groups or t.device != x.device:
+            raise ValueError(f"skinny_linear_4bit: {name} must hold {groups} values in x's dtype ({x.dtype}) on "
+                             f"x's device, got {t.numel()} in {t.dtype} on {t.device}")
+    return _launch(x, packed, None, config, scale.reshape(-1).contiguous(), zero.reshape(-1).contiguous(),
+                   group_size)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            scale: torch.Tensor | None) -> torch.Tensor:
-    """skinny_linear once its dtypes are checked: the shapes' checks and the launch."""
-    N, K = weight.shape
+            scale: torch.Tensor | None, zero: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+    """skinny_linear (or, with a group, skinny_linear_4bit) once its dtypes are checked: the shapes'
+    checks and the launch."""
+    N, K = weight.shape[0] * (2 if group else 1), weight.shape[1]
     if x.dtype not in _DTYPES:
         raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
@@ -305,19 +387,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         x2 = x2.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    cfg = _check_config({**default_config(M, N, K, weight.dtype, num_sms(x.device)), **(config or {})})
+    cfg = _config(M, N, K, weight.dtype, num_sms(x.device), config, group)
     bm, bn, bk, split = block_m(M), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     even_k = split * k_per_split == K
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    scaled = scale is not None
+    scaled = scale is not None and not group  # a scale per output row (the int8 form), applied after the product
     _skinny_gemm_kernel[(triton.cdiv(N, bn), split)](
         # One row's stride is never read: K keeps it from specialising a variant of its own (a stride of 1).
-        x2, weight, bias if bias is not None else weight, target, scale if scaled else x2, M, N, K, k_per_split,
-        x2.stride(0) if M > 1 else K,
+        x2, weight, bias if bias is not None else weight, target, scale if scale is not None else x2,
+        zero if zero is not None else x2, M, N, K, k_per_split, x2.stride(0) if M > 1 else K,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % bn == 0,
         HAS_BIAS=bias is not None and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]), IEEE=x.dtype == torch.float32,
-        SCALED=scaled and split == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALED=scaled and split == 1, GROUP=group, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:
         total = M * N
@@ -328,21 +410,37 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     return out.reshape(*lead, N)
 
 
+def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, sms: int | None, config: dict | None,
+            group: int) -> dict:
+    """default_config's launch parameters under `config`'s overrides; the grouped 4-bit form's BLOCK_K
+    is a multiple of its group (by default the group itself where the default is less)."""
+    base = default_config(M, N, K, weight_dtype, sms)
+    if group:
+        base["BLOCK_K"] = max(base["BLOCK_K"], group)
+    cfg = _check_config({**base, **(config or {})})
+    if group and cfg["BLOCK_K"] % group:
+        raise ValueError(f"skinny_linear_4bit: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group size "
+                         f"({group})")
+    return cfg
+
+
 def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict,
-             weight_dtype: torch.dtype | None = None) -> list[Variant]:
+             weight_dtype: torch.dtype | None = None, group: int = 0) -> list[Variant]:
     """The kernels' compiled variants of a [M, K] x [N, K].T product run with `config` at the rows
     bucket `bucket` (every M of it launches these: M itself is not specialised). `weight_dtype`
-    int8: the scaled int8 form (skinny_linear's `scale`), with no bias."""
+    int8: the scaled int8 form (skinny_linear's `scale`), with no bias. `group` > 0 (weight_dtype
+    uint8): the grouped 4-bit form (skinny_linear_4bit) with that group size, with no bias."""
     weight_dtype = weight_dtype or dtype
     scaled = weight_dtype == torch.int8
-    cfg = _check_config({**default_config(bucket, N, K, weight_dtype), **config})
+    cfg = _config(bucket, N, K, weight_dtype, None, config, group)
     bm, bn, bk, split = block_m(bucket), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     target = dtype if split == 1 else torch.float32
-    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, dtype, 2, N, K, k_per_split, K),
+    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, dtype, dtype, 2, N, K,
+                                           k_per_split, K),
                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                           EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
-                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1),
+                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1, GROUP=group),
                      dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if split > 1:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,

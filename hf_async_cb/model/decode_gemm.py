@@ -10,9 +10,12 @@ only if `GemmChoice` recorded that it beat cuBLAS there. A shape never measured 
 gate/up groups (model/fusion.py). Linears whose weight is torchao's weight-only int8 (one scale
 per output row) take the kernel's scaled int8 form for every decode bucket without a measurement:
 it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
-activations' dtype at every call), with the same rounding steps. attach() routes their products through `_project`, which picks
-per call by row count: more than 256 rows (prefill), or a bucket without a recorded win, goes to
-F.linear as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
+activations' dtype at every call), with the same rounding steps. HQQ's 4-bit HQQLinear (`hqq_4bit`
+says which) takes the grouped 4-bit form alike: it reads the packed nibbles, where HQQ's forward
+dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. attach()
+routes the products through per-weight callables that pick per call by row count: more than 256
+rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
+forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
 pay nothing for it. detach() puts everything back. `tune()` measures the shapes not yet known, at
 warm-up (BatchingConfig.skinny_gemm=True); the choices persist on disk.
 """
@@ -20,13 +23,14 @@ warm-up (BatchingConfig.skinny_gemm=True); the choices persist on disk.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.gemm_choice import GemmChoice
-from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear
+from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,24 +63,66 @@ class _Projection:
             return F.linear(x, self.weight, self.bias)
 
 
-class _ScaledInt8Projection:
-    """A weight-only int8 linear (torchao's per-row Int8Tensor) through the kernel's scaled form for
-    decode rows: it reads the int8 weight once (a byte per weight), where the module's own path
-    writes and reads a converted copy of it (five bytes per weight) every call. Other row counts and
-    dtypes run the module's own forward."""
+class _QuantizedProjection:
+    """A quantized linear through one of the kernel's quantized forms for decode rows (1 to 256 of
+    them, in a dtype it takes, on the weight's device); other calls run the module's own forward."""
 
-    def __init__(self, module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor) -> None:
-        self.module, self.qdata, self.scale = module, qdata, scale
-        self._scales: dict[torch.dtype, torch.Tensor] = {}
+    def __init__(self, module: nn.Module, qdata: torch.Tensor) -> None:
+        self.module, self.qdata = module, qdata
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if not 0 < rows <= MAX_M or x.dtype not in _DTYPES or x.device != self.qdata.device:
-            return F.linear(x, self.module.weight, self.module.bias)
+        if not 0 < rows <= MAX_M or not self.takes(x.dtype) or x.device != self.qdata.device:
+            return self.own(x)
+        return self.kernel(x)
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's own forward (its class's: attach() shadows the instance's)."""
+        return type(self.module).forward(self.module, x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _ScaledInt8Projection(_QuantizedProjection):
+    """A weight-only int8 linear (torchao's per-row Int8Tensor) through the kernel's scaled form: it
+    reads the int8 weight once (a byte per weight), where the module's own path writes and reads a
+    converted copy of it (five bytes per weight) every call."""
+
+    def __init__(self, module: nn.Module, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__(module, qdata)
+        self.scale = scale
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         scale = self._scales.get(x.dtype)
         if scale is None:  # as the module's own path rounds it: scale.to(x's dtype)
             scale = self._scales[x.dtype] = self.scale.to(x.dtype).reshape(-1).contiguous()
         return skinny_linear(x, self.qdata, None, scale=scale)
+
+
+class _Hqq4bitProjection(_QuantizedProjection):
+    """An HQQ 4-bit linear (hqq_4bit) through the kernel's grouped 4-bit form: it reads the packed
+    weight once (half a byte per weight, plus a scale and a zero per group), where HQQ's own forward
+    writes and reads a dequantized copy of the whole weight every call. The bias is added to the
+    rounded product, as HQQ's forward adds it."""
+
+    def __init__(self, module: nn.Module, found: Hqq4bit) -> None:
+        super().__init__(module, found.packed)
+        self.found = found
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype == self.found.scale.dtype  # HQQ's compute dtype (its own forward takes no other)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.found
+        out = skinny_linear_4bit(x, f.packed, f.scale, f.zero, f.group_size)
+        if f.bias is not None:
+            out += f.bias
+        return out
 
 
 def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -109,6 +155,60 @@ def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     return qdata, scale
 
 
+class Hqq4bit(NamedTuple):
+    """What the grouped 4-bit form reads of an HQQ 4-bit linear (skinny_linear_4bit's arguments)."""
+
+    packed: torch.Tensor  # uint8 [N / 2, K]: rows n < N / 2 in the high nibbles, the others in the low ones
+    scale: torch.Tensor  # [N * K / group_size], HQQ's compute dtype
+    zero: torch.Tensor  # the same
+    group_size: int
+    bias: torch.Tensor | None
+
+
+_HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x, dequantize().t()) (+= bias)
+
+
+def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
+    """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped 4-bit form
+    reproduces exactly, else None. Taken: 4 bits packed as "4bit_u8" (not viewed as float), groups
+    along the input dimension (axis=1) of a power-of-two size from 16 to 256 dividing in_features,
+    scale and zero plain tensors of the compute dtype (not quantized, not offloaded), an even
+    out_features, a bias (if any) of the compute dtype, and HQQ's eager PyTorch backend (its default:
+    dequantize, then matmul), whose rounding the kernel repeats. Anything else (other bits, axis=0,
+    quantized or offloaded meta-data, the compiled or ATen backends) runs HQQ's own forward."""
+    cls = type(module)
+    if cls.__name__ != "HQQLinear" or not cls.__module__.startswith("hqq.") or not getattr(module, "ready", False):
+        return None
+    if not any(cls.forward is getattr(cls, name, None) for name in _HQQ_OWN_FORWARDS):
+        return None
+    meta, packed, bias = getattr(module, "meta", None), getattr(module, "W_q", None), getattr(module, "bias", None)
+    if not isinstance(meta, dict) or not isinstance(packed, torch.Tensor):
+        return None
+    if (meta.get("nbits") != 4 or meta.get("axis") != 1 or meta.get("packing") != "4bit_u8"
+            or meta.get("view_as_float") or meta.get("quant_zero") or meta.get("quant_scale")
+            or "zero_scale" in meta):
+        return None
+    scale, zero, shape, group = meta.get("scale"), meta.get("zero"), meta.get("shape"), meta.get("group_size")
+    dtype = meta.get("compute_dtype", torch.float16)  # what Quantizer.dequantize computes in
+    if not (isinstance(scale, torch.Tensor) and isinstance(zero, torch.Tensor) and shape is not None
+            and len(shape) == 2 and isinstance(group, int)):
+        return None
+    N, K = shape
+    if not (N % 2 == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
+            and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 == N * K
+            and dtype in _DTYPES and runs_on(packed.device)):
+        return None
+    for t in (scale, zero):
+        if (not is_plain(t) or t.dtype != dtype or t.numel() != N * K // group or t.device != packed.device
+                or not t.is_contiguous()):
+            return None
+    if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == dtype
+                                 and tuple(bias.shape) == (N,) and bias.device == packed.device):
+        return None
+    return Hqq4bit(packed.detach().reshape(N // 2, K), scale.reshape(-1), zero.reshape(-1), group,
+                   None if bias is None else bias.detach())
+
+
 def _eligible(weight: torch.Tensor) -> bool:
     """A plain 2-D weight the kernels read as it is (never a quantized tensor subclass)."""
     return (is_plain(weight) and weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous()
@@ -125,6 +225,7 @@ class DecodeGemms:
                          if type(m) is nn.Linear and id(m) not in fused and _eligible(m.weight)]
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
+        self._hqq = [(m, found) for m in model.modules() if (found := hqq_4bit(m)) is not None]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -170,6 +271,14 @@ class DecodeGemms:
             [(g.weight, g.bias, self._configs(g.weight)) for g in self._groups] + \
             [(qdata, None, every_bucket) for _, (qdata, _) in self._int8]
 
+    def grouped_4bit_picks(self) -> list[tuple[int, int, torch.dtype, int, dict[int, dict]]]:
+        """(N, K, dtype, group size, {rows bucket: config}) of every HQQ 4-bit projection attach()
+        routes through the kernel's grouped 4-bit form (the default config at every bucket; the bias,
+        if any, is added outside the kernel)."""
+        every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
+        return [(2 * f.packed.shape[0], f.packed.shape[1], f.scale.dtype, f.group_size, every_bucket)
+                for _, f in self._hqq]
+
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
         return sum(len(self._configs(m.weight)) for m in self._linears) + \
@@ -191,6 +300,9 @@ class DecodeGemms:
         for module, (qdata, scale) in self._int8:
             module.forward = _ScaledInt8Projection(module, qdata, scale)
             self._attached.append(module)
+        for module, found in self._hqq:
+            module.forward = _Hqq4bitProjection(module, found)
+            self._attached.append(module)
 
     def detach(self) -> None:
         for item in self._attached:
@@ -202,7 +314,8 @@ class DecodeGemms:
 
     def summary(self) -> str:
         scaled = f"; {len(self._int8)} weight-only int8 projections read as int8" if self._int8 else ""
-        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}"
+        grouped = f"; {len(self._hqq)} HQQ 4-bit projections read as 4-bit" if self._hqq else ""
+        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}"
 
 
 def _name(device: torch.device) -> str:

@@ -1,0 +1,303 @@
+"""HQQ 4-bit projections (hqq's HQQLinear: 4 bits packed as "4bit_u8", groups along the input
+dimension, plain scales and zeros) through the skinny GEMM's grouped 4-bit form: the kernel rebuilds
+every weight as HQQ's dequantize rounds it ((q - zero) rounded, times scale, rounded, in the compute
+dtype), its compiled variants are the ones listed for compiling ahead, and an HQQ model routed
+through it gives stock's logits and greedy tokens (on the CPU the kernel runs in Triton's
+interpreter: fp32, and fp16 for the rounding of the rebuilt weights)."""
+
+import copy
+
+import pytest
+import torch
+from models import hqq_in_place, left_pad, random_prompts, stock_generate, tiny_model
+
+import hf_async_cb.kernels.skinny_gemm as skinny
+import hf_async_cb.model.decode_gemm as decode_gemm
+from hf_async_cb import BatchingConfig
+from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_4bit
+
+quantize = pytest.importorskip("hqq.core.quantize")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def _hqq_linear(n: int, k: int, *, dtype=DTYPE, bias=False, seed=0, nbits=4, group_size=64, axis=1,
+                round_zero=None, **settings):
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias).to(DEVICE)
+    with torch.no_grad():
+        linear.weight.mul_(4)
+        if bias:
+            linear.bias.uniform_(-1, 1)
+    config = quantize.BaseQuantizeConfig(nbits=nbits, group_size=group_size, axis=axis, **settings)
+    if round_zero is not None:  # (4 bits round the zeros by default: fractional ones round in the subtraction)
+        config["weight_quant_params"]["round_zero"] = round_zero
+    return quantize.HQQLinear(linear, config, compute_dtype=dtype, device=DEVICE)
+
+
+def _hqq_model(family: str = "llama") -> torch.nn.Module:
+    return hqq_in_place(copy.deepcopy(tiny_model(family)).to(DEVICE, DTYPE), quantize)
+
+
+# (N, K, group size, config): masked columns (N not a multiple of BLOCK_N), K not a multiple of
+# BLOCK_K (the masked tail, its groups masked too), several groups per K tile, split-K.
+SHAPES = [(32, 64, 64, {}), (96, 192, 64, dict(BLOCK_N=64, BLOCK_K=128)), (48, 128, 32, dict(BLOCK_N=32)),
+          (64, 512, 128, {})]
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("n, k, group, config", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16])
+def test_kernel_rebuilds_hqq_weights_exactly(dtype, n, k, group, config, split):
+    """x = the identity: every output is one rebuilt weight times 1 (plus exact zeros), so the kernel's
+    weights come out as they are, and must equal HQQ's dequantized ones bit for bit. With fractional
+    zeros, fp16 rounds (q - zero) before the scale: a single rounding would differ on many weights."""
+    module = _hqq_linear(n, k, dtype=dtype, group_size=group, round_zero=False, seed=n + k)
+    found = hqq_4bit(module)
+    assert found is not None
+    expected = module.dequantize()
+    eye = torch.eye(k, dtype=dtype, device=DEVICE)
+    got = torch.cat([skinny.skinny_linear_4bit(rows, found.packed, found.scale, found.zero, group,
+                                               config=dict(config, SPLIT_K=split)) for rows in eye.split(256)])
+    assert got.dtype == dtype and torch.equal(got.t(), expected)
+
+
+def test_the_rounding_steps_matter():
+    """In 16 bits, rounding the exact (q - zero) * scale once gives other weights than HQQ's two
+    roundings on this module (so the test above tells them apart)."""
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    module = _hqq_linear(96, 192, dtype=dtype, round_zero=False, seed=96 + 192)
+    found = hqq_4bit(module)
+    q = torch.cat([found.packed >> 4, found.packed & 15]).float()
+    groups = lambda t: t.float().reshape(96, -1).repeat_interleave(64, 1)  # noqa: E731
+    once = ((q - groups(found.zero)) * groups(found.scale)).to(dtype)
+    assert (once != module.dequantize()).any()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_kernel_matches_hqq_matmul(split, rows):
+    module = _hqq_linear(96, 256, seed=rows)
+    found = hqq_4bit(module)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE, DTYPE)
+    expected = torch.matmul(x, module.dequantize().t())
+    got = skinny.skinny_linear_4bit(x, found.packed, found.scale, found.zero, 64, config=dict(SPLIT_K=split))
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # (summation order only)
+
+
+def test_kernel_refuses_what_it_does_not_take():
+    x = torch.randn(2, 128, device=DEVICE, dtype=DTYPE)
+    packed = torch.zeros(16, 128, dtype=torch.uint8, device=DEVICE)
+    ones = torch.ones(64, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="group size"):
+        skinny.skinny_linear_4bit(x, packed, ones[:32], ones[:32], 96)
+    with pytest.raises(ValueError, match="scale must hold 64"):
+        skinny.skinny_linear_4bit(x, packed, ones[:8], ones, 64)
+    with pytest.raises(ValueError, match="zero must hold"):
+        skinny.skinny_linear_4bit(x, packed, ones, ones.to(torch.float16), 64)
+    with pytest.raises(ValueError, match="packed uint8"):
+        skinny.skinny_linear_4bit(x, packed.to(torch.int8), ones, ones, 64)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        skinny.skinny_linear_4bit(x, packed, ones, ones, 64, config=dict(BLOCK_K=32))
+
+
+def test_which_hqq_modules_are_taken():
+    taken = hqq_4bit(_hqq_linear(32, 128))
+    assert taken is not None and taken.packed.shape == (16, 128) and taken.scale.numel() == 32 * 128 // 64
+    assert hqq_4bit(_hqq_linear(32, 128, group_size=32)) is not None
+    assert hqq_4bit(_hqq_linear(32, 128, bias=True)).bias is not None  # added to the rounded product
+    assert hqq_4bit(_hqq_linear(32, 128, nbits=8)) is None
+    assert hqq_4bit(_hqq_linear(32, 96, group_size=48)) is None  # not a power of two
+    assert hqq_4bit(_hqq_linear(32, 128, axis=0)) is None  # groups along the output dimension
+    assert hqq_4bit(_hqq_linear(33, 128)) is None  # an odd row count: its halves are not whole rows
+    assert hqq_4bit(_hqq_linear(32, 128, view_as_float=True)) is None
+    for key in ("quant_zero", "quant_scale"):  # quantized meta-data (loaded from an older checkpoint)
+        module = _hqq_linear(32, 128)
+        module.meta[key] = True
+        assert hqq_4bit(module) is None
+    module = _hqq_linear(32, 128)
+    module.meta["zero"] = module.meta["zero"].double()  # HQQ would promote the dequantized weight
+    assert hqq_4bit(module) is None
+    backend = quantize.HQQLinear.backend
+    try:
+        quantize.HQQLinear.set_backend(quantize.HQQBackend.PYTORCH_COMPILE)  # inductor's own fusion of the steps
+        assert hqq_4bit(_hqq_linear(32, 128)) is None
+        quantize.HQQLinear.set_backend(quantize.HQQBackend.PYTORCH_FORWARD)
+        assert hqq_4bit(_hqq_linear(32, 128)) is not None
+    finally:
+        quantize.HQQLinear.set_backend(backend)
+    assert not any(hqq_4bit(m) for m in tiny_model("llama").modules())  # plain weights: the usual kernel
+    model = _hqq_model()
+    found = [m for m in model.modules() if hqq_4bit(m) is not None]
+    assert len(found) == model.config.num_hidden_layers * 7
+    assert "14 HQQ 4-bit projections read as 4-bit" in DecodeGemms(model, None).summary()
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    calls = []
+    real = skinny.skinny_linear_4bit
+
+    def counted(x, packed, scale, zero, group_size, *, config=None):
+        calls.append((x.numel() // x.shape[-1], tuple(packed.shape)))
+        return real(x, packed, scale, zero, group_size, config=config)
+
+    monkeypatch.setattr(decode_gemm, "skinny_linear_4bit", counted)
+    return calls
+
+
+def test_routed_forward_matches_the_quantized_model(grouped_calls):
+    model = _hqq_model()
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+    gemms = DecodeGemms(model, None)
+    gemms.attach()
+    try:
+        with torch.no_grad():
+            got = model(ids).logits
+            long = torch.randint(3, 256, (2, 200), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+            calls = len(grouped_calls)
+            model(long)  # 400 rows: HQQ's own forward
+            assert len(grouped_calls) == calls
+    finally:
+        gemms.detach()
+    layers = model.config.num_hidden_layers
+    assert len(grouped_calls) == layers * 7 and {rows for rows, _ in grouped_calls} == {18}
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_routed_forward_with_bias(grouped_calls):
+    module = _hqq_linear(64, 128, bias=True)
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    model = torch.nn.Sequential(module)
+    with torch.no_grad():
+        expected = module(x)
+        gemms = DecodeGemms(model, None)
+        gemms.attach()
+        try:
+            got = module(x)
+        finally:
+            gemms.detach()
+    assert grouped_calls == [(6, (32, 128))]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_engine_greedy_matches_stock(mode, grouped_calls):
+    model = _hqq_model("llama")
+    prompts = random_prompts(6, 1, 40, seed=5)
+    expected = stock_generate(model, prompts, max_new_tokens=6)
+    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
+    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True)
+    got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
+    assert torch.equal(got.cpu(), expected.cpu())
+    assert grouped_calls and min(rows for rows, _ in grouped_calls) <= 8  # decode steps went through the kernel
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_the_listed_variants_are_the_launched_ones(monkeypatch):
+    """The grouped 4-bit form's variants (what the build compiles ahead) have the keys its launches
+    look up, split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_async_cb.kernels.variant import jit_key, variant_key
+
+    if DEVICE != "cpu":
+        pytest.skip("records the interpreter's launches")
+    seen = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    n, k = 64, 512
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, k, dtype=DTYPE)
+        ones = torch.ones(n * k // 64, dtype=DTYPE)
+        skinny.skinny_linear_4bit(x, torch.ones(n // 2, k, dtype=torch.uint8), ones, ones, 64)
+    launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
+    listed = {variant_key(v) for bucket in (1, 8, 64) for v in
+              skinny.variants(n, k, DTYPE, False, bucket, {}, weight_dtype=torch.uint8, group=64)}
+    assert launched and launched <= listed
+    assert any(kernel is skinny._splitk_reduce_kernel for kernel, _, _ in seen)
+
+
+def test_model_variants_list_the_hqq_projections():
+    """facts_of lists every HQQ projection's grouped 4-bit variants at every rows bucket."""
+    from types import SimpleNamespace
+
+    from hf_async_cb.kernels import model_variants
+
+    model = _hqq_model()
+    gemms = DecodeGemms(model, None)
+    shapes = {(n, k, group) for n, k, _, group, _ in gemms.grouped_4bit_picks()}
+    assert shapes == {(64, 64, 64), (32, 64, 64), (128, 64, 64), (64, 128, 64)}  # q/o, k/v, gate/up, down
+    engine = SimpleNamespace(prepared_model=SimpleNamespace(decode_gemms=gemms, elementwise=None),
+                             config=SimpleNamespace(page_size=16), _model_config=model.config, attention_backend="sdpa",
+                             device=torch.device(DEVICE), dtype=DTYPE, vocab_size=256)
+    facts = model_variants.facts_of(engine, model)
+    grouped = [g for g in facts.gemms if g[5:] == (torch.uint8, 64)]
+    assert {(g[0], g[1]) for g in grouped} == {(n, k) for n, k, _ in shapes}
+    assert {g[3] for g in grouped} == {1 << i for i in range(9)}
+    listed = model_variants.model_variants(facts)
+    assert {(v.args[7], v.args[8]) for v in listed if v.constexprs.get("GROUP") == 64} == {(n, k) for n, k, _ in shapes}
+
+
+def test_an_engine_lists_every_grouped_launch(monkeypatch):
+    """What an engine on an HQQ model hands the precompile (model_variants of its facts, at that point
+    of its build) covers every skinny GEMM launch its decode steps make, at several batch sizes."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_async_cb import Engine
+    from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.kernels.model_variants import facts_of, model_variants
+    from hf_async_cb.kernels.variant import jit_key, variant_key
+
+    if DEVICE != "cpu":
+        pytest.skip("records the interpreter's launches")
+    listed, seen = set(), []
+
+    def listing(engine, model):
+        listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
+
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if self in (skinny._skinny_gemm_kernel, skinny._splitk_reduce_kernel):
+            seen.append((self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(engine_module, "precompile", listing)
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    model = _hqq_model()
+    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, mode="sync")
+    with Engine(model, config) as engine:
+        for rows in (1, 3, 9):
+            engine.generate(random_prompts(rows, 2, 9, seed=rows), max_new_tokens=3)
+    launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
+    assert any(kwargs.get("GROUP") == 64 for _, _, kwargs in seen)
+    assert launched and launched <= listed
+
+
+def test_grouped_form_compiles_for_sm90():
+    """The grouped 4-bit form in bf16 (plain, SWAP_AB, split-K with a masked K tail) builds for an H200
+    without a GPU."""
+    from sm90 import assert_compiles_for_sm90
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "b_ptr": "*u8", "out_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
+    aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
+    kernels = []
+    for split, swap, even_k in ((1, False, True), (1, True, True), (4, False, False)):
+        c = skinny._config(32, 4096, 4096, torch.uint8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 64)
+        kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
+                        dict(sig, out_ptr="*fp32") if split > 1 else sig,
+                        dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
+                             EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64),
+                        dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
+    assert_compiles_for_sm90(kernels)
