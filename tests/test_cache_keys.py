@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -22,7 +23,7 @@ import pytest
 triton = pytest.importorskip("triton")
 jit = pytest.importorskip("triton.runtime.jit")
 
-from hf_async_cb.kernels.variant import Variant, compiling_for, settle_cache_keys, sm90  # noqa: E402
+from hf_async_cb.kernels.variant import settle_cache_keys  # noqa: E402
 
 _SOURCE = textwrap.dedent('''
     import triton
@@ -110,36 +111,71 @@ def test_settled_keys_are_complete_whatever_was_keyed_first(fresh_module, old_tr
     assert module.kernel.cache_key == complete
 
 
-def test_settled_keys_equal_this_tritons_own(fresh_module):
-    """Where Triton keys callees first itself (3.7 and later), settling changes nothing."""
+@pytest.mark.parametrize("first", [None, "other"])
+def test_settled_keys_are_complete_with_this_tritons_own_order(fresh_module, first):
+    """Without the old order put back: on Triton 3.6 (the GPU image's) settling completes the key, on
+    later versions it is the key Triton computes anyway."""
+    complete = _complete_key(fresh_module)
     module = fresh_module()
-    own = fresh_module().kernel.cache_key
+    if first == "other":
+        settle_cache_keys([module.other])
     settle_cache_keys([module.kernel])
-    assert module.kernel.cache_key == own
+    assert module.kernel.cache_key == complete
 
 
 def test_interpreted_and_plain_objects_are_left_alone():
     settle_cache_keys([None, 3, print])
 
 
-@pytest.mark.slow
-def test_the_parent_loads_what_a_forked_worker_compiled(fresh_module, old_triton_key_order, tmp_path, monkeypatch):
-    """The precompile's path: a worker forked before the parent keyed the kernel's callees through
-    another kernel compiles the variant; the parent then loads it without compiling again."""
-    import torch
+# The precompile's path, in a process of its own without the interpreter (as on a GPU machine: an
+# interpreted kernel running in another thread of the test process patches triton.language meanwhile):
+# a worker forked before the parent keyed the kernel's callees through another kernel compiles the
+# variant; the parent then loads it. Prints how many cache entries the parent added for it.
+_FORKED = """
+import importlib.util, os, sys
+import torch
+from triton.runtime import jit
+from hf_async_cb.kernels import compile_workers, variant as v
 
-    from hf_async_cb.kernels.compile_workers import compile_in_workers
+if sys.argv[2] == "old-order":
+    def update_hash(self, func):
+        self.used_global_vals.update(func.used_global_vals)
+        self.hasher.update((func.cache_key + str(getattr(func, "noinline", False))).encode("utf-8"))
+    jit.DependenciesFinder._update_hash = update_hash
+if sys.argv[3] == "unsettled":
+    compile_workers.settle_cache_keys = lambda kernels: None
+spec = importlib.util.spec_from_file_location("keyed_kernels", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["keyed_kernels"] = module
+spec.loader.exec_module(module)
+variant = v.Variant(module.kernel, (torch.int32, 7))
+[report] = compile_workers.compile_in_workers([variant], v.sm90(), 1)
+assert report.error is None, report.error
+cache = os.environ["TRITON_CACHE_DIR"]
+before = set(os.listdir(cache))
+with v.compiling_for(v.sm90()):
+    v.Variant(module.other, (torch.int32, 7)).warmup()  # keys the leaf in the parent
+    variant.warmup()  # from the worker's entry
+added = [e for e in set(os.listdir(cache)) - before if any(f.startswith("kernel.") for f in os.listdir(os.path.join(cache, e)))]
+print("added", len(added))
+"""
 
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    module = fresh_module()
-    variant = Variant(module.kernel, (torch.int32, 7))
-    [report] = compile_in_workers([variant], sm90(), 1)
-    assert report.error is None
-    entries = set(os.listdir(cache))
-    with compiling_for(sm90()):
-        Variant(module.other, (torch.int32, 7)).warmup()  # keys the leaf in the parent
-        variant.warmup()  # from the worker's entry
-    new = {e for e in set(os.listdir(cache)) - entries
-           if any(f.startswith("kernel.") for f in os.listdir(cache / e))}
-    assert not new, "the parent compiled the worker's variant again under another key"
+
+def _forked_compile(tmp_path, order: str, settled: bool) -> int:
+    pytest.importorskip("triton.backends.nvidia")
+    path = tmp_path / "keyed_kernels.py"
+    path.write_text(_SOURCE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / f"cache-{order}-{settled}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", _FORKED, str(path), order, "settled" if settled else "unsettled"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split("added")[-1])
+
+
+def test_the_parent_loads_what_a_forked_worker_compiled(tmp_path):
+    assert _forked_compile(tmp_path, "old-order", settled=False) == 1  # the failure: compiled again
+    assert _forked_compile(tmp_path, "old-order", settled=True) == 0
+    assert _forked_compile(tmp_path, "own-order", settled=True) == 0

@@ -43,6 +43,8 @@ def _hqq_model(family: str = "llama") -> torch.nn.Module:
 # BLOCK_K (the masked tail, its groups masked too), several groups per K tile, split-K.
 SHAPES = [(32, 64, 64, {}), (96, 192, 64, dict(BLOCK_N=64, BLOCK_K=128)), (48, 128, 32, dict(BLOCK_N=32)),
           (64, 512, 128, {})]
+if DEVICE == "cuda":  # the layouts the engine takes on CUDA (the others run HQQ's own forward there)
+    SHAPES = [s for s in SHAPES if decode_gemm.grouped_4bit_fits_cuda(s[1], s[2])] + [(64, 256, 64, {})]
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -301,3 +303,11 @@ def test_grouped_form_compiles_for_sm90():
                              EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64),
                         dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     assert_compiles_for_sm90(kernels)
+
+
+def test_layouts_over_an_h200s_shared_memory_are_left_to_hqq_on_cuda():
+    """A group of 128 or a masked K tail did not fit the H200's shared memory: not taken on CUDA."""
+    assert decode_gemm.grouped_4bit_fits_cuda(4096, 64) and decode_gemm.grouped_4bit_fits_cuda(14336, 32)
+    assert not decode_gemm.grouped_4bit_fits_cuda(4096, 128)
+    assert not decode_gemm.grouped_4bit_fits_cuda(192, 64)
+

@@ -198,6 +198,8 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
             and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 == N * K
             and dtype in _DTYPES and runs_on(packed.device)):
         return None
+    if packed.device.type == "cuda" and not grouped_4bit_fits_cuda(K, group):
+        return None
     for t in (scale, zero):
         if (not is_plain(t) or t.dtype != dtype or t.numel() != N * K // group or t.device != packed.device
                 or not t.is_contiguous()):
@@ -207,6 +209,15 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
         return None
     return Hqq4bit(packed.detach().reshape(N // 2, K), scale.reshape(-1), zero.reshape(-1), group,
                    None if bias is None else bias.detach())
+
+
+def grouped_4bit_fits_cuda(K: int, group: int) -> bool:
+    """Whether the grouped 4-bit form's default launch fits an H200's shared memory for this layout:
+    groups of at most 64 and K a multiple of 128 (every K tile full), the layouts that loaded and ran
+    there (the Llama-3-8B shape's 224 projections, group 64). A group of 128, or a masked K tail,
+    asked for 296 KB of the 227 KB there (the tile's reshape by groups), so those run HQQ's own
+    forward on CUDA until the kernel's tiles are sized for them."""
+    return group <= 64 and K % 128 == 0
 
 
 def _eligible(weight: torch.Tensor) -> bool:
