@@ -41,10 +41,10 @@ def _keys(recorded) -> dict[str, str]:
     return {jit_key(kernel, args, kwargs): Variant(kernel, ()).name for kernel, args, kwargs in recorded}
 
 
-# (Llama in fp32 is left out: Qwen3 in fp32 launches its kernels and its q/k norms' besides; each
-# family is a minute of the interpreter.)
+# (Each family is a minute of the interpreter. Llama in fp32 is left out: Qwen3 in fp32 launches its
+# kernels and its q/k norms' besides; GPT-2 too: it launches a subset of Llama's, without norms and rotary.)
 @pytest.mark.parametrize("family, dtype", [("qwen3", torch.float32), ("mistral", torch.float32),
-                                           ("gpt2", torch.float32), ("llama", torch.bfloat16)])
+                                           ("llama", torch.bfloat16)])
 def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeypatch):
     from hf_async_cb.engine import engine as engine_module
     from hf_async_cb.kernels.model_variants import facts_of, model_variants
@@ -63,7 +63,8 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
     with Engine(model, config) as engine:
         assert listed
         launches.clear()  # (the preparation's checks run kernels on inputs of their own)
-        for rows, (lo, hi) in [(1, (1, 1)), (3, (2, 9)), (5, (60, 80))]:
+        # One row; short prompts; prompts chunked over several steps, with tall (>= 64-token) query tiles.
+        for rows, (lo, hi) in [(1, (1, 1)), (3, (2, 9)), (3, (64, 80))]:
             prompts = random_prompts(rows, lo, hi, seed=rows)
             engine.generate(prompts, max_new_tokens=3)
             sampled = [SamplingParams(max_new_tokens=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
@@ -75,7 +76,7 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
     names = set(ran.values())
     assert {"paged_attention._paged_attention_kernel", "draw_greedy._greedy_parts_kernel",
             "draw_sampled._resolve_kernel"} <= names
-    assert family == "gpt2" or "elementwise._rms_norm_kernel" in names  # (GPT-2 has LayerNorms)
+    assert "elementwise._rms_norm_kernel" in names
 
 
 def test_nothing_is_compiled_ahead_off_cuda():
