@@ -54,7 +54,8 @@ class ModelFacts:
     add_norms: tuple[tuple[int, torch.dtype], ...] = ()  # residual adds fused into norms: (width, weight dtype)
     rotary: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head size) of fused rotaries
     mlps: tuple[tuple[int, bool], ...] = ()  # fused activation-muls: (intermediate width, GELU-tanh)
-    # (N, K, bias, rows bucket, config items[, weight dtype: int8 (scaled form) or None[, 4-bit group size]])
+    # (N, K, bias, rows bucket, config items[, weight dtype: int8 (scaled form) or None[, 4-bit group size
+    # [, pre-scaled: quanto's int8 / float8 form]]])
     gemms: tuple[tuple, ...] = ()
     draws: bool = True  # the greedy and sampled draws run as kernels
     extra: tuple[Variant, ...] = field(default=())
@@ -85,7 +86,8 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
         found += elementwise.rotary_variants(q_heads, k_heads, head_dim, facts.dtype)
     for width, gelu in facts.mlps:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
-    for n, k, bias, bucket, config, *form in facts.gemms:  # (int8: the scaled form; uint8, group: grouped 4-bit)
+    # (int8: the scaled form; uint8, group: grouped 4-bit; int8 or float8, 0, True: pre-scaled)
+    for n, k, bias, bucket, config, *form in facts.gemms:
         found += skinny_gemm.variants(n, k, facts.dtype, bias, bucket, dict(config), *form)
     if facts.draws:
         # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
@@ -136,6 +138,10 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
         for n, k, dtype, group, configs in prepared.decode_gemms.grouped_4bit_picks():  # (HQQ 4-bit)
             if dtype == engine.dtype:  # (in another dtype they run HQQ's own forward)
                 gemms += [(n, k, False, bucket, tuple(sorted(cfg.items())), torch.uint8, group)
+                          for bucket, cfg in configs.items()]
+        for n, k, dtype, weight_dtype, configs in prepared.decode_gemms.prescaled_picks():  # (quanto 8-bit)
+            if dtype == engine.dtype:  # (in another dtype they run quanto's own forward)
+                gemms += [(n, k, False, bucket, tuple(sorted(cfg.items())), weight_dtype, 0, True)
                           for bucket, cfg in configs.items()]
     return ModelFacts(
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,

@@ -31,7 +31,9 @@ then use wgmma for tiles of 64 rows or more); whether that streams faster is the
 Weight forms besides the activations' own dtype: int8 with a scale per output row (torchao's
 weight-only int8; `skinny_linear(..., scale=)`), converted exactly tile by tile, the scale applied
 after the product; and HQQ's 4-bit layout (`skinny_linear_4bit`), whose packed nibbles are rebuilt
-tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K. Both read
+tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K; and int8
+or float8_e4m3fn with a scale per output row applied to each weight before the product, rounded to
+x's dtype as optimum-quanto's qbytes_mm rounds `scale * weight` (`skinny_linear(..., row_scale=)`). All read
 the quantized bytes once, where the libraries' own forwards write and read a converted copy of the
 whole weight at every call.
 
@@ -61,6 +63,7 @@ SHARED_MEMORY_BUDGET = 128 * 1024  # the defaults' share of the H200's ~227 KB a
 MAX_SHARED_MEMORY = 200 * 1024  # the most a candidate config may take, with room for Triton's scratch
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "SWAP_AB")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's weights (quanto's qint8, qfloat8)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -68,14 +71,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
-                        SCALED: tl.constexpr, GROUP: tl.constexpr):
+                        SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
     An int8 weight (the scaled form) is converted to x's dtype (exactly) tile by tile before the
     product. SCALED: the product, rounded to x's dtype, is multiplied by its output row's scale
     (s_ptr, in x's dtype) and rounded again, as `(x @ w.to(dtype).T) * scale` rounds (with split-K,
     the reduce kernel does this). GROUP > 0: the grouped 4-bit form (skinny_linear_4bit): w_ptr is
     the packed [N / 2, K] uint8 weight, s_ptr and z_ptr a scale and a zero per GROUP weights along K,
-    and each tile is rebuilt in x's dtype as (q - zero) * scale, each step rounded to x's dtype."""
+    and each tile is rebuilt in x's dtype as (q - zero) * scale, each step rounded to x's dtype.
+    PRESCALED: the int8 (or fp8) weight is scaled before the product, as `(scale * w) @ x.T` rounds:
+    each weight, exact in fp32, times its output row's scale (s_ptr, in x's dtype, loaded once per
+    tile), rounded to x's dtype; the partials of split-K are then only added (never scaled again)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -99,6 +105,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
         # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
         w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    if PRESCALED:
+        row_scale = tl.load(s_ptr + n0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -136,7 +144,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if GROUP == 0:
-            if w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
+            if PRESCALED:  # rnd(scale * q): the product of the two is exact in fp32 for 16-bit x
+                w = (w.to(tl.float32) * row_scale).to(x_ptr.dtype.element_ty)
+            elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
                 w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
         if SWAP_AB:
             if IEEE:
@@ -304,14 +314,18 @@ def runs_on(device: torch.device) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+                  config: dict | None = None, scale: torch.Tensor | None = None,
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias), the contract of torch.nn.functional.linear for x [..., K] with at
     most MAX_M (256) rows once the leading dims are flattened, weight [N, K] contiguous (nn.Linear's
     layout), bias [N] or None, all of one dtype (bf16, fp16 or fp32); fp32 accumulation, output in
     x's dtype. `config` overrides default_config's keys (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
     num_stages, SWAP_AB). With `scale` ([N], x's dtype), weight is int8 with a scale per output row
     (weight-only int8 quantization) and y = (x @ weight.to(dtype).T, rounded) * scale, rounded, with
-    no bias. Raises ValueError for what it does not take, so that a caller can fall back to F.linear."""
+    no bias. With `row_scale` ([N], x's dtype), weight is int8 or float8_e4m3fn, scaled before the
+    product as optimum-quanto's qbytes_mm does: y = x @ (row_scale * weight.to(dtype), rounded).T,
+    with no bias (quanto adds it to the rounded product). Raises ValueError for what it does not
+    take, so that a caller can fall back to F.linear."""
     if x.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"skinny_linear needs x [..., K] and weight [N, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -325,6 +339,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                              f"and no bias; got {weight.dtype}, {scale.dtype} ({scale.numel()}), "
                              f"bias {'given' if bias is not None else None}")
         return _launch(x, weight, None, config, scale.reshape(-1).contiguous())
+    if row_scale is not None:
+        if (weight.dtype not in PRESCALED_WEIGHTS or bias is not None or row_scale.dtype != x.dtype
+                or row_scale.numel() != N or row_scale.device != x.device):
+            raise ValueError(f"skinny_linear with a row_scale takes an int8 or float8_e4m3fn weight, a scale of {N} "
+                             f"values in x's dtype on x's device and no bias; got {weight.dtype}, {row_scale.dtype} "
+                             f"({row_scale.numel()}), bias {'given' if bias is not None else None}")
+        return _launch(x, weight, None, config, row_scale.reshape(-1).contiguous(), prescaled=True)
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"skinny_linear takes one dtype of {_DTYPES} for x, weight and bias, got {x.dtype}, "
                          f"{weight.dtype}, {None if bias is None else bias.dtype}")
@@ -359,9 +380,10 @@ def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            scale: torch.Tensor | None, zero: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+            scale: torch.Tensor | None, zero: torch.Tensor | None = None, group: int = 0,
+            prescaled: bool = False) -> torch.Tensor:
     """skinny_linear (or, with a group, skinny_linear_4bit) once its dtypes are checked: the shapes'
-    checks and the launch."""
+    checks and the launch (`prescaled`: `scale` is applied to the weights before the product)."""
     N, K = weight.shape[0] * (2 if group else 1), weight.shape[1]
     if x.dtype not in _DTYPES:
         raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
@@ -392,14 +414,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     even_k = split * k_per_split == K
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    scaled = scale is not None and not group  # a scale per output row (the int8 form), applied after the product
+    scaled = scale is not None and not group and not prescaled  # a scale per row (the int8 form), after the product
     _skinny_gemm_kernel[(triton.cdiv(N, bn), split)](
         # One row's stride is never read: K keeps it from specialising a variant of its own (a stride of 1).
         x2, weight, bias if bias is not None else weight, target, scale if scale is not None else x2,
         zero if zero is not None else x2, M, N, K, k_per_split, x2.stride(0) if M > 1 else K,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % bn == 0,
         HAS_BIAS=bias is not None and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]), IEEE=x.dtype == torch.float32,
-        SCALED=scaled and split == 1, GROUP=group, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALED=scaled and split == 1, GROUP=group, PRESCALED=prescaled, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split > 1:
         total = M * N
@@ -425,13 +448,14 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, sms: int | None, 
 
 
 def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict,
-             weight_dtype: torch.dtype | None = None, group: int = 0) -> list[Variant]:
+             weight_dtype: torch.dtype | None = None, group: int = 0, prescaled: bool = False) -> list[Variant]:
     """The kernels' compiled variants of a [M, K] x [N, K].T product run with `config` at the rows
     bucket `bucket` (every M of it launches these: M itself is not specialised). `weight_dtype`
     int8: the scaled int8 form (skinny_linear's `scale`), with no bias. `group` > 0 (weight_dtype
-    uint8): the grouped 4-bit form (skinny_linear_4bit) with that group size, with no bias."""
+    uint8): the grouped 4-bit form (skinny_linear_4bit) with that group size, with no bias. `prescaled`
+    (weight_dtype int8 or float8_e4m3fn): the pre-scaled form (skinny_linear's `row_scale`), no bias."""
     weight_dtype = weight_dtype or dtype
-    scaled = weight_dtype == torch.int8
+    scaled = weight_dtype == torch.int8 and not prescaled
     cfg = _config(bucket, N, K, weight_dtype, None, config, group)
     bm, bn, bk, split = block_m(bucket), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
@@ -440,7 +464,8 @@ def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, co
                                            k_per_split, K),
                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                           EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
-                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1, GROUP=group),
+                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1, GROUP=group,
+                          PRESCALED=prescaled),
                      dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if split > 1:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,

@@ -12,7 +12,10 @@ per output row) take the kernel's scaled int8 form for every decode bucket witho
 it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
 activations' dtype at every call), with the same rounding steps. HQQ's 4-bit HQQLinear (`hqq_4bit`
 says which) takes the grouped 4-bit form alike: it reads the packed nibbles, where HQQ's forward
-dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. attach()
+dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. Frozen
+optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) take the
+pre-scaled form: quanto scales the whole weight before its matmul at every call, the kernel scales
+each tile as it is read, rounding each weight alike. attach()
 routes the products through per-weight callables that pick per call by row count: more than 256
 rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
 forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.gemm_choice import GemmChoice
-from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit
+from hf_async_cb.kernels.skinny_gemm import (MAX_M, PRESCALED_WEIGHTS, m_bucket, runs_on, skinny_linear,
+                                             skinny_linear_4bit)
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -125,6 +129,27 @@ class _Hqq4bitProjection(_QuantizedProjection):
         return out
 
 
+class _QuantoBytesProjection(_QuantizedProjection):
+    """A frozen quanto int8 (or float8) linear (quanto_bytes) through the kernel's pre-scaled form: it
+    reads the 8-bit weight once (a byte per weight), where quanto's qbytes_mm writes and reads a scaled
+    copy of the whole weight every call. Each weight is rounded as quanto rounds `scale * weight`, and
+    the bias is added to the rounded product, as quanto adds it."""
+
+    def __init__(self, module: nn.Module, found: QuantoBytes) -> None:
+        super().__init__(module, found.data)
+        self.found = found
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype == self.found.scale.dtype  # (quanto casts the activations to its scales' dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.found
+        out = skinny_linear(x, f.data, None, row_scale=f.scale)
+        if f.bias is not None:
+            out += f.bias
+        return out
+
+
 def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 weight [N, K], scale per row) of a bias-free nn.Linear whose weight is torchao's
     weight-only int8 tensor with one scale per output row (Int8WeightOnlyConfig's default: an
@@ -211,6 +236,45 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
                    None if bias is None else bias.detach())
 
 
+class QuantoBytes(NamedTuple):
+    """What the pre-scaled form reads of a frozen quanto 8-bit linear (skinny_linear's `row_scale` form)."""
+
+    data: torch.Tensor  # int8 or float8_e4m3fn [N, K]
+    scale: torch.Tensor  # [N], the compute dtype: one per output row
+    bias: torch.Tensor | None
+
+
+def quanto_bytes(module: nn.Module) -> QuantoBytes | None:
+    """The 8-bit weight and row scales of a frozen optimum-quanto QLinear (quanto 0.2.7) whose forward
+    is qbytes_mm's `matmul(x, (scale * weight.to(dtype)).t())` (+ bias), else None. Taken: a
+    WeightQBytesTensor (exactly: not the Marlin fp8 subclass) of qint8 or qfloat8_e4m3fn data [N, K],
+    plain and contiguous, quantized along the output rows (axis 0) with a plain [N, 1] scale of a
+    float dtype, no activation quantization (no input or output hooks), a bias (if any) of the
+    scale's dtype. Anything else (unfrozen modules, 2/4-bit weights, other float8 kinds, quantized
+    activations) runs quanto's own forward."""
+    cls = type(module)
+    if cls.__name__ != "QLinear" or not cls.__module__.startswith("optimum.quanto."):
+        return None
+    w, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(w).__name__ != "WeightQBytesTensor" or not type(w).__module__.startswith("optimum.quanto."):
+        return None
+    if (getattr(module, "activation_qtype", None) is not None or getattr(w, "activation_qtype", None) is not None
+            or module._forward_pre_hooks or module._forward_hooks):
+        return None
+    data, scale = getattr(w, "_data", None), getattr(w, "_scale", None)
+    if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor) and is_plain(data) and is_plain(scale)):
+        return None
+    if not (getattr(w, "axis", None) == 0 and getattr(getattr(w, "qtype", None), "dtype", None) == data.dtype
+            and data.dtype in PRESCALED_WEIGHTS and data.dim() == 2 and data.is_contiguous()
+            and tuple(data.shape) == tuple(w.shape) and scale.dtype in _DTYPES and scale.dtype == w.dtype
+            and tuple(scale.shape) == (data.shape[0], 1) and scale.device == data.device and runs_on(data.device)):
+        return None
+    if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == scale.dtype
+                                 and tuple(bias.shape) == (data.shape[0],) and bias.device == data.device):
+        return None
+    return QuantoBytes(data.detach(), scale.detach().reshape(-1).contiguous(), None if bias is None else bias.detach())
+
+
 def grouped_4bit_fits_cuda(K: int, group: int) -> bool:
     """Whether the grouped 4-bit form's default launch fits an H200's shared memory for this layout:
     groups of at most 64 and K a multiple of 128 (every K tile full), the layouts that loaded and ran
@@ -237,6 +301,7 @@ class DecodeGemms:
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
         self._hqq = [(m, found) for m in model.modules() if (found := hqq_4bit(m)) is not None]
+        self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -290,6 +355,13 @@ class DecodeGemms:
         return [(2 * f.packed.shape[0], f.packed.shape[1], f.scale.dtype, f.group_size, every_bucket)
                 for _, f in self._hqq]
 
+    def prescaled_picks(self) -> list[tuple[int, int, torch.dtype, torch.dtype, dict[int, dict]]]:
+        """(N, K, dtype, weight dtype, {rows bucket: config}) of every quanto 8-bit projection attach()
+        routes through the kernel's pre-scaled form (the default config at every bucket; the bias, if
+        any, is added outside the kernel)."""
+        every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
+        return [(f.data.shape[0], f.data.shape[1], f.scale.dtype, f.data.dtype, every_bucket) for _, f in self._quanto]
+
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
         return sum(len(self._configs(m.weight)) for m in self._linears) + \
@@ -314,6 +386,9 @@ class DecodeGemms:
         for module, found in self._hqq:
             module.forward = _Hqq4bitProjection(module, found)
             self._attached.append(module)
+        for module, found in self._quanto:
+            module.forward = _QuantoBytesProjection(module, found)
+            self._attached.append(module)
 
     def detach(self) -> None:
         for item in self._attached:
@@ -326,7 +401,11 @@ class DecodeGemms:
     def summary(self) -> str:
         scaled = f"; {len(self._int8)} weight-only int8 projections read as int8" if self._int8 else ""
         grouped = f"; {len(self._hqq)} HQQ 4-bit projections read as 4-bit" if self._hqq else ""
-        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}"
+        int8 = sum(f.data.dtype == torch.int8 for _, f in self._quanto)
+        quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
+        if len(self._quanto) > int8:
+            quanto += f"; {len(self._quanto) - int8} quanto float8 projections read as float8"
+        return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}{quanto}"
 
 
 def _name(device: torch.device) -> str:
