@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (within 10 minutes on an H200) for quantized models and first use:
-#  1. the kernels' tests on CUDA (the weight-only int8 GEMM in bf16, which the CPU's interpreter cannot run);
+#  1. the kernels' tests on CUDA (the int8, HQQ 4-bit and quanto forms of the skinny GEMM in bf16, which the
+#     CPU's interpreter cannot run, and the cache keys on Triton 3.6);
 #  2. the first call's census in a fresh process with an empty Triton cache, then a warm one: every
 #     compile, where the time goes (phases), and any kernel the disk cache holds twice (why a load missed);
 #  3. the 8B quantized forms through generate() beside stock generate, transformers' continuous batching
@@ -16,7 +17,7 @@ git log --oneline -1 | tee "$OUT/commit.txt"
 if [ "${RESOLVE_DIFF:-0}" = 1 ]; then
   timeout 90 python3 benchmarks/gpu_resolve_cache_diff.py 2>&1 | tee "$OUT/resolve_diff.txt" | tail -40
 fi
-[ "${SKIP_TESTS:-0}" = 1 ] || timeout 120 python3 -m pytest -q tests/test_int8_gemm.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
+[ "${SKIP_TESTS:-0}" = 1 ] || timeout 150 python3 -m pytest -q tests/test_int8_gemm.py tests/test_hqq_gemm.py tests/test_quanto_gemm.py tests/test_cache_keys.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
   -p no:cacheprovider --tb=short -rf 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/tests.txt" | tail -4
 CACHE=$(mktemp -d)
 for run in cold warm; do
