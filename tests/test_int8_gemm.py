@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-from models import left_pad, random_prompts, stock_generate, tiny_model
+from models import tiny_model
+from quantized_checks import assert_engine_greedy_matches_stock
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
-from hf_async_cb import BatchingConfig
 from hf_async_cb.model.decode_gemm import DecodeGemms, scaled_int8
 
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -98,15 +98,7 @@ def test_routed_forward_matches_the_quantized_model(scaled_calls):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_engine_greedy_matches_stock(mode, scaled_calls):
-    model = _int8_model("qwen3")
-    prompts = random_prompts(6, 1, 40, seed=5)
-    expected = stock_generate(model, prompts, max_new_tokens=6)
-    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
-    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True)
-    got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
-    assert torch.equal(got.cpu(), expected.cpu())
-    assert scaled_calls and min(rows for rows, _ in scaled_calls) <= 8  # decode steps went through the kernel
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert_engine_greedy_matches_stock(_int8_model("qwen3"), mode, scaled_calls)
 
 
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):

@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from models import left_pad, random_prompts, stock_generate, tiny_model
+from models import tiny_model
+from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
-from hf_async_cb import BatchingConfig
 from hf_async_cb.model.decode_gemm import DecodeGemms, quanto_bytes
 
 quanto = pytest.importorskip("optimum.quanto")
@@ -183,15 +183,7 @@ def test_routed_forward_with_bias(prescaled_calls):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_engine_greedy_matches_stock(mode, prescaled_calls):
-    model = _quanto_model("llama")
-    prompts = random_prompts(6, 1, 40, seed=5)
-    expected = stock_generate(model, prompts, max_new_tokens=6)
-    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
-    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True)
-    got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
-    assert torch.equal(got.cpu(), expected.cpu())
-    assert prescaled_calls and min(rows for rows, _ in prescaled_calls) <= 8  # decode steps went through the kernel
-    assert not any("forward" in vars(m) for m in model.modules())
+    assert_engine_greedy_matches_stock(_quanto_model("llama"), mode, prescaled_calls)
 
 
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
@@ -251,35 +243,7 @@ def test_model_variants_list_the_quanto_projections():
 def test_an_engine_lists_every_prescaled_launch(monkeypatch):
     """What an engine on a quanto int8 model hands the precompile (model_variants of its facts, at that
     point of its build) covers every skinny GEMM launch its decode steps make, at several batch sizes."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from hf_async_cb import Engine
-    from hf_async_cb.engine import engine as engine_module
-    from hf_async_cb.kernels.model_variants import facts_of, model_variants
-    from hf_async_cb.kernels.variant import jit_key, variant_key
-
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    listed, seen = set(), []
-
-    def listing(engine, model):
-        listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
-
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        if self in (skinny._skinny_gemm_kernel, skinny._splitk_reduce_kernel):
-            seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(engine_module, "precompile", listing)
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
-    model = _quanto_model()
-    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, mode="sync")
-    with Engine(model, config) as engine:
-        for rows in (1, 3, 9):
-            engine.generate(random_prompts(rows, 2, 9, seed=rows), max_new_tokens=3)
-    launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
+    seen, launched, listed = engine_launches_and_listing(monkeypatch, _quanto_model())
     assert any(kwargs.get("PRESCALED") for _, _, kwargs in seen)
     assert launched and launched <= listed
 

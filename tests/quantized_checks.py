@@ -1,0 +1,60 @@
+"""Checks every quantized weight form of the skinny GEMM shares (tests/test_int8_gemm.py,
+test_hqq_gemm.py, test_quanto_gemm.py): the engine's greedy tokens against stock generate with the
+form routed, and an engine's listed variants against its launches."""
+
+import pytest
+import torch
+from models import left_pad, random_prompts, stock_generate
+
+import hf_async_cb.kernels.skinny_gemm as skinny
+from hf_async_cb import BatchingConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_engine_greedy_matches_stock(model, mode: str, calls: list) -> None:
+    """generate(batching=mode) with the skinny GEMM on (forced on the CPU) gives stock's greedy tokens,
+    its decode steps went through the kernel (`calls`: (rows, weight shape) per routed call), and the
+    model is left without instance forwards."""
+    prompts = random_prompts(6, 1, 40, seed=5)
+    expected = stock_generate(model, prompts, max_new_tokens=6)
+    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
+    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True)
+    got = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6)
+    assert torch.equal(got.cpu(), expected.cpu())
+    assert calls and min(rows for rows, _ in calls) <= 8  # decode steps went through the kernel
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def engine_launches_and_listing(monkeypatch, model) -> tuple[list, set[str], set[str]]:
+    """Run an engine on `model` at several batch sizes, recording the skinny GEMM's launches (the
+    interpreter's) and what its build handed the precompile: (launches as (kernel, args, kwargs),
+    their keys, the listed keys)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_async_cb import Engine
+    from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.kernels.model_variants import facts_of, model_variants
+    from hf_async_cb.kernels.variant import jit_key, variant_key
+
+    if DEVICE != "cpu":
+        pytest.skip("records the interpreter's launches")
+    listed, seen = set(), []
+
+    def listing(engine, model):
+        listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
+
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if self in (skinny._skinny_gemm_kernel, skinny._splitk_reduce_kernel):
+            seen.append((self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(engine_module, "precompile", listing)
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, mode="sync")
+    with Engine(model, config) as engine:
+        for rows in (1, 3, 9):
+            engine.generate(random_prompts(rows, 2, 9, seed=rows), max_new_tokens=3)
+    return seen, {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}, listed
