@@ -7,7 +7,7 @@
 #  3. the 8B quantized forms through generate() beside stock generate, transformers' continuous batching
 #     and our sync loop (benchmarks/gpu_quantized.py).
 # SKIP_TESTS=1 leaves step 1 out; RESOLVE_DIFF=1 first diffs the resolve kernel's worker and serving
-# compiles (benchmarks/gpu_resolve_cache_diff.py).
+# compiles (benchmarks/gpu_resolve_cache_diff.py); SKIP_CENSUS=1 leaves step 2 out.
 # Needs the quantization wheels the GPU image lacks: run(carry=[".whl"], ...). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -20,7 +20,7 @@ fi
 [ "${SKIP_TESTS:-0}" = 1 ] || timeout 150 python3 -m pytest -q tests/test_int8_gemm.py tests/test_hqq_gemm.py tests/test_quanto_gemm.py tests/test_cache_keys.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
   -p no:cacheprovider --tb=short -rf 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/tests.txt" | tail -4
 CACHE=$(mktemp -d)
-for run in cold warm; do
+[ "${SKIP_CENSUS:-0}" = 1 ] || for run in cold warm; do
   TRITON_CACHE_DIR=$CACHE timeout 100 python3 benchmarks/gpu_compile_census.py --json "$OUT/census_$run.json" \
     > "$OUT/census_$run.txt" 2>&1
   grep -E "^[0-9]+:|phases|cache:|compiled ahead" "$OUT/census_$run.txt" | cut -c1-600
