@@ -33,7 +33,8 @@ import torch  # noqa: E402
 def shape_facts(shape: str, page_size: int = 16, pages: int = 4096, gemm: bool = False):
     """ModelFacts of a tools/bench.py shape in bf16, as an H200 engine would read them."""
     from hf_async_cb.kernels import skinny_gemm
-    from hf_async_cb.kernels.model_variants import AttentionKind, ModelFacts
+    from hf_async_cb.kernels.model_variants import AttentionKind, GemmFacts, ModelFacts
+    from hf_async_cb.kernels.skinny_gemm_forms import PLAIN
     from hf_async_cb.tools.bench import SHAPES
 
     c = SHAPES[shape]
@@ -44,7 +45,8 @@ def shape_facts(shape: str, page_size: int = 16, pages: int = 4096, gemm: bool =
     pool = torch.empty(pages * page_size, kv_heads, head_dim, dtype=dtype, device="meta")
     gemms = ()
     if gemm:  # the lm_head through the kernel at every rows bucket, with its default config
-        gemms = tuple((vocab, hidden, False, b, tuple(sorted(skinny_gemm.default_config(b, vocab, hidden, dtype).items())))
+        gemms = tuple(GemmFacts(vocab, hidden, False, b,
+                                tuple(sorted(skinny_gemm.default_config(b, vocab, hidden, dtype).items())), PLAIN)
                       for b in (1 << i for i in range(9)))
     return ModelFacts(device_type="cuda", dtype=dtype, vocab=vocab, page_size=page_size,
                       attention=(AttentionKind(heads, pool, pool),), norms=((hidden, dtype, False),),

@@ -14,6 +14,7 @@ from quantized_checks import assert_engine_greedy_matches_stock, engine_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
+from hf_async_cb.kernels.skinny_gemm_forms import WeightForm, grouped_4bit_fits_cuda
 from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_4bit
 
 quantize = pytest.importorskip("hqq.core.quantize")
@@ -44,7 +45,7 @@ def _hqq_model(family: str = "llama") -> torch.nn.Module:
 SHAPES = [(32, 64, 64, {}), (96, 192, 64, dict(BLOCK_N=64, BLOCK_K=128)), (48, 128, 32, dict(BLOCK_N=32)),
           (64, 512, 128, {})]
 if DEVICE == "cuda":  # the layouts the engine takes on CUDA (the others run HQQ's own forward there)
-    SHAPES = [s for s in SHAPES if decode_gemm.grouped_4bit_fits_cuda(s[1], s[2])] + [(64, 256, 64, {})]
+    SHAPES = [s for s in SHAPES if grouped_4bit_fits_cuda(s[1], s[2])] + [(64, 256, 64, {})]
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -216,7 +217,7 @@ def test_the_listed_variants_are_the_launched_ones(monkeypatch):
         skinny.skinny_linear_4bit(x, torch.ones(n // 2, k, dtype=torch.uint8), ones, ones, 64)
     launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
     listed = {variant_key(v) for bucket in (1, 8, 64) for v in
-              skinny.variants(n, k, DTYPE, False, bucket, {}, weight_dtype=torch.uint8, group=64)}
+              skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(torch.uint8, 64))}
     assert launched and launched <= listed
     assert any(kernel is skinny._splitk_reduce_kernel for kernel, _, _ in seen)
 
@@ -229,15 +230,15 @@ def test_model_variants_list_the_hqq_projections():
 
     model = _hqq_model()
     gemms = DecodeGemms(model, None)
-    shapes = {(n, k, group) for n, k, _, group, _ in gemms.grouped_4bit_picks()}
+    shapes = {(p.n, p.k, p.form.group) for p in gemms.kernel_picks() if p.form.name == "grouped_4bit"}
     assert shapes == {(64, 64, 64), (32, 64, 64), (128, 64, 64), (64, 128, 64)}  # q/o, k/v, gate/up, down
     engine = SimpleNamespace(prepared_model=SimpleNamespace(decode_gemms=gemms, elementwise=None),
                              config=SimpleNamespace(page_size=16), _model_config=model.config, attention_backend="sdpa",
                              device=torch.device(DEVICE), dtype=DTYPE, vocab_size=256)
     facts = model_variants.facts_of(engine, model)
-    grouped = [g for g in facts.gemms if g[5:] == (torch.uint8, 64)]
-    assert {(g[0], g[1]) for g in grouped} == {(n, k) for n, k, _ in shapes}
-    assert {g[3] for g in grouped} == {1 << i for i in range(9)}
+    grouped = [g for g in facts.gemms if g.form == WeightForm(torch.uint8, 64)]
+    assert {(g.n, g.k) for g in grouped} == {(n, k) for n, k, _ in shapes}
+    assert {g.bucket for g in grouped} == {1 << i for i in range(9)}
     listed = model_variants.model_variants(facts)
     assert {(v.args[7], v.args[8]) for v in listed if v.constexprs.get("GROUP") == 64} == {(n, k) for n, k, _ in shapes}
 
@@ -272,7 +273,7 @@ def test_grouped_form_compiles_for_sm90():
 
 def test_layouts_over_an_h200s_shared_memory_are_left_to_hqq_on_cuda():
     """A group of 128 or a masked K tail did not fit the H200's shared memory: not taken on CUDA."""
-    assert decode_gemm.grouped_4bit_fits_cuda(4096, 64) and decode_gemm.grouped_4bit_fits_cuda(14336, 32)
-    assert not decode_gemm.grouped_4bit_fits_cuda(4096, 128)
-    assert not decode_gemm.grouped_4bit_fits_cuda(192, 64)
+    assert grouped_4bit_fits_cuda(4096, 64) and grouped_4bit_fits_cuda(14336, 32)
+    assert not grouped_4bit_fits_cuda(4096, 128)
+    assert not grouped_4bit_fits_cuda(192, 64)
 

@@ -13,6 +13,7 @@ from quantized_checks import assert_engine_greedy_matches_stock
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
+from hf_async_cb.kernels.skinny_gemm_forms import SCALED_INT8
 from hf_async_cb.model.decode_gemm import DecodeGemms, scaled_int8
 
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -123,5 +124,5 @@ def test_the_listed_variants_are_the_launched_ones(monkeypatch):
         skinny.skinny_linear(x, torch.ones(n, k, dtype=torch.int8), scale=torch.ones(n, dtype=DTYPE))
     launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
     listed = {variant_key(v) for bucket in (1, 8, 64) for v in
-              skinny.variants(n, k, DTYPE, False, bucket, {}, weight_dtype=torch.int8)}
+              skinny.variants(n, k, DTYPE, False, bucket, {}, SCALED_INT8)}
     assert launched and launched <= listed

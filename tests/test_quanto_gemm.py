@@ -14,6 +14,7 @@ from quantized_checks import assert_engine_greedy_matches_stock, engine_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
+from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
 from hf_async_cb.model.decode_gemm import DecodeGemms, quanto_bytes
 
 quanto = pytest.importorskip("optimum.quanto")
@@ -211,7 +212,7 @@ def test_the_listed_variants_are_the_launched_ones(monkeypatch):
             skinny.skinny_linear(x, torch.ones(n, k).to(weight_dtype), row_scale=torch.ones(n, dtype=DTYPE))
         launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
         listed = {variant_key(v) for bucket in (1, 8, 64) for v in
-                  skinny.variants(n, k, DTYPE, False, bucket, {}, weight_dtype=weight_dtype, prescaled=True)}
+                  skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(weight_dtype, prescaled=True))}
         assert launched and launched <= listed
         assert any(kernel is skinny._splitk_reduce_kernel for kernel, _, _ in seen)
         assert all(kwargs["PRESCALED"] and not kwargs["SCALED"] for kernel, _, kwargs in seen
@@ -227,15 +228,15 @@ def test_model_variants_list_the_quanto_projections():
 
     model = _quanto_model()
     gemms = DecodeGemms(model, None)
-    shapes = {(n, k) for n, k, _, _, _ in gemms.prescaled_picks()}
+    shapes = {(p.n, p.k) for p in gemms.kernel_picks() if p.form.prescaled}
     assert shapes == {(64, 64), (32, 64), (128, 64), (64, 128), (256, 64)}  # q/o, k/v, gate/up, down, lm_head
     engine = SimpleNamespace(prepared_model=SimpleNamespace(decode_gemms=gemms, elementwise=None),
                              config=SimpleNamespace(page_size=16), _model_config=model.config, attention_backend="sdpa",
                              device=torch.device(DEVICE), dtype=DTYPE, vocab_size=256)
     facts = model_variants.facts_of(engine, model)
-    prescaled = [g for g in facts.gemms if g[5:] == (torch.int8, 0, True)]
-    assert {(g[0], g[1]) for g in prescaled} == shapes
-    assert {g[3] for g in prescaled} == {1 << i for i in range(9)}
+    prescaled = [g for g in facts.gemms if g.form == WeightForm(torch.int8, prescaled=True)]
+    assert {(g.n, g.k) for g in prescaled} == shapes
+    assert {g.bucket for g in prescaled} == {1 << i for i in range(9)}
     listed = model_variants.model_variants(facts)
     assert {(v.args[7], v.args[8]) for v in listed if v.constexprs.get("PRESCALED")} == shapes
 

@@ -9,6 +9,8 @@
     sampling_threshold.py         its threshold search (the kept scores' edge), spread over the GPU
     skinny_gemm.py                x @ weight.T for decode's few rows, and the measured choice against
                                   cuBLAS (reference: F.linear; model/decode_gemm.py routes to it)
+    skinny_gemm_forms.py          its quantized weight forms (int8, HQQ 4-bit, quanto 8-bit): tile
+                                  rebuilds and the WeightForm record that names one
     graph_timing.py               how the tuners time kernels: replayed from a CUDA graph
     variant.py                    a kernel variant named without running it (and the JIT's key for it)
     model_variants.py             every variant a model's runs can launch, from facts of its engine

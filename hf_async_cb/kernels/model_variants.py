@@ -15,10 +15,14 @@ contexts (MLA latents: their K/V strides follow the step), the decode GEMM tuner
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hf_async_cb.kernels.variant import Variant
+
+if TYPE_CHECKING:
+    from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,19 @@ class AttentionKind:
 
 
 @dataclass(frozen=True)
+class GemmFacts:
+    """A skinny GEMM launch a decode step makes: weight [n, k] in `form`, a bias added by the kernel
+    or not, at a rows bucket with a config (its sorted items)."""
+
+    n: int
+    k: int
+    bias: bool
+    bucket: int
+    config: tuple
+    form: WeightForm
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What decides a model's kernel variants. Widths are elements; dtypes are torch dtypes."""
 
@@ -54,9 +71,7 @@ class ModelFacts:
     add_norms: tuple[tuple[int, torch.dtype], ...] = ()  # residual adds fused into norms: (width, weight dtype)
     rotary: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head size) of fused rotaries
     mlps: tuple[tuple[int, bool], ...] = ()  # fused activation-muls: (intermediate width, GELU-tanh)
-    # (N, K, bias, rows bucket, config items[, weight dtype: int8 (scaled form) or None[, 4-bit group size
-    # [, pre-scaled: quanto's int8 / float8 form]]])
-    gemms: tuple[tuple, ...] = ()
+    gemms: tuple[GemmFacts, ...] = ()
     draws: bool = True  # the greedy and sampled draws run as kernels
     extra: tuple[Variant, ...] = field(default=())
 
@@ -86,9 +101,8 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
         found += elementwise.rotary_variants(q_heads, k_heads, head_dim, facts.dtype)
     for width, gelu in facts.mlps:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
-    # (int8: the scaled form; uint8, group: grouped 4-bit; int8 or float8, 0, True: pre-scaled)
-    for n, k, bias, bucket, config, *form in facts.gemms:
-        found += skinny_gemm.variants(n, k, facts.dtype, bias, bucket, dict(config), *form)
+    for g in facts.gemms:
+        found += skinny_gemm.variants(g.n, g.k, facts.dtype, g.bias, g.bucket, dict(g.config), g.form)
     if facts.draws:
         # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
         for dtype in dict.fromkeys((facts.dtype, torch.float32)):
@@ -131,18 +145,10 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
     norms, add_norms, rotary, mlps = _elementwise_facts(prepared.elementwise, engine)
     gemms = []
     if prepared.decode_gemms is not None:
-        for weight, bias, configs in prepared.decode_gemms.kernel_picks():
-            for bucket, cfg in configs.items():
-                gemms.append((weight.shape[0], weight.shape[1], bias is not None, bucket, tuple(sorted(cfg.items())),
-                              weight.dtype if weight.dtype == torch.int8 else None))
-        for n, k, dtype, group, configs in prepared.decode_gemms.grouped_4bit_picks():  # (HQQ 4-bit)
-            if dtype == engine.dtype:  # (in another dtype they run HQQ's own forward)
-                gemms += [(n, k, False, bucket, tuple(sorted(cfg.items())), torch.uint8, group)
-                          for bucket, cfg in configs.items()]
-        for n, k, dtype, weight_dtype, configs in prepared.decode_gemms.prescaled_picks():  # (quanto 8-bit)
-            if dtype == engine.dtype:  # (in another dtype they run quanto's own forward)
-                gemms += [(n, k, False, bucket, tuple(sorted(cfg.items())), weight_dtype, 0, True)
-                          for bucket, cfg in configs.items()]
+        for pick in prepared.decode_gemms.kernel_picks():
+            if pick.dtype in (None, engine.dtype):  # (HQQ and quanto run their own forward in another dtype)
+                gemms += [GemmFacts(pick.n, pick.k, pick.bias, bucket, tuple(sorted(cfg.items())), pick.form)
+                          for bucket, cfg in pick.configs.items()]
     return ModelFacts(
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,
         attention=attention, norms=norms, add_norms=add_norms, rotary=rotary, mlps=mlps,

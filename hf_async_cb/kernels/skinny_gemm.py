@@ -28,14 +28,9 @@ weight's BLOCK_N rows, not the few rows of x, fill the MMA's M dimension (on Hop
 then use wgmma for tiles of 64 rows or more); whether that streams faster is the H200's to say
 (benchmarks/tune_gemm.py sweeps both).
 
-Weight forms besides the activations' own dtype: int8 with a scale per output row (torchao's
-weight-only int8; `skinny_linear(..., scale=)`), converted exactly tile by tile, the scale applied
-after the product; and HQQ's 4-bit layout (`skinny_linear_4bit`), whose packed nibbles are rebuilt
-tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K; and int8
-or float8_e4m3fn with a scale per output row applied to each weight before the product, rounded to
-x's dtype as optimum-quanto's qbytes_mm rounds `scale * weight` (`skinny_linear(..., row_scale=)`). All read
-the quantized bytes once, where the libraries' own forwards write and read a converted copy of the
-whole weight at every call.
+Weight forms besides the activations' own dtype (scaled int8, grouped 4-bit, pre-scaled: each read
+as its quantized bytes, rebuilt tile by tile) are kernels/skinny_gemm_forms.py's; a `WeightForm`
+record names the one a launch or a listed variant runs.
 
 M is a `do_not_specialize` argument: one compiled variant serves every M of a BLOCK_M bucket, so
 the engine's CUDA-graph buckets compile a bounded number of variants. N and K are the weight's,
@@ -55,6 +50,10 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.devices import num_sms
+# The forms' Triton helpers are the kernel's globals: its cache key counts them (variant.settle_cache_keys).
+from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _grouped_4bit_pointers,
+                                                   _grouped_4bit_tile, _prescaled_tile, check_grouped_4bit,
+                                                   check_prescaled, check_scaled_int8)
 from hf_async_cb.kernels.variant import Variant
 
 MAX_M = 256
@@ -63,7 +62,6 @@ SHARED_MEMORY_BUDGET = 128 * 1024  # the defaults' share of the H200's ~227 KB a
 MAX_SHARED_MEMORY = 200 * 1024  # the most a candidate config may take, with room for Triton's scratch
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "SWAP_AB")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's weights (quanto's qint8, qfloat8)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -73,15 +71,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
                         SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
-    An int8 weight (the scaled form) is converted to x's dtype (exactly) tile by tile before the
-    product. SCALED: the product, rounded to x's dtype, is multiplied by its output row's scale
-    (s_ptr, in x's dtype) and rounded again, as `(x @ w.to(dtype).T) * scale` rounds (with split-K,
-    the reduce kernel does this). GROUP > 0: the grouped 4-bit form (skinny_linear_4bit): w_ptr is
-    the packed [N / 2, K] uint8 weight, s_ptr and z_ptr a scale and a zero per GROUP weights along K,
-    and each tile is rebuilt in x's dtype as (q - zero) * scale, each step rounded to x's dtype.
-    PRESCALED: the int8 (or fp8) weight is scaled before the product, as `(scale * w) @ x.T` rounds:
-    each weight, exact in fp32, times its output row's scale (s_ptr, in x's dtype, loaded once per
-    tile), rounded to x's dtype; the partials of split-K are then only added (never scaled again)."""
+    The weight forms (kernels/skinny_gemm_forms.py): an int8 weight is converted to x's dtype exactly;
+    SCALED: the rounded product times its output row's scale (s_ptr), rounded again (with split-K,
+    the reduce kernel does this); GROUP > 0: w_ptr packed 4-bit, s_ptr and z_ptr a scale and a zero
+    per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
+    before the product, so the partials of split-K are only added."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -92,15 +86,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     m_ok = offs_m < M
     n_ok = (n0 + offs_n) < N
     if GROUP > 0:
-        # Row n < N / 2 is the high nibbles of packed row n, row n >= N / 2 the low nibbles of row n - N / 2.
-        rows = n0 + offs_n
-        low = rows >= N // 2
-        w_ptrs = w_ptr + tl.where(low, rows - N // 2, rows).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
-        shift = tl.where(low, 0, 4).to(tl.uint8)[:, None]
-        offs_g = tl.arange(0, BLOCK_K // GROUP)
-        g_offs = rows.to(tl.int64)[:, None] * (K // GROUP) + (k0 // GROUP + offs_g)[None, :]  # weight n's groups
-        s_ptrs = s_ptr + g_offs
-        z_ptrs = z_ptr + g_offs
+        w_ptrs, shift, s_ptrs, z_ptrs = _grouped_4bit_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N, BLOCK_K,
+                                                               GROUP)
     else:
         # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
         w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
@@ -112,40 +99,25 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
-        if GROUP > 0:
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                if EVEN_N:
-                    packed = tl.load(w_ptrs)
-                    zero = tl.load(z_ptrs)
-                    scale = tl.load(s_ptrs)
-                else:
-                    packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-                    zero = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0)
-                    scale = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = (k0 + k + offs_k) < K
-                g_ok = n_ok[:, None] & ((k0 + k + offs_g * GROUP) < K)[None, :]
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                zero = tl.load(z_ptrs, mask=g_ok, other=0.0)
-                scale = tl.load(s_ptrs, mask=g_ok, other=0.0)
-            w = _dequantize_4bit(packed, shift, zero, scale, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, GROUP)
-            s_ptrs += BLOCK_K // GROUP
-            z_ptrs += BLOCK_K // GROUP
-        elif EVEN_K:
+        if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + k + offs_k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if GROUP == 0:
-            if PRESCALED:  # rnd(scale * q): the product of the two is exact in fp32 for 16-bit x
-                w = (w.to(tl.float32) * row_scale).to(x_ptr.dtype.element_ty)
+        if GROUP > 0:
+            w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
+                                   BLOCK_K, GROUP, EVEN_K, EVEN_N)
+            s_ptrs += BLOCK_K // GROUP
+            z_ptrs += BLOCK_K // GROUP
+        else:
+            if not EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            elif EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            if PRESCALED:
+                w = _prescaled_tile(w, row_scale, x_ptr.dtype.element_ty)
             elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
                 w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
         if SWAP_AB:
@@ -175,18 +147,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     else:
         part = out_ptr + (pid_k * M).to(tl.int64) * N
         tl.store(part + offs_m[:, None] * N + cols[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _dequantize_4bit(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes (the nibble `shift` selects) and
-    its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds:
-    (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..15, is exact in any of them)."""
-    q = ((packed >> shift) & 0xF).to(tl.float32)
-    d = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) - zero.to(tl.float32)[:, :, None]
-    w = d.to(dtype).to(tl.float32) * scale.to(tl.float32)[:, :, None]
-    return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -334,22 +294,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear: x has {x.shape[-1]} features, weight [N, K] = {tuple(weight.shape)} "
                          f"expects {K}")
     if scale is not None:
-        if weight.dtype != torch.int8 or bias is not None or scale.dtype != x.dtype or scale.numel() != N:
-            raise ValueError(f"skinny_linear with a scale takes an int8 weight, a scale of {N} values in x's dtype "
-                             f"and no bias; got {weight.dtype}, {scale.dtype} ({scale.numel()}), "
-                             f"bias {'given' if bias is not None else None}")
-        return _launch(x, weight, None, config, scale.reshape(-1).contiguous())
+        return _launch(x, weight, None, config, SCALED_INT8, check_scaled_int8(x, weight, bias, scale))
     if row_scale is not None:
-        if (weight.dtype not in PRESCALED_WEIGHTS or bias is not None or row_scale.dtype != x.dtype
-                or row_scale.numel() != N or row_scale.device != x.device):
-            raise ValueError(f"skinny_linear with a row_scale takes an int8 or float8_e4m3fn weight, a scale of {N} "
-                             f"values in x's dtype on x's device and no bias; got {weight.dtype}, {row_scale.dtype} "
-                             f"({row_scale.numel()}), bias {'given' if bias is not None else None}")
-        return _launch(x, weight, None, config, row_scale.reshape(-1).contiguous(), prescaled=True)
+        row_scale = check_prescaled(x, weight, bias, row_scale)
+        return _launch(x, weight, None, config, WeightForm(weight.dtype, prescaled=True), row_scale)
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"skinny_linear takes one dtype of {_DTYPES} for x, weight and bias, got {x.dtype}, "
                          f"{weight.dtype}, {None if bias is None else bias.dtype}")
-    return _launch(x, weight, bias, config, None)
+    return _launch(x, weight, bias, config, PLAIN)
 
 
 def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -362,29 +314,15 @@ def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     skinny_linear does (fp32 accumulation, output in x's dtype). group_size: a power of two from 16
     to 256 dividing K; a config's BLOCK_K must be a multiple of it (the default is). Raises
     ValueError for what it does not take."""
-    if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"skinny_linear_4bit takes a packed uint8 weight [N / 2, K], got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
-    N, K = 2 * packed.shape[0], packed.shape[1]
-    if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0
-            and K % group_size == 0):
-        raise ValueError(f"skinny_linear_4bit takes a group size that is a power of two from 16 to 256 dividing "
-                         f"K = {K}, got {group_size!r}")
-    groups = N * K // group_size
-    for name, t in (("scale", scale), ("zero", zero)):
-        if t.dtype != x.dtype or t.numel() != groups or t.device != x.device:
-            raise ValueError(f"skinny_linear_4bit: {name} must hold {groups} values in x's dtype ({x.dtype}) on "
-                             f"x's device, got {t.numel()} in {t.dtype} on {t.device}")
-    return _launch(x, packed, None, config, scale.reshape(-1).contiguous(), zero.reshape(-1).contiguous(),
-                   group_size)
+    scale, zero = check_grouped_4bit(x, packed, scale, zero, group_size)
+    return _launch(x, packed, None, config, WeightForm(torch.uint8, group_size), scale, zero)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            scale: torch.Tensor | None, zero: torch.Tensor | None = None, group: int = 0,
-            prescaled: bool = False) -> torch.Tensor:
-    """skinny_linear (or, with a group, skinny_linear_4bit) once its dtypes are checked: the shapes'
-    checks and the launch (`prescaled`: `scale` is applied to the weights before the product)."""
-    N, K = weight.shape[0] * (2 if group else 1), weight.shape[1]
+            form: WeightForm, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """skinny_linear (or skinny_linear_4bit) once its form's arguments are checked: the shapes'
+    checks and the launch."""
+    N, K = weight.shape[0] * (2 if form.group else 1), weight.shape[1]
     if x.dtype not in _DTYPES:
         raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
@@ -409,26 +347,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         x2 = x2.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    cfg = _config(M, N, K, weight.dtype, num_sms(x.device), config, group)
-    bm, bn, bk, split = block_m(M), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
-    even_k = split * k_per_split == K
+    cfg, k_per_split, gemm, reduce = _plan(M, N, K, x.dtype, bias is not None, form, num_sms(x.device), config)
+    split = gemm["SPLIT_K"]
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    scaled = scale is not None and not group and not prescaled  # a scale per row (the int8 form), after the product
-    _skinny_gemm_kernel[(triton.cdiv(N, bn), split)](
+    _skinny_gemm_kernel[(triton.cdiv(N, gemm["BLOCK_N"]), split)](
         # One row's stride is never read: K keeps it from specialising a variant of its own (a stride of 1).
         x2, weight, bias if bias is not None else weight, target, scale if scale is not None else x2,
         zero if zero is not None else x2, M, N, K, k_per_split, x2.stride(0) if M > 1 else K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % bn == 0,
-        HAS_BIAS=bias is not None and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]), IEEE=x.dtype == torch.float32,
-        SCALED=scaled and split == 1, GROUP=group, PRESCALED=prescaled, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **gemm, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split > 1:
+    if reduce is not None:
         total = M * N
         _splitk_reduce_kernel[(triton.cdiv(total, REDUCE_BLOCK),)](
-            target, bias if bias is not None else target, out, scale if scaled else target, total, N,
-            SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=bias is not None, SCALED=scaled, num_warps=4,
+            target, bias if bias is not None else target, out, scale if form.scaled else target, total, N,
+            **reduce, num_warps=4,
         )
     return out.reshape(*lead, N)
 
@@ -447,29 +379,35 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, sms: int | None, 
     return cfg
 
 
+def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: WeightForm, sms: int | None,
+          config: dict | None) -> tuple[dict, int, dict, dict | None]:
+    """(config, k_per_split, the GEMM's constexprs, the split-K reduction's or None) of a product of
+    M rows in `dtype` with a weight in `form`: one derivation for a launch and for variants(), so the
+    variants listed to compile ahead are the ones launched."""
+    cfg = _config(M, N, K, form.dtype or dtype, sms, config, form.group)
+    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
+    gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
+                EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
+                IEEE=dtype == torch.float32, SCALED=form.scaled and split == 1, GROUP=form.group,
+                PRESCALED=form.prescaled)
+    reduce = dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=form.scaled) if split > 1 else None
+    return cfg, k_per_split, gemm, reduce
+
+
 def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, config: dict,
-             weight_dtype: torch.dtype | None = None, group: int = 0, prescaled: bool = False) -> list[Variant]:
-    """The kernels' compiled variants of a [M, K] x [N, K].T product run with `config` at the rows
-    bucket `bucket` (every M of it launches these: M itself is not specialised). `weight_dtype`
-    int8: the scaled int8 form (skinny_linear's `scale`), with no bias. `group` > 0 (weight_dtype
-    uint8): the grouped 4-bit form (skinny_linear_4bit) with that group size, with no bias. `prescaled`
-    (weight_dtype int8 or float8_e4m3fn): the pre-scaled form (skinny_linear's `row_scale`), no bias."""
-    weight_dtype = weight_dtype or dtype
-    scaled = weight_dtype == torch.int8 and not prescaled
-    cfg = _config(bucket, N, K, weight_dtype, None, config, group)
-    bm, bn, bk, split = block_m(bucket), cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    target = dtype if split == 1 else torch.float32
+             form: WeightForm = PLAIN) -> list[Variant]:
+    """The kernels' compiled variants of a [M, K] x [N, K].T product in `dtype` with a weight in
+    `form`, run with `config` at the rows bucket `bucket` (every M of it launches these: M itself is
+    not specialised). Quantized forms take no bias."""
+    cfg, k_per_split, gemm, reduce = _plan(bucket, N, K, dtype, has_bias, form, None, config)
+    weight_dtype = form.dtype or dtype
+    target = dtype if reduce is None else torch.float32
     found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, dtype, dtype, 2, N, K,
                                            k_per_split, K),
-                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
-                          EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
-                          IEEE=dtype == torch.float32, SCALED=scaled and split == 1, GROUP=group,
-                          PRESCALED=prescaled),
-                     dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
-    if split > 1:
+                     gemm, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
+    if reduce is not None:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,
-                                                     dtype if scaled else torch.float32, 2, N),
-                             dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=scaled),
-                             dict(num_warps=4)))
+                                                     dtype if form.scaled else torch.float32, 2, N),
+                             reduce, dict(num_warps=4)))
     return found

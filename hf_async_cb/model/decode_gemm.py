@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.gemm_choice import GemmChoice
-from hf_async_cb.kernels.skinny_gemm import (MAX_M, PRESCALED_WEIGHTS, m_bucket, runs_on, skinny_linear,
-                                             skinny_linear_4bit)
+from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit
+from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, PRESCALED_WEIGHTS, SCALED_INT8, WeightForm,
+                                                   grouped_4bit_fits_cuda)
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -275,19 +276,23 @@ def quanto_bytes(module: nn.Module) -> QuantoBytes | None:
     return QuantoBytes(data.detach(), scale.detach().reshape(-1).contiguous(), None if bias is None else bias.detach())
 
 
-def grouped_4bit_fits_cuda(K: int, group: int) -> bool:
-    """Whether the grouped 4-bit form's default launch fits an H200's shared memory for this layout:
-    groups of at most 64 and K a multiple of 128 (every K tile full), the layouts that loaded and ran
-    there (the Llama-3-8B shape's 224 projections, group 64). A group of 128, or a masked K tail,
-    asked for 296 KB of the 227 KB there (the tile's reshape by groups), so those run HQQ's own
-    forward on CUDA until the kernel's tiles are sized for them."""
-    return group <= 64 and K % 128 == 0
-
-
 def _eligible(weight: torch.Tensor) -> bool:
     """A plain 2-D weight the kernels read as it is (never a quantized tensor subclass)."""
     return (is_plain(weight) and weight.dim() == 2 and weight.dtype in _DTYPES and weight.is_contiguous()
             and runs_on(weight.device))
+
+
+class KernelPick(NamedTuple):
+    """A projection routed through the kernel: weight [n, k], whether the kernel adds a bias, the
+    weight's form, its configs by rows bucket, and the activations' dtype it runs in (None: any; in
+    another, HQQ's or quanto's own forward runs)."""
+
+    n: int
+    k: int
+    bias: bool
+    form: WeightForm
+    configs: dict[int, dict]
+    dtype: torch.dtype | None
 
 
 class DecodeGemms:
@@ -338,29 +343,20 @@ class DecodeGemms:
         self._by_shape.clear()  # the next attach() reads the new choices
         return measured
 
-    def kernel_picks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, dict]]]:
-        """(weight, bias, {rows bucket: config}) of every covered projection: what attach() routes
-        through the kernel (the variants kernels/precompile.py compiles ahead). A scaled int8
-        weight appears as its int8 data, with the default config at every bucket."""
+    def kernel_picks(self) -> list[KernelPick]:
+        """Every projection attach() routes through the kernel, in its weight form (the variants
+        kernels/precompile.py compiles ahead). The quantized forms run the default config at every
+        bucket, with any bias added outside the kernel."""
         every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
-        return [(m.weight, m.bias, self._configs(m.weight)) for m in self._linears] + \
-            [(g.weight, g.bias, self._configs(g.weight)) for g in self._groups] + \
-            [(qdata, None, every_bucket) for _, (qdata, _) in self._int8]
-
-    def grouped_4bit_picks(self) -> list[tuple[int, int, torch.dtype, int, dict[int, dict]]]:
-        """(N, K, dtype, group size, {rows bucket: config}) of every HQQ 4-bit projection attach()
-        routes through the kernel's grouped 4-bit form (the default config at every bucket; the bias,
-        if any, is added outside the kernel)."""
-        every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
-        return [(2 * f.packed.shape[0], f.packed.shape[1], f.scale.dtype, f.group_size, every_bucket)
-                for _, f in self._hqq]
-
-    def prescaled_picks(self) -> list[tuple[int, int, torch.dtype, torch.dtype, dict[int, dict]]]:
-        """(N, K, dtype, weight dtype, {rows bucket: config}) of every quanto 8-bit projection attach()
-        routes through the kernel's pre-scaled form (the default config at every bucket; the bias, if
-        any, is added outside the kernel)."""
-        every_bucket = {1 << i: {} for i in range(MAX_M.bit_length())}
-        return [(f.data.shape[0], f.data.shape[1], f.scale.dtype, f.data.dtype, every_bucket) for _, f in self._quanto]
+        picks = [KernelPick(w.shape[0], w.shape[1], b is not None, PLAIN, self._configs(w), None)
+                 for w, b in [(m.weight, m.bias) for m in self._linears] + [(g.weight, g.bias) for g in self._groups]]
+        picks += [KernelPick(qdata.shape[0], qdata.shape[1], False, SCALED_INT8, every_bucket, None)
+                  for _, (qdata, _) in self._int8]
+        picks += [KernelPick(2 * f.packed.shape[0], f.packed.shape[1], False, WeightForm(torch.uint8, f.group_size),
+                             every_bucket, f.scale.dtype) for _, f in self._hqq]
+        picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, WeightForm(f.data.dtype, prescaled=True),
+                             every_bucket, f.scale.dtype) for _, f in self._quanto]
+        return picks
 
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
