@@ -102,21 +102,22 @@ def _bnb(**settings):
     return _pretrained(lambda: transformers.BitsAndBytesConfig(**settings))
 
 
-def _hqq():
+def _hqq(group_size: int = 64):
     """HQQ's own linears put in place of the layers' projections (tests/models.hqq_in_place: transformers'
-    HqqConfig loading is not available in every release)."""
+    HqqConfig loading is not available in every release), 4 bits in groups of `group_size`."""
     from hqq.core import quantize
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from models import hqq_in_place
 
-    return lambda base: hqq_in_place(base(), quantize)
+    return lambda base: hqq_in_place(base(), quantize, group_size=group_size)
 
 
 FORMS = {
     "torchao-int8": lambda: _torchao("Int8WeightOnlyConfig"),
     "bnb-nf4": lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16),
     "hqq-4bit": _hqq,
+    "hqq-4bit-g128": lambda: _hqq(128),
     "quanto-int8": lambda: _quanto("qint8"),
     "bnb-int8": lambda: _bnb(load_in_8bit=True),
     "torchao-int4": lambda: _torchao("Int4WeightOnlyConfig", group_size=128),

@@ -14,7 +14,7 @@ from quantized_checks import assert_engine_greedy_matches_stock, engine_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
-from hf_async_cb.kernels.skinny_gemm_forms import WeightForm, grouped_4bit_fits_cuda
+from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
 from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_4bit
 
 quantize = pytest.importorskip("hqq.core.quantize")
@@ -44,8 +44,6 @@ def _hqq_model(family: str = "llama") -> torch.nn.Module:
 # BLOCK_K (the masked tail, its groups masked too), several groups per K tile, split-K.
 SHAPES = [(32, 64, 64, {}), (96, 192, 64, dict(BLOCK_N=64, BLOCK_K=128)), (48, 128, 32, dict(BLOCK_N=32)),
           (64, 512, 128, {})]
-if DEVICE == "cuda":  # the layouts the engine takes on CUDA (the others run HQQ's own forward there)
-    SHAPES = [s for s in SHAPES if grouped_4bit_fits_cuda(s[1], s[2])] + [(64, 256, 64, {})]
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -261,7 +259,7 @@ def test_grouped_form_compiles_for_sm90():
     aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     kernels = []
     for split, swap, even_k in ((1, False, True), (1, True, True), (4, False, False)):
-        c = skinny._config(32, 4096, 4096, torch.uint8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 64)
+        c = skinny._config(32, 4096, 4096, torch.bfloat16, torch.uint8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 64)
         kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
                         dict(sig, out_ptr="*fp32") if split > 1 else sig,
                         dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
@@ -271,9 +269,28 @@ def test_grouped_form_compiles_for_sm90():
     assert_compiles_for_sm90(kernels)
 
 
-def test_layouts_over_an_h200s_shared_memory_are_left_to_hqq_on_cuda():
-    """A group of 128 or a masked K tail did not fit the H200's shared memory: not taken on CUDA."""
-    assert grouped_4bit_fits_cuda(4096, 64) and grouped_4bit_fits_cuda(14336, 32)
-    assert not grouped_4bit_fits_cuda(4096, 128)
-    assert not grouped_4bit_fits_cuda(192, 64)
+def test_every_default_launch_fits_an_h200s_shared_memory():
+    """Compiled for sm_90 (Triton's own count of the shared memory), the quantized forms' default
+    launches fit an H200's 227 KB per block: groups of 32 and 128, a masked K tail, and the int8
+    and pre-scaled forms. On the H200 a group of 128 and a masked tail
+    at 256 rows asked 296 KB (four stages of a bf16 x tile counted as 4-bit)."""
+    from sm90 import assert_compiles_for_sm90
 
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "b_ptr": "*u8", "out_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
+    aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
+    forms = [(WeightForm(torch.uint8, g), 4096, 4096) for g in (32, 128)] + [(WeightForm(torch.uint8, 64), 96, 192)]
+    forms += [(WeightForm(torch.int8), 4096, 4096), (WeightForm(torch.int8, prescaled=True), 4096, 4096)]
+    kernels = {}
+    for form, n, k in forms:
+        for bucket in (16, 128, 256):  # the tiles grow with the rows bucket (1 to 16 share 16's)
+            (variant, *_) = skinny.variants(n, k, torch.bfloat16, False, bucket, {}, form)
+            w = {torch.uint8: "*u8", torch.int8: "*i8"}[form.dtype]
+            out = "*bf16" if not variant.constexprs["SPLIT_K"] > 1 else "*fp32"
+            key = (w, out, tuple(sorted(variant.constexprs.items())), tuple(sorted(variant.options.items())))
+            kernels[key] = ("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
+                            dict(sig, w_ptr=w, b_ptr=w, out_ptr=out), variant.constexprs,
+                            dict(variant.options, divisible_by_16=aligned))
+    shared = assert_compiles_for_sm90(list(kernels.values()))
+    assert max(shared) <= 232448, max(zip(shared, kernels))
+    assert any(s > 100 * 1024 for s in shared)  # the count is real: the deep pipelines take shared memory

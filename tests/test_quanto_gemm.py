@@ -260,7 +260,7 @@ def test_prescaled_form_compiles_for_sm90():
                "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
         aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
         for split, swap, even_k in ((1, False, True), (1, True, True), (4, False, False)):
-            c = skinny._config(32, 4096, 4096, torch.int8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 0)
+            c = skinny._config(32, 4096, 4096, torch.bfloat16, torch.int8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 0)
             kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
                             dict(sig, out_ptr="*fp32") if split > 1 else sig,
                             dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,

@@ -365,10 +365,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     return out.reshape(*lead, N)
 
 
-def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, sms: int | None, config: dict | None,
-            group: int) -> dict:
+def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtype, sms: int | None,
+            config: dict | None, group: int) -> dict:
     """default_config's launch parameters under `config`'s overrides; the grouped 4-bit form's BLOCK_K
-    is a multiple of its group (by default the group itself where the default is less)."""
+    is a multiple of its group (by default the group itself where the default is less). Unless
+    `config` sets num_stages, the stages are cut to what fits MAX_SHARED_MEMORY with x's tile in
+    x's `dtype` (default_config counts both tiles in the weight's): a group of 128 doubles BLOCK_K,
+    and at 256 rows four stages of a bf16 x tile asked 296 KB of an H200's 227 KB."""
     base = default_config(M, N, K, weight_dtype, sms)
     if group:
         base["BLOCK_K"] = max(base["BLOCK_K"], group)
@@ -376,6 +379,11 @@ def _config(M: int, N: int, K: int, weight_dtype: torch.dtype, sms: int | None, 
     if group and cfg["BLOCK_K"] % group:
         raise ValueError(f"skinny_linear_4bit: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group size "
                          f"({group})")
+    if "num_stages" not in (config or {}):
+        weight_bytes = 0.5 if group else weight_dtype.itemsize
+        stage = block_m(M) * cfg["BLOCK_K"] * dtype.itemsize + cfg["BLOCK_N"] * cfg["BLOCK_K"] * weight_bytes
+        while cfg["num_stages"] > 1 and cfg["num_stages"] * stage > MAX_SHARED_MEMORY:
+            cfg["num_stages"] -= 1
     return cfg
 
 
@@ -384,7 +392,7 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: Weig
     """(config, k_per_split, the GEMM's constexprs, the split-K reduction's or None) of a product of
     M rows in `dtype` with a weight in `form`: one derivation for a launch and for variants(), so the
     variants listed to compile ahead are the ones launched."""
-    cfg = _config(M, N, K, form.dtype or dtype, sms, config, form.group)
+    cfg = _config(M, N, K, dtype, form.dtype or dtype, sms, config, form.group)
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,

@@ -63,15 +63,6 @@ PLAIN = WeightForm()
 SCALED_INT8 = WeightForm(torch.int8)
 
 
-def grouped_4bit_fits_cuda(K: int, group: int) -> bool:
-    """Whether the grouped 4-bit form's default launch fits an H200's shared memory for this layout:
-    groups of at most 64 and K a multiple of 128 (every K tile full), the layouts that loaded and ran
-    there (the Llama-3-8B shape's 224 projections, group 64). A group of 128, or a masked K tail,
-    asked for 296 KB of the 227 KB there (the tile's reshape by groups), so those run HQQ's own
-    forward on CUDA until the kernel's tiles are sized for them."""
-    return group <= 64 and K % 128 == 0
-
-
 def check_scaled_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       scale: torch.Tensor) -> torch.Tensor:
     """The scaled int8 form's scale, flat, once its arguments are checked (ValueError otherwise)."""

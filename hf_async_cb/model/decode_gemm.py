@@ -34,8 +34,7 @@ from torch import nn
 
 from hf_async_cb.kernels.gemm_choice import GemmChoice
 from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit
-from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, PRESCALED_WEIGHTS, SCALED_INT8, WeightForm,
-                                                   grouped_4bit_fits_cuda)
+from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, PRESCALED_WEIGHTS, SCALED_INT8, WeightForm
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -223,8 +222,6 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
     if not (N % 2 == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
             and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 == N * K
             and dtype in _DTYPES and runs_on(packed.device)):
-        return None
-    if packed.device.type == "cuda" and not grouped_4bit_fits_cuda(K, group):
         return None
     for t in (scale, zero):
         if (not is_plain(t) or t.dtype != dtype or t.numel() != N * K // group or t.device != packed.device
