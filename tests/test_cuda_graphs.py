@@ -85,6 +85,64 @@ def test_prefill_graphs_are_capped():
     assert sum(key.tokens > 0 for key in engine.graphs._graphs) == 2
 
 
+def test_mixed_steps_of_a_drifting_request_count_share_buckets():
+    """A serving load's mixed steps (decodes beside one prefill chunk) keep changing their request
+    count: prefill/mixed buckets pad the requests to a power of 4, so 17 to 63 requests share one
+    bucket; decode steps keep powers of two. Within the graphs' row limit only."""
+    graphs = DecodeGraphs(None, 64, is_cuda=False, prefill=True)
+
+    def mixed(decodes, prefill):
+        chunks = [ScheduledChunk(Request([3] * 300, SamplingParams()), 200, 1, True) for _ in range(decodes)]
+        return StepPlan(chunks + [ScheduledChunk(Request([3] * 300, SamplingParams()), 0, prefill, True)], [])
+
+    assert {graphs.key_for(mixed(n, 40)) for n in (16, 30, 62)} == {GraphKey(64, 256, 128)}
+    assert graphs.key_for(mixed(3, 40)).batch == 16  # 4 requests and 44 tokens: the padding needs a request
+    assert graphs.key_for(mixed(100, 40)) == GraphKey(128, 256, 256)  # 4**4 is over 2 x 64 rows: a power of 2
+    decode = StepPlan([ScheduledChunk(Request([3] * 300, SamplingParams()), 200, 1, True) for _ in range(17)], [])
+    assert graphs.key_for(decode) == GraphKey(32, 256)
+
+
+def test_at_the_cap_a_step_replays_the_smallest_captured_bucket_that_holds_it():
+    """With every prefill bucket taken, a step of a new bucket pads up into a captured one: enough
+    requests (each padding request needs a token), tokens and context; the same kind (tall,
+    sampled); not far larger than its own bucket. Else it runs eagerly."""
+    graphs = DecodeGraphs(None, 64, is_cuda=False, prefill=True, tall_query_len=64, max_prefill_graphs=0)
+
+    def plan(*chunks):  # (cached start, own tokens) per request
+        return StepPlan([ScheduledChunk(Request([3] * (s + n), SamplingParams()), s, n, True) for s, n in chunks], [])
+
+    step = plan((1025, 5), (300, 1), (40, 1))  # 7 tokens, 3 requests, context 1030: bucket (4, 2048, 8)
+    assert graphs.key_for(step) is None  # nothing captured
+    for key in [GraphKey(4, 1024, 8), GraphKey(8, 2048, 16), GraphKey(8, 2048, 32), GraphKey(16, 2048, 512),
+                GraphKey(8, 2048, 16, tall=True), GraphKey(8, 2048, 16, sampled=True), GraphKey(16, 256, 64),
+                GraphKey(2, 4096, 8)]:
+        graphs._graphs[key] = None
+    # (4, 1024, 8): context too short; (2, ...): too few requests; (16, 256, 64): context too short.
+    assert graphs.key_for(step) == GraphKey(8, 2048, 16) and graphs.num_padded_up == 1
+    assert graphs.key_for(plan((1025, 5), (300, 1), (40, 1), (5, 9))) == GraphKey(8, 2048, 32)  # 16 tokens + 4 pads > 16
+    assert graphs.key_for(plan((10, 70), (5, 1))) is None  # tall: only tall buckets, and (8, 2048, 16) is too small
+    assert graphs.key_for(plan((10, 40), (5, 40), (5, 40))) is None  # 512 tokens: over twice its own bucket (128)
+    graphs._graphs[GraphKey(4, 1024, 8)] = None
+    assert graphs.key_for(plan((500, 4), (300, 1), (40, 1))) == GraphKey(4, 1024, 8)  # the smallest that holds it
+    exact = GraphKey(4, 1024, 8)  # a step whose own bucket is captured takes it
+    assert graphs.key_for(plan((900, 4), (300, 1), (40, 1))) == exact
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_steps_padded_up_into_captured_buckets_replay_stock_tokens(mode):
+    """Capped at two prefill buckets, the later mixed steps of other buckets replay the captured
+    ones with more padding (requests on the trash page, a longer last padding request), and every
+    token is stock's."""
+    model = tiny_model("llama")
+    prompts = random_prompts(12, 3, 40, seed=8)
+    engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=True, page_size=4, max_batch_tokens=48,
+                                          max_running_requests=5))
+    engine.graphs.max_prefill_graphs = 2
+    outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    assert engine.graphs.num_prefill_graphs == 2 and engine.graphs.num_padded_up > 0
+
+
 def test_large_prefill_steps_run_eagerly():
     """A prefill step of more than PREFILL_GRAPH_MAX_TOKENS tokens gets no graph (its GPU time
     dwarfs the launches a graph saves); one at the limit still does."""

@@ -55,6 +55,10 @@ MIN_CONTEXT_BUCKET = 64
 # warm-up. Measured on an H200 (docs/benchmarks.md, 2026-12-01): 8B, 32 x 7K -> 1K with 8192-token
 # prefill steps took 21.9 s with prefill graphs and 21.6 s without, and 29.0 s of warm-up against 21.9.
 PREFILL_GRAPH_MAX_TOKENS = 2048
+# A step whose own bucket is not captured (all prefill buckets taken) may replay a captured bucket of
+# up to this many tokens (or twice its own): at that size a small model's padded replay still costs
+# less GPU time than an eager step's launches cost the host.
+PADDED_BUCKET_MAX_TOKENS = 256
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
@@ -68,6 +72,10 @@ _BLOCK_INTS = ("rows", "tokens")  # penalties.TokenBlock, uploaded last
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _pow4(n: int) -> int:
+    return 1 << 2 * -(-max(0, n - 1).bit_length() // 2)
 
 
 def _token_bucket(n: int) -> int:
@@ -225,7 +233,8 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool, prefill: bool = False,
                  max_prefill_graphs: int = 16, tall_query_len: int | None = None) -> None:
         """prefill: also replay prefill and mixed steps from graphs (at most `max_prefill_graphs`
-        buckets; later new buckets run eagerly). tall_query_len: prefill/mixed steps whose longest
+        buckets; a later step of a new bucket replays a larger captured one that holds it, or runs
+        eagerly). tall_query_len: prefill/mixed steps whose longest
         query has at least this many tokens get buckets of their own. The Triton attention takes
         taller tiles for them (kernels/attention_launch.tile_shape), and a graph keeps the tile of the
         step it was captured on: without the split, a bucket first captured on short chunks would
@@ -241,6 +250,7 @@ class DecodeGraphs:
         self._graphs: dict[GraphKey, _Graph] = {}
         self.failed: set[GraphKey] = set()  # buckets whose capture failed: their steps run eagerly
         self.num_replays = 0
+        self.num_padded_up = 0  # steps replayed in a larger captured bucket than their own (at the cap)
         self.capture_seconds: list[float] = []  # wall time of each capture, warm-up included
 
     @property
@@ -291,10 +301,10 @@ class DecodeGraphs:
             if not self.prefill or plan.num_tokens > PREFILL_GRAPH_MAX_TOKENS:
                 return None
             size, tokens = len(chunks), plan.num_tokens
-            batch = _pow2(size)
+            batch = self._prefill_batch(size)
             bucket = _token_bucket(tokens)
             if bucket > tokens and batch == size:
-                batch = _pow2(size + 1)  # the padding tokens need a padding request
+                batch = self._prefill_batch(size + 1)  # the padding tokens need a padding request
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
@@ -302,8 +312,45 @@ class DecodeGraphs:
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
-                return None
+                return self._padded_into_captured(key, plan)
         return None if key in self.failed else key
+
+    def _prefill_batch(self, size: int) -> int:
+        """A prefill/mixed bucket's request count: a power of 4 (within the graphs' row limit, else of
+        2). Serving steps mix a drifting number of decodes with a few prefill chunks: powers of two
+        spread them over so many buckets that the capped captures missed most of them (with prefix
+        caching, 24-28 buckets for 71 steps on the CPU's replay of a serving load). A padding request
+        costs a token and a logits row, little beside an eager step."""
+        batch = _pow4(size)
+        return batch if batch <= 2 * self.max_batch else _pow2(size)
+
+    def _padded_into_captured(self, key: GraphKey, plan: StepPlan) -> GraphKey | None:
+        """Once the prefill buckets are all taken, a step of a bucket not captured replays the
+        smallest captured one it fits in (more padding requests, more tokens, a wider block table)
+        rather than running eagerly: with prefix caching a serving load's steps (a few own tokens over
+        long cached contexts, beside decodes) spread over more buckets than are captured. The
+        Triton attention's launch of a prefill/mixed step depends only on its token and request
+        counts, so any bucket that holds the step computes it; the extra tokens are bounded
+        (PADDED_BUCKET_MAX_TOKENS or twice the step's own bucket) so that the padding costs less
+        than the launches it saves. None when no captured bucket fits."""
+        size, tokens = len(plan.chunks), plan.num_tokens
+        context = max(map(add, plan.starts, plan.sizes))
+        limit = max(PADDED_BUCKET_MAX_TOKENS, 2 * key.tokens)
+        best = None
+        for k in self._graphs:
+            if (not k.tokens or k.tokens > limit or k.batch < size or k.tall != key.tall
+                    or (k.sampled, k.penalty, k.blocked) != (key.sampled, key.penalty, key.blocked)):
+                continue
+            pads = k.batch - size
+            if pads == 0:
+                fits = k.tokens == tokens and k.context >= context
+            else:  # each padding request takes a token, the last all those left
+                last = k.tokens - tokens - (pads - 1)
+                fits = last >= 1 and k.context >= max(context, last)
+            if fits and (best is None or (k.tokens, k.batch, k.context) < (best.tokens, best.batch, best.context)):
+                best = k
+        self.num_padded_up += best is not None
+        return best
 
     def step(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
         """Run a padded decode step through its graph (captured now if it is the bucket's first).
