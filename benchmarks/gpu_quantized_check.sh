@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (within 10 minutes on an H200) for quantized models and first use:
-#  1. the kernels' tests on CUDA (the int8, HQQ 4-bit and quanto forms of the skinny GEMM in bf16, which the
+#  1. the kernels' tests on CUDA (the int8, HQQ 4-bit, quanto and torchao float8 forms of the skinny GEMM in bf16, which the
 #     CPU's interpreter cannot run, and the cache keys on Triton 3.6);
 #  2. the first call's census in a fresh process with an empty Triton cache, then a warm one: every
 #     compile, where the time goes (phases), and any kernel the disk cache holds twice (why a load missed);
@@ -17,13 +17,15 @@ git log --oneline -1 | tee "$OUT/commit.txt"
 if [ "${RESOLVE_DIFF:-0}" = 1 ]; then
   timeout 90 python3 benchmarks/gpu_resolve_cache_diff.py 2>&1 | tee "$OUT/resolve_diff.txt" | tail -40
 fi
-[ "${SKIP_TESTS:-0}" = 1 ] || timeout 150 python3 -m pytest -q tests/test_int8_gemm.py tests/test_hqq_gemm.py tests/test_quanto_gemm.py tests/test_cache_keys.py tests/test_skinny_gemm.py tests/test_decode_gemm.py \
-  -p no:cacheprovider --tb=short -rf 2>&1 | grep -v -i warn | tail -15 | tee "$OUT/tests.txt" | tail -4
+# (the kernels' tests only: each engine test compiles its own variants, 200 s for the four files on the H200)
+[ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q tests/test_int8_gemm.py tests/test_hqq_gemm.py tests/test_quanto_gemm.py \
+  tests/test_torchao_float8_gemm.py tests/test_cache_keys.py -k "not engine and not routed" -p no:cacheprovider --tb=line -rf \
+  -W ignore 2>&1 | grep -E "^E |FAILED|passed|failed" | cut -c1-300 | tail -15 | tee "$OUT/tests.txt"
 CACHE=$(mktemp -d)
 [ "${SKIP_CENSUS:-0}" = 1 ] || for run in cold warm; do
   TRITON_CACHE_DIR=$CACHE timeout 100 python3 benchmarks/gpu_compile_census.py --json "$OUT/census_$run.json" \
     > "$OUT/census_$run.txt" 2>&1
   grep -E "^[0-9]+:|phases|cache:|compiled ahead" "$OUT/census_$run.txt" | cut -c1-600
 done
-timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,bnb-nf4,hqq-4bit,torchao-int4,torchao-float8,quanto-int8,bnb-int8}" \
+timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,torchao-float8,hqq-4bit-g128,quanto-int8,bnb-nf4,torchao-int4,bnb-int8}" \
   --budget ${QUANTIZED_BUDGET:-300} --new ${NEW:-512} --paths "${PATHS:-sync,hf-cb}" --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14

@@ -282,9 +282,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x's dtype. `config` overrides default_config's keys (BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
     num_stages, SWAP_AB). With `scale` ([N], x's dtype), weight is int8 with a scale per output row
     (weight-only int8 quantization) and y = (x @ weight.to(dtype).T, rounded) * scale, rounded, with
-    no bias. With `row_scale` ([N], x's dtype), weight is int8 or float8_e4m3fn, scaled before the
-    product as optimum-quanto's qbytes_mm does: y = x @ (row_scale * weight.to(dtype), rounded).T,
-    with no bias (quanto adds it to the rounded product). Raises ValueError for what it does not
+    no bias. With `row_scale` ([N], x's dtype or float32), weight is int8 or float8_e4m3fn, scaled
+    before the product as optimum-quanto's qbytes_mm and torchao's float8 weight-only linear do:
+    y = x @ (row_scale * weight, in fp32, rounded to x's dtype).T, with no bias (both add it to the
+    rounded product). Raises ValueError for what it does not
     take, so that a caller can fall back to F.linear."""
     if x.dim() < 1 or weight.dim() != 2:
         raise ValueError(f"skinny_linear needs x [..., K] and weight [N, K], got {tuple(x.shape)} and "
@@ -297,7 +298,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _launch(x, weight, None, config, SCALED_INT8, check_scaled_int8(x, weight, bias, scale))
     if row_scale is not None:
         row_scale = check_prescaled(x, weight, bias, row_scale)
-        return _launch(x, weight, None, config, WeightForm(weight.dtype, prescaled=True), row_scale)
+        return _launch(x, weight, None, config, WeightForm(weight.dtype, prescaled=True, scale_dtype=(
+            torch.float32 if row_scale.dtype == torch.float32 and x.dtype != torch.float32 else None)), row_scale)
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"skinny_linear takes one dtype of {_DTYPES} for x, weight and bias, got {x.dtype}, "
                          f"{weight.dtype}, {None if bias is None else bias.dtype}")
@@ -411,8 +413,8 @@ def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, co
     cfg, k_per_split, gemm, reduce = _plan(bucket, N, K, dtype, has_bias, form, None, config)
     weight_dtype = form.dtype or dtype
     target = dtype if reduce is None else torch.float32
-    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, dtype, dtype, 2, N, K,
-                                           k_per_split, K),
+    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, form.scale_dtype or dtype, dtype,
+                                           2, N, K, k_per_split, K),
                      gemm, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if reduce is not None:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,

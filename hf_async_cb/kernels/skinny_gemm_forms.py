@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's weights (quanto's qint8, qfloat8)
+PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's (quanto's qint8, qfloat8; torchao's float8)
 
 
 @dataclass(frozen=True)
@@ -36,22 +36,24 @@ class WeightForm:
     dtype: torch.dtype | None = None
     group: int = 0
     prescaled: bool = False
+    scale_dtype: torch.dtype | None = None  # the pre-scaled form's row scales (None: the activations' dtype)
 
     def __post_init__(self) -> None:
         self.name  # noqa: B018 (raises for a combination no launch makes)
 
     @property
     def name(self) -> str:
-        if self.dtype is None and not self.group and not self.prescaled:
-            return "plain"
-        if self.dtype == torch.int8 and not self.group and not self.prescaled:
-            return "scaled_int8"
-        if self.dtype == torch.uint8 and self.group > 0 and not self.prescaled:
-            return "grouped_4bit"
-        if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
-            return "prescaled"
-        raise ValueError(f"no skinny GEMM weight form reads {self.dtype} with group {self.group} and "
-                         f"prescaled={self.prescaled}")
+        if self.scale_dtype is None or (self.prescaled and self.scale_dtype == torch.float32):  # (torchao's)
+            if self.dtype is None and not self.group and not self.prescaled:
+                return "plain"
+            if self.dtype == torch.int8 and not self.group and not self.prescaled:
+                return "scaled_int8"
+            if self.dtype == torch.uint8 and self.group > 0 and not self.prescaled:
+                return "grouped_4bit"
+            if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
+                return "prescaled"
+        raise ValueError(f"no skinny GEMM weight form reads {self.dtype} with group {self.group}, "
+                         f"prescaled={self.prescaled} and scales in {self.scale_dtype}")
 
     @property
     def scaled(self) -> bool:
@@ -78,10 +80,10 @@ def check_prescaled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     row_scale: torch.Tensor) -> torch.Tensor:
     """The pre-scaled form's row scale, flat, once its arguments are checked (ValueError otherwise)."""
     N = weight.shape[0]
-    if (weight.dtype not in PRESCALED_WEIGHTS or bias is not None or row_scale.dtype != x.dtype
+    if (weight.dtype not in PRESCALED_WEIGHTS or bias is not None or row_scale.dtype not in (x.dtype, torch.float32)
             or row_scale.numel() != N or row_scale.device != x.device):
         raise ValueError(f"skinny_linear with a row_scale takes an int8 or float8_e4m3fn weight, a scale of {N} "
-                         f"values in x's dtype on x's device and no bias; got {weight.dtype}, {row_scale.dtype} "
+                         f"values in x's dtype or float32 on x's device and no bias; got {weight.dtype}, {row_scale.dtype} "
                          f"({row_scale.numel()}), bias {'given' if bias is not None else None}")
     return row_scale.reshape(-1).contiguous()
 

@@ -13,9 +13,10 @@ it reads a fifth of the bytes the module's own path moves (which converts the wh
 activations' dtype at every call), with the same rounding steps. HQQ's 4-bit HQQLinear (`hqq_4bit`
 says which) takes the grouped 4-bit form alike: it reads the packed nibbles, where HQQ's forward
 dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. Frozen
-optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) take the
-pre-scaled form: quanto scales the whole weight before its matmul at every call, the kernel scales
-each tile as it is read, rounding each weight alike. attach()
+optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) and torchao's
+weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the library scales the whole
+weight before its matmul at every call, the kernel scales each tile as it is read, rounding each
+weight alike. attach()
 routes the products through per-weight callables that pick per call by row count: more than 256
 rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
 forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
@@ -129,18 +130,19 @@ class _Hqq4bitProjection(_QuantizedProjection):
         return out
 
 
-class _QuantoBytesProjection(_QuantizedProjection):
-    """A frozen quanto int8 (or float8) linear (quanto_bytes) through the kernel's pre-scaled form: it
-    reads the 8-bit weight once (a byte per weight), where quanto's qbytes_mm writes and reads a scaled
-    copy of the whole weight every call. Each weight is rounded as quanto rounds `scale * weight`, and
-    the bias is added to the rounded product, as quanto adds it."""
+class _PrescaledProjection(_QuantizedProjection):
+    """An 8-bit linear scaled before its product (a frozen quanto int8/float8 QLinear: quanto_bytes;
+    torchao's float8 weight-only: torchao_float8) through the kernel's pre-scaled form: it reads the
+    8-bit weight once (a byte per weight), where the library writes and reads a scaled copy of the
+    whole weight every call. Each weight is rounded as the library rounds `scale * weight`, and the
+    bias is added to the rounded product, as the library adds it."""
 
-    def __init__(self, module: nn.Module, found: QuantoBytes) -> None:
+    def __init__(self, module: nn.Module, found: PrescaledWeight) -> None:
         super().__init__(module, found.data)
         self.found = found
 
     def takes(self, dtype: torch.dtype) -> bool:
-        return dtype == self.found.scale.dtype  # (quanto casts the activations to its scales' dtype)
+        return dtype == self.found.dtype  # (the library's own forward computes in this dtype alone)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         f = self.found
@@ -234,15 +236,21 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
                    None if bias is None else bias.detach())
 
 
-class QuantoBytes(NamedTuple):
-    """What the pre-scaled form reads of a frozen quanto 8-bit linear (skinny_linear's `row_scale` form)."""
+class PrescaledWeight(NamedTuple):
+    """What the pre-scaled form reads of an 8-bit linear (skinny_linear's `row_scale` form)."""
 
     data: torch.Tensor  # int8 or float8_e4m3fn [N, K]
-    scale: torch.Tensor  # [N], the compute dtype: one per output row
+    scale: torch.Tensor  # [N], one per output row: the compute dtype (quanto) or float32 (torchao)
     bias: torch.Tensor | None
+    dtype: torch.dtype  # the activations' dtype the library computes in
+
+    @property
+    def form(self) -> WeightForm:
+        wide = self.scale.dtype == torch.float32 and self.dtype != torch.float32
+        return WeightForm(self.data.dtype, prescaled=True, scale_dtype=torch.float32 if wide else None)
 
 
-def quanto_bytes(module: nn.Module) -> QuantoBytes | None:
+def quanto_bytes(module: nn.Module) -> PrescaledWeight | None:
     """The 8-bit weight and row scales of a frozen optimum-quanto QLinear (quanto 0.2.7) whose forward
     is qbytes_mm's `matmul(x, (scale * weight.to(dtype)).t())` (+ bias), else None. Taken: a
     WeightQBytesTensor (exactly: not the Marlin fp8 subclass) of qint8 or qfloat8_e4m3fn data [N, K],
@@ -270,7 +278,35 @@ def quanto_bytes(module: nn.Module) -> QuantoBytes | None:
     if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == scale.dtype
                                  and tuple(bias.shape) == (data.shape[0],) and bias.device == data.device):
         return None
-    return QuantoBytes(data.detach(), scale.detach().reshape(-1).contiguous(), None if bias is None else bias.detach())
+    return PrescaledWeight(data.detach(), scale.detach().reshape(-1).contiguous(),
+                           None if bias is None else bias.detach(), scale.dtype)
+
+
+def torchao_float8(module: nn.Module) -> PrescaledWeight | None:
+    """The float8 weight and row scales of an nn.Linear whose weight is torchao's weight-only float8
+    tensor (Float8WeightOnlyConfig: a Float8Tensor of float8_e4m3fn data [N, K], one float32 scale
+    per output row, no activation quantization), else None. Its linear is
+    `matmul(x, (data.float() * scale).to(dtype).t())` (+ bias): the pre-scaled form with float32
+    scales. Anything else (activation quantization, other granularities or float8 kinds) runs
+    torchao's own path."""
+    w = getattr(module, "weight", None)
+    if type(module) is not nn.Linear or type(w).__name__ != "Float8Tensor":
+        return None
+    if getattr(w, "act_quant_kwargs", None) is not None:
+        return None
+    data, scale, dtype = getattr(w, "qdata", None), getattr(w, "scale", None), getattr(w, "dtype", None)
+    if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor) and is_plain(data) and is_plain(scale)):
+        return None
+    if not (data.dtype == torch.float8_e4m3fn and data.dim() == 2 and data.is_contiguous()
+            and tuple(data.shape) == tuple(w.shape) and list(getattr(w, "block_size", ())) == [1, data.shape[1]]
+            and scale.dtype == torch.float32 and scale.numel() == data.shape[0] and dtype in _DTYPES
+            and scale.device == data.device and runs_on(data.device)):
+        return None
+    bias = module.bias
+    if bias is not None and not (is_plain(bias) and bias.dtype == dtype and bias.device == data.device):
+        return None
+    return PrescaledWeight(data.detach(), scale.detach().reshape(-1).contiguous(),
+                           None if bias is None else bias.detach(), dtype)
 
 
 def _eligible(weight: torch.Tensor) -> bool:
@@ -304,6 +340,7 @@ class DecodeGemms:
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
         self._hqq = [(m, found) for m in model.modules() if (found := hqq_4bit(m)) is not None]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
+        self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -351,8 +388,8 @@ class DecodeGemms:
                   for _, (qdata, _) in self._int8]
         picks += [KernelPick(2 * f.packed.shape[0], f.packed.shape[1], False, WeightForm(torch.uint8, f.group_size),
                              every_bucket, f.scale.dtype) for _, f in self._hqq]
-        picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, WeightForm(f.data.dtype, prescaled=True),
-                             every_bucket, f.scale.dtype) for _, f in self._quanto]
+        picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, f.form, every_bucket, f.dtype)
+                  for _, f in self._quanto + self._float8]
         return picks
 
     def wins(self) -> int:
@@ -379,8 +416,8 @@ class DecodeGemms:
         for module, found in self._hqq:
             module.forward = _Hqq4bitProjection(module, found)
             self._attached.append(module)
-        for module, found in self._quanto:
-            module.forward = _QuantoBytesProjection(module, found)
+        for module, found in self._quanto + self._float8:
+            module.forward = _PrescaledProjection(module, found)
             self._attached.append(module)
 
     def detach(self) -> None:
@@ -398,6 +435,8 @@ class DecodeGemms:
         quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
         if len(self._quanto) > int8:
             quanto += f"; {len(self._quanto) - int8} quanto float8 projections read as float8"
+        if self._float8:
+            quanto += f"; {len(self._float8)} torchao float8 projections read as float8"
         return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}{quanto}"
 
 
