@@ -8,6 +8,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread without CUDA (unless OMP_NUM_THREADS says otherwise), here and in the processes
+# the tests start: the models are tiny, and on a machine of few cores two OpenMP threads per process,
+# contending with the engine's own step thread (async mode, replicas) or another process, made steps
+# up to ~100x slower, most of the suite's time (test_cli and test_serving did this for their runs).
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 import hf_async_cb  # noqa: E402,F401  (installs the hook)

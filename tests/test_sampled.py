@@ -42,7 +42,11 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int, ga
 
     rows, vocab = logits.shape
     parts, chunk = split_rows(rows, vocab, logits.device)
-    cut = _cut(logits, params, parts, chunk, gather, cap)[0]
+    return _kept_at(logits, params, _cut(logits, params, parts, chunk, gather, cap)[0])
+
+
+def _kept_at(logits: torch.Tensor, params: SamplingTensors, cut: torch.Tensor) -> torch.Tensor:
+    """The scores at or above each row's threshold key `cut` (as the kernels compare them)."""
     scores = logits / params.temperature[:, None]
     bits = scores.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)

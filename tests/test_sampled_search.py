@@ -12,9 +12,10 @@ import triton
 import triton.language as tl
 
 from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.kernels import draw_sampled
 from hf_async_cb.kernels.draw_sampled import _sampled_packed, _x_floor
 from hf_async_cb.sampling.sampler import SamplingTensors, keep_threshold, sample
-from tests.test_sampled import DEVICE, _kept_by_kernels
+from tests.test_sampled import DEVICE, _kept_at
 
 
 def _build(options: list[dict], index: int = 0) -> SamplingTensors:
@@ -23,12 +24,33 @@ def _build(options: list[dict], index: int = 0) -> SamplingTensors:
     return SamplingTensors.build(params, DEVICE, token_index=[index + i for i in range(len(options))])
 
 
+def _sampled_and_cut(logits: torch.Tensor, params: SamplingTensors, gather: int, cap: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_sampled_packed's [2, S] output and the threshold keys its search found for it: one run of the
+    kernels (in the interpreter the search is nearly all the time; running it again on its own for
+    the keys doubled these tests)."""
+    search, cuts = draw_sampled._cut, []
+
+    def recording(*args, **kwargs):
+        found = search(*args, **kwargs)
+        cuts.append(found[0].clone())
+        return found
+
+    draw_sampled._cut = recording
+    try:
+        out = _sampled_packed(logits, params, gather, cap)
+    finally:
+        draw_sampled._cut = search
+    [cut] = cuts
+    return out, cut
+
+
 def _check(logits: torch.Tensor, params: SamplingTensors, cap: int, gather: int) -> torch.Tensor:
     scores = logits / params.temperature[:, None]
     expected = scores >= keep_threshold(scores, params)[:, None]
-    got = _kept_by_kernels(logits, params, cap, gather)
+    out, cut = _sampled_and_cut(logits, params, gather, cap)
+    got = _kept_at(logits, params, cut)
     assert torch.equal(got, expected), [r for r in range(len(got)) if not torch.equal(got[r], expected[r])]
-    out = _sampled_packed(logits, params, gather, cap)
     tokens, logprobs = sample(logits, params)
     assert torch.equal(out[0], tokens), (out[0], tokens)
     torch.testing.assert_close(out[1].view(torch.float64), logprobs.double(), rtol=1e-5, atol=1e-5, equal_nan=True)
