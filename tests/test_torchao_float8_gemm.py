@@ -26,8 +26,18 @@ WIDE = WeightForm(torch.float8_e4m3fn, prescaled=True, scale_dtype=torch.float32
 
 
 def _float8(module: torch.nn.Module, granularity=None) -> torch.nn.Module:
-    # set_inductor_config=False: torchao's default turns TF32 on for the whole process
-    ao.quantize_(module, ao.Float8WeightOnlyConfig(granularity=granularity, set_inductor_config=False))
+    """Float8WeightOnlyConfig's weights (one scale per row); another granularity is built by
+    Float8Tensor itself, as torchao 0.17's config has no `granularity` to ask for it."""
+    if granularity is None:
+        # set_inductor_config=False: torchao's default turns TF32 on for the whole process
+        ao.quantize_(module, ao.Float8WeightOnlyConfig(set_inductor_config=False))
+        return module
+    from torchao.quantization.quantize_.workflows import Float8Tensor
+
+    for linear in module.modules():
+        if isinstance(linear, torch.nn.Linear):
+            weight = Float8Tensor.from_hp(linear.weight.detach(), granularity=granularity)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     return module
 
 
