@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (within 10 minutes on an H200) for quantized models and first use:
-#  1. the kernels' tests on CUDA (the int8, HQQ 4-bit, quanto and torchao float8 forms of the skinny GEMM in bf16, which the
+#  1. the kernels' tests on CUDA (the int8, HQQ 4-bit, quanto, torchao float8 and bitsandbytes 4-bit forms of the skinny GEMM in bf16, which the
 #     CPU's interpreter cannot run, and the cache keys on Triton 3.6);
 #  2. the first call's census in a fresh process with an empty Triton cache, then a warm one: every
 #     compile, where the time goes (phases), and any kernel the disk cache holds twice (why a load missed);
@@ -19,7 +19,7 @@ if [ "${RESOLVE_DIFF:-0}" = 1 ]; then
 fi
 # (the kernels' tests only: each engine test compiles its own variants, 200 s for the four files on the H200)
 [ "${SKIP_TESTS:-0}" = 1 ] || timeout 200 python3 -m pytest -q tests/test_int8_gemm.py tests/test_hqq_gemm.py tests/test_quanto_gemm.py \
-  tests/test_torchao_float8_gemm.py tests/test_cache_keys.py -k "not engine and not routed" -p no:cacheprovider --tb=line -rf \
+  tests/test_torchao_float8_gemm.py tests/test_bnb_4bit_gemm.py tests/test_cache_keys.py -k "not engine and not routed" -p no:cacheprovider --tb=line -rf \
   -W ignore 2>&1 | grep -E "^E |FAILED|passed|failed" | cut -c1-300 | tail -15 | tee "$OUT/tests.txt"
 CACHE=$(mktemp -d)
 [ "${SKIP_CENSUS:-0}" = 1 ] || for run in cold warm; do

@@ -264,7 +264,7 @@ def test_grouped_form_compiles_for_sm90():
                         dict(sig, out_ptr="*fp32") if split > 1 else sig,
                         dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
                              EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64,
-                             PRESCALED=False),
+                             PRESCALED=False, CODEBOOK=0),
                         dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     assert_compiles_for_sm90(kernels)
 

@@ -54,6 +54,7 @@ class GemmFacts:
     bucket: int
     config: tuple
     form: WeightForm
+    dtype: torch.dtype | None = None  # the activations' dtype where it is not the model's (a cast to bitsandbytes' compute dtype)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
     for width, gelu in facts.mlps:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
     for g in facts.gemms:
-        found += skinny_gemm.variants(g.n, g.k, facts.dtype, g.bias, g.bucket, dict(g.config), g.form)
+        found += skinny_gemm.variants(g.n, g.k, g.dtype or facts.dtype, g.bias, g.bucket, dict(g.config), g.form)
     if facts.draws:
         # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
         for dtype in dict.fromkeys((facts.dtype, torch.float32)):
@@ -146,8 +147,10 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
     gemms = []
     if prepared.decode_gemms is not None:
         for pick in prepared.decode_gemms.kernel_picks():
-            if pick.dtype in (None, engine.dtype):  # (HQQ and quanto run their own forward in another dtype)
-                gemms += [GemmFacts(pick.n, pick.k, pick.bias, bucket, tuple(sorted(cfg.items())), pick.form)
+            # (HQQ and quanto run their own forward in another dtype; bitsandbytes' projections cast to theirs)
+            if pick.dtype in (None, engine.dtype) or pick.casts:
+                gemms += [GemmFacts(pick.n, pick.k, pick.bias, bucket, tuple(sorted(cfg.items())), pick.form,
+                                    pick.dtype if pick.casts and pick.dtype != engine.dtype else None)
                           for bucket, cfg in pick.configs.items()]
     return ModelFacts(
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,

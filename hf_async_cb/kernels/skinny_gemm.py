@@ -51,9 +51,10 @@ import triton.language as tl
 
 from hf_async_cb.devices import num_sms
 # The forms' Triton helpers are the kernel's globals: its cache key counts them (variant.settle_cache_keys).
-from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _grouped_4bit_pointers,
-                                                   _grouped_4bit_tile, _prescaled_tile, check_grouped_4bit,
-                                                   check_prescaled, check_scaled_int8)
+from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _codebook_4bit_pointers,
+                                                   _codebook_4bit_step, _grouped_4bit_pointers,
+                                                   _grouped_4bit_tile, _prescaled_tile, check_codebook_4bit,
+                                                   check_grouped_4bit, check_prescaled, check_scaled_int8)
 from hf_async_cb.kernels.variant import Variant
 
 MAX_M = 256
@@ -69,13 +70,16 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
-                        SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr):
+                        SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr,
+                        CODEBOOK: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
     The weight forms (kernels/skinny_gemm_forms.py): an int8 weight is converted to x's dtype exactly;
     SCALED: the rounded product times its output row's scale (s_ptr), rounded again (with split-K,
     the reduce kernel does this); GROUP > 0: w_ptr packed 4-bit, s_ptr and z_ptr a scale and a zero
     per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
-    before the product, so the partials of split-K are only added."""
+    before the product, so the partials of split-K are only added; CODEBOOK > 0: w_ptr two 4-bit
+    codes per byte along K, z_ptr their 16 values, s_ptr an absmax per GROUP weights along K (the
+    even and odd columns are multiplied apart, so that no tile is interleaved)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -85,7 +89,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     k0 = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K (and of GROUP)
     m_ok = offs_m < M
     n_ok = (n0 + offs_n) < N
-    if GROUP > 0:
+    if CODEBOOK > 0:
+        w_ptrs, s_ptrs = _codebook_4bit_pointers(w_ptr, s_ptr, n0, k0, K, BLOCK_N, BLOCK_K, GROUP)
+    elif GROUP > 0:
         w_ptrs, shift, s_ptrs, z_ptrs = _grouped_4bit_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N, BLOCK_K,
                                                                GROUP)
     else:
@@ -99,39 +105,45 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + k + offs_k) < K
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if GROUP > 0:
-            w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
-                                   BLOCK_K, GROUP, EVEN_K, EVEN_N)
+        if CODEBOOK > 0:
+            acc = _codebook_4bit_step(acc, x_ptr, w_ptrs, s_ptrs, z_ptr, offs_m, m_ok, n_ok, k0 + k, K, stride_xm,
+                                      CODEBOOK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, EVEN_K, EVEN_N, SWAP_AB, IEEE)
+            w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // GROUP
-            z_ptrs += BLOCK_K // GROUP
         else:
-            if not EVEN_K:
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            elif EVEN_N:
-                w = tl.load(w_ptrs)
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            if PRESCALED:
-                w = _prescaled_tile(w, row_scale, x_ptr.dtype.element_ty)
-            elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
-                w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
-        if SWAP_AB:
-            if IEEE:
-                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                k_ok = (k0 + k + offs_k) < K
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if GROUP > 0:
+                w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
+                                       BLOCK_K, GROUP, EVEN_K, EVEN_N)
+                s_ptrs += BLOCK_K // GROUP
+                z_ptrs += BLOCK_K // GROUP
             else:
-                acc += tl.dot(w, tl.trans(x))
-        else:
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                if not EVEN_K:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                elif EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                if PRESCALED:
+                    w = _prescaled_tile(w, row_scale, x_ptr.dtype.element_ty)
+                elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
+                    w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+            if SWAP_AB:
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, tl.trans(x))
             else:
-                acc += tl.dot(x, tl.trans(w))
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if SWAP_AB:
         acc = tl.trans(acc)
     mask = m_ok[:, None] & n_ok[None, :]
@@ -320,11 +332,31 @@ def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     return _launch(x, packed, None, config, WeightForm(torch.uint8, group_size), scale, zero)
 
 
+def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                                blocksize: int, bias: torch.Tensor | None = None, *,
+                                round_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ w.T (+ bias) for a 4-bit weight w [N, K] in bitsandbytes' layout (nf4 or fp4): `packed`
+    [N, K / 2] uint8 holds weight (n, 2j) in the high nibble of byte (n, j) and (n, 2j + 1) in its low
+    one; `code` the 16 values a nibble stands for and `absmax` one scale per `blocksize` weights along
+    K (N * K / blocksize values, weight n's blocks at n * K / blocksize on), both float32. Each weight
+    is rebuilt as bitsandbytes' dequantize rounds it: code[q] * absmax in fp32, rounded to
+    `round_dtype` (the dtype the model was quantized from; None: x's), then to x's dtype. bias, in x's
+    dtype, is added to the fp32 product before it is rounded (as F.linear adds it). blocksize: a power
+    of two from 16 to 256 dividing K; a config's BLOCK_K must be a multiple of it and at least 32.
+    Raises ValueError for what it does not take."""
+    absmax, code = check_codebook_4bit(x, packed, absmax, code, blocksize)
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"skinny_linear_codebook_4bit takes a bias in x's dtype ({x.dtype}), got {bias.dtype}")
+    form = WeightForm(torch.uint8, blocksize, codebook=True,
+                      round_dtype=None if round_dtype == x.dtype else round_dtype)
+    return _launch(x, packed, bias, config, form, absmax, code)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
             form: WeightForm, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
-    """skinny_linear (or skinny_linear_4bit) once its form's arguments are checked: the shapes'
-    checks and the launch."""
-    N, K = weight.shape[0] * (2 if form.group else 1), weight.shape[1]
+    """skinny_linear (or a 4-bit form's) once its form's arguments are checked: the shapes' checks
+    and the launch."""
+    N, K = _dims(weight, form)
     if x.dtype not in _DTYPES:
         raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
@@ -367,6 +399,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     return out.reshape(*lead, N)
 
 
+def _dims(weight: torch.Tensor, form: WeightForm) -> tuple[int, int]:
+    """The product's (N, K) of a weight as `form` stores it (the 4-bit forms pack two weights a byte:
+    HQQ's along N, bitsandbytes' along K)."""
+    if form.codebook:
+        return weight.shape[0], 2 * weight.shape[1]
+    return weight.shape[0] * (2 if form.group else 1), weight.shape[1]
+
+
 def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtype, sms: int | None,
             config: dict | None, group: int) -> dict:
     """default_config's launch parameters under `config`'s overrides; the grouped 4-bit form's BLOCK_K
@@ -395,12 +435,15 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: Weig
     M rows in `dtype` with a weight in `form`: one derivation for a launch and for variants(), so the
     variants listed to compile ahead are the ones launched."""
     cfg = _config(M, N, K, dtype, form.dtype or dtype, sms, config, form.group)
+    if form.codebook and cfg["BLOCK_K"] < 32:
+        raise ValueError(f"skinny_linear_codebook_4bit: BLOCK_K ({cfg['BLOCK_K']}) must be at least 32 (each half "
+                         "of a K block is a dot of at least 16)")
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                 EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
                 IEEE=dtype == torch.float32, SCALED=form.scaled and split == 1, GROUP=form.group,
-                PRESCALED=form.prescaled)
+                PRESCALED=form.prescaled, CODEBOOK=form.rounding(dtype))
     reduce = dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=form.scaled) if split > 1 else None
     return cfg, k_per_split, gemm, reduce
 
@@ -409,12 +452,14 @@ def variants(N: int, K: int, dtype: torch.dtype, has_bias: bool, bucket: int, co
              form: WeightForm = PLAIN) -> list[Variant]:
     """The kernels' compiled variants of a [M, K] x [N, K].T product in `dtype` with a weight in
     `form`, run with `config` at the rows bucket `bucket` (every M of it launches these: M itself is
-    not specialised). Quantized forms take no bias."""
+    not specialised). Quantized forms take no bias but the codebook form."""
     cfg, k_per_split, gemm, reduce = _plan(bucket, N, K, dtype, has_bias, form, None, config)
     weight_dtype = form.dtype or dtype
     target = dtype if reduce is None else torch.float32
-    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, weight_dtype, target, form.scale_dtype or dtype, dtype,
-                                           2, N, K, k_per_split, K),
+    scale_dtype = torch.float32 if form.codebook else form.scale_dtype or dtype  # (the codebook's absmax, code)
+    found = [Variant(_skinny_gemm_kernel, (dtype, weight_dtype, dtype if has_bias else weight_dtype, target,
+                                           scale_dtype, torch.float32 if form.codebook else dtype, 2, N, K,
+                                           k_per_split, K),
                      gemm, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if reduce is not None:
         found.append(Variant(_splitk_reduce_kernel, (torch.float32, torch.float32 if not has_bias else dtype, dtype,

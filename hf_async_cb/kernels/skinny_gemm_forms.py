@@ -6,7 +6,10 @@ are rebuilt in x's dtype, and the checks of its arguments (kernels/skinny_gemm.p
 - grouped 4-bit (HQQ's layout; `skinny_linear_4bit`): the packed nibbles rebuilt tile by tile as
   HQQ's dequantize rounds them, with a scale and a zero per group along K;
 - pre-scaled (optimum-quanto's int8 or float8_e4m3fn; `skinny_linear(..., row_scale=)`): each weight
-  times its row's scale, rounded to x's dtype as qbytes_mm rounds `scale * weight`, before the product.
+  times its row's scale, rounded to x's dtype as qbytes_mm rounds `scale * weight`, before the product;
+- codebook 4-bit (bitsandbytes' nf4 and fp4; `skinny_linear_codebook_4bit`): two weights per byte
+  along K, each a 16-entry table's value times its block's absmax, rounded as bitsandbytes'
+  dequantize rounds it.
 
 All read the quantized bytes once, where the libraries' own forwards write and read a converted copy
 of the whole weight at every call. A `WeightForm` names one: a launch and the listing of variants to
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+CODEBOOK_ROUNDING = (torch.bfloat16, torch.float16, torch.float32)  # what the codebook form's weights round to
 PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's (quanto's qint8, qfloat8; torchao's float8)
 
 
@@ -37,13 +41,19 @@ class WeightForm:
     group: int = 0
     prescaled: bool = False
     scale_dtype: torch.dtype | None = None  # the pre-scaled form's row scales (None: the activations' dtype)
+    codebook: bool = False  # the codebook 4-bit form (group: its absmax block along K)
+    round_dtype: torch.dtype | None = None  # the codebook form's rebuilt weights' dtype (None: the activations')
 
     def __post_init__(self) -> None:
         self.name  # noqa: B018 (raises for a combination no launch makes)
 
     @property
     def name(self) -> str:
-        if self.scale_dtype is None or (self.prescaled and self.scale_dtype == torch.float32):  # (torchao's)
+        if self.codebook or self.round_dtype is not None:
+            if (self.codebook and self.dtype == torch.uint8 and self.group > 0 and not self.prescaled
+                    and self.scale_dtype is None and self.round_dtype in (None, *CODEBOOK_ROUNDING)):
+                return "codebook_4bit"
+        elif self.scale_dtype is None or (self.prescaled and self.scale_dtype == torch.float32):  # (torchao's)
             if self.dtype is None and not self.group and not self.prescaled:
                 return "plain"
             if self.dtype == torch.int8 and not self.group and not self.prescaled:
@@ -53,7 +63,18 @@ class WeightForm:
             if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
                 return "prescaled"
         raise ValueError(f"no skinny GEMM weight form reads {self.dtype} with group {self.group}, "
-                         f"prescaled={self.prescaled} and scales in {self.scale_dtype}")
+                         f"prescaled={self.prescaled}, scales in {self.scale_dtype}, codebook={self.codebook} "
+                         f"and weights rounded to {self.round_dtype}")
+
+    def rounding(self, dtype: torch.dtype) -> int:
+        """The kernel's CODEBOOK constexpr for activations in `dtype`: 0 for the other forms; 1 when the
+        codebook form's weights round to `dtype` alone; 2 (bf16) or 3 (fp16) when they round to that
+        first (bitsandbytes' dequantize in the model's dtype, the product in a wider compute dtype)."""
+        if not self.codebook:
+            return 0
+        if self.round_dtype is None or self.round_dtype == dtype or self.round_dtype == torch.float32:
+            return 1  # (an fp32 product rounded to fp32, then to dtype: one rounding, to dtype)
+        return 2 + CODEBOOK_ROUNDING.index(self.round_dtype)
 
     @property
     def scaled(self) -> bool:
@@ -164,3 +185,113 @@ def _prescaled_tile(w, row_scale, dtype: tl.constexpr):
     """A pre-scaled 8-bit tile in `dtype`: rnd(scale * q) per weight, as quanto rounds it (the
     product of the two is exact in fp32 for 16-bit x); row_scale: [BLOCK_N, 1] in fp32."""
     return (w.to(tl.float32) * row_scale).to(dtype)
+
+
+def check_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                        blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codebook 4-bit form's absmax and code, flat, once its arguments are checked (ValueError
+    otherwise; skinny_linear_codebook_4bit says what it takes)."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise ValueError(f"skinny_linear_codebook_4bit takes a packed uint8 weight [N, K / 2], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    if not (isinstance(blocksize, int) and 16 <= blocksize <= 256 and blocksize & (blocksize - 1) == 0
+            and K % blocksize == 0):
+        raise ValueError(f"skinny_linear_codebook_4bit takes a block size that is a power of two from 16 to 256 "
+                         f"dividing K = {K}, got {blocksize!r}")
+    if absmax.dtype != torch.float32 or absmax.numel() != N * K // blocksize or absmax.device != x.device:
+        raise ValueError(f"skinny_linear_codebook_4bit: absmax must hold {N * K // blocksize} float32 values on x's "
+                         f"device, got {absmax.numel()} in {absmax.dtype} on {absmax.device}")
+    if code.dtype != torch.float32 or code.numel() != 16 or code.device != x.device:
+        raise ValueError(f"skinny_linear_codebook_4bit: code must hold 16 float32 values on x's device, got "
+                         f"{code.numel()} in {code.dtype} on {code.device}")
+    return absmax.reshape(-1).contiguous(), code.reshape(-1).contiguous()
+
+
+@triton.jit
+def _codebook_4bit_pointers(w_ptr, s_ptr, n0, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP: tl.constexpr):
+    """A program's first codebook 4-bit tile: (packed byte pointers [BLOCK_N, BLOCK_K / 2], absmax
+    pointers [BLOCK_N, BLOCK_K / GROUP]). Byte j of row n holds weight (n, 2j) in its high nibble and
+    (n, 2j + 1) in its low one (bitsandbytes' order over the flat weight)."""
+    rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
+    g_offs = rows[:, None] * (K // GROUP) + (k0 // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :]
+    return w_ptrs, s_ptr + g_offs
+
+
+@triton.jit
+def _codebook_4bit_halves(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype: tl.constexpr, CODEBOOK: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                          EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """The tile at K offset `k_at` as two [BLOCK_N, BLOCK_K / 2] halves in `dtype`: its even columns
+    (the high nibbles) and its odd ones (the low), each weight code[q] * absmax in fp32, rounded as
+    bitsandbytes' dequantize rounds it (CODEBOOK 2 / 3: to bf16 / fp16 first), masked past N and K."""
+    if EVEN_K:
+        if EVEN_N:
+            packed = tl.load(w_ptrs)
+            absmax = tl.load(s_ptrs)
+        else:
+            packed = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            absmax = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0)
+    else:
+        k_ok = (k_at + 2 * tl.arange(0, BLOCK_K // 2)) < K
+        g_ok = n_ok[:, None] & ((k_at + tl.arange(0, BLOCK_K // GROUP) * GROUP) < K)[None, :]
+        packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        absmax = tl.load(s_ptrs, mask=g_ok, other=0.0)
+    # The 16 values held in registers, gathered along K (a load from global memory per weight took
+    # twice as long on the H200: benchmarks/codebook_gemm_probe.py).
+    table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
+    high = _codebook_rebuilt(tl.gather(table, (packed >> 4).to(tl.int32), 1), absmax, dtype, CODEBOOK, BLOCK_N,
+                             BLOCK_K, GROUP)
+    low = _codebook_rebuilt(tl.gather(table, (packed & 0xF).to(tl.int32), 1), absmax, dtype, CODEBOOK, BLOCK_N,
+                            BLOCK_K, GROUP)
+    return high, low
+
+
+@triton.jit
+def _codebook_rebuilt(value, absmax, dtype: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """code[q] [BLOCK_N, BLOCK_K / 2] (fp32) times its block's absmax ([BLOCK_N, BLOCK_K / GROUP]), in
+    `dtype`: one rounding of the fp32 product, or two (to bf16 / fp16, then to `dtype`)."""
+    w = tl.reshape(value, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None]
+    if CODEBOOK == 2:
+        w = w.to(tl.bfloat16)
+    elif CODEBOOK == 3:
+        w = w.to(tl.float16)
+    return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def _codebook_4bit_step(acc, x_ptr, w_ptrs, s_ptrs, code_ptr, offs_m, m_ok, n_ok, k_at, K, stride_xm,
+                        CODEBOOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """acc plus one K block of the codebook form: x's even columns times the high nibbles' weights,
+    plus its odd columns times the low ones'."""
+    dtype = x_ptr.dtype.element_ty
+    high, low = _codebook_4bit_halves(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype, CODEBOOK, BLOCK_N, BLOCK_K,
+                                      GROUP, EVEN_K, EVEN_N)
+    even = k_at + 2 * tl.arange(0, BLOCK_K // 2)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + even[None, :]
+    if EVEN_K:
+        x_even = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        x_odd = tl.load(x_ptrs + 1, mask=m_ok[:, None], other=0.0)
+    else:
+        x_even = tl.load(x_ptrs, mask=m_ok[:, None] & (even < K)[None, :], other=0.0)
+        x_odd = tl.load(x_ptrs + 1, mask=m_ok[:, None] & (even + 1 < K)[None, :], other=0.0)
+    if SWAP_AB:
+        if IEEE:
+            acc += tl.dot(high, tl.trans(x_even), input_precision="ieee")
+            acc += tl.dot(low, tl.trans(x_odd), input_precision="ieee")
+        else:
+            acc += tl.dot(high, tl.trans(x_even))
+            acc += tl.dot(low, tl.trans(x_odd))
+    else:
+        if IEEE:
+            acc += tl.dot(x_even, tl.trans(high), input_precision="ieee")
+            acc += tl.dot(x_odd, tl.trans(low), input_precision="ieee")
+        else:
+            acc += tl.dot(x_even, tl.trans(high))
+            acc += tl.dot(x_odd, tl.trans(low))
+    return acc

@@ -16,7 +16,9 @@ dequantizes the whole weight at every call, and rebuilds each weight as HQQ roun
 optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) and torchao's
 weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the library scales the whole
 weight before its matmul at every call, the kernel scales each tile as it is read, rounding each
-weight alike. attach()
+weight alike. bitsandbytes' nf4 / fp4 Linear4bit (`bnb_4bit`) takes the codebook 4-bit form: half a
+byte per weight read, where bitsandbytes' inference path on the H200 dequantizes the whole weight
+at every call. The pickers are model/quantized_linears.py's. attach()
 routes the products through per-weight callables that pick per call by row count: more than 256
 rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
 forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
@@ -34,11 +36,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels.gemm_choice import GemmChoice
-from hf_async_cb.kernels.skinny_gemm import MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit
-from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, PRESCALED_WEIGHTS, SCALED_INT8, WeightForm
+from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit,
+                                              skinny_linear_codebook_4bit)
+from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
+from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
+    Bnb4bit, Hqq4bit, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, hqq_4bit, quanto_bytes,
+    scaled_int8, torchao_float8)
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# On CUDA the codebook 4-bit form is still slower than bitsandbytes' own path (H200, 2026-12-04, the
+# 8B shape's projections at 32 rows, eager: 131-455 us a product against bitsandbytes' 37-104 us;
+# generate 1.7x stock against 2.8x with bitsandbytes' own forward: docs/benchmarks.md), so Linear4bit
+# modules take it only where this says so, or off CUDA (Triton's interpreter: the tests).
+ROUTE_BNB_4BIT_ON_CUDA = False
 try:  # what a recorded config that this machine cannot build raises
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
@@ -152,161 +163,32 @@ class _PrescaledProjection(_QuantizedProjection):
         return out
 
 
-def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 weight [N, K], scale per row) of a bias-free nn.Linear whose weight is torchao's
-    weight-only int8 tensor with one scale per output row (Int8WeightOnlyConfig's default: an
-    Int8Tensor, or before torchao 0.18 an AffineQuantizedTensor in the plain layout, whose linear
-    rounds alike), else None: whatever else it holds (activation quantization, pre-scales, groups,
-    other layouts) runs its own path."""
-    w = getattr(module, "weight", None)
-    if type(module) is not nn.Linear or module.bias is not None:
-        return None
-    kind = type(w).__name__
-    if kind == "Int8Tensor":
-        if getattr(w, "act_quant_kwargs", None) is not None or getattr(w, "act_pre_scale", None) is not None:
-            return None
-        qdata, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
-    elif kind == "AffineQuantizedTensor":
-        impl = getattr(w, "tensor_impl", None)
-        if (type(impl).__name__ != "PlainAQTTensorImpl" or type(getattr(w, "_layout", None)).__name__ != "PlainLayout"
-                or not str(getattr(w, "zero_point_domain", "")).endswith("INT")):
-            return None
-        qdata, scale = getattr(impl, "int_data", None), getattr(impl, "scale", None)
-    else:
-        return None
-    if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor) and qdata.dtype == torch.int8
-            and qdata.dim() == 2 and qdata.is_contiguous() and scale.numel() == qdata.shape[0]
-            and scale.is_floating_point() and list(getattr(w, "block_size", ())) == [1, qdata.shape[1]]
-            and runs_on(qdata.device)):
-        return None
-    return qdata, scale
+class _Codebook4bitProjection(_QuantizedProjection):
+    """A bitsandbytes nf4 / fp4 Linear4bit (bnb_4bit) through the kernel's codebook 4-bit form: it
+    reads the packed codes once (half a byte per weight, plus an absmax per block), where
+    bitsandbytes' own inference path on the H200 writes and reads a dequantized copy of the whole
+    weight every call. As Linear4bit.forward does, x is cast to the compute dtype, each weight
+    rebuilt as its dequantize rounds it, the bias (in the compute dtype) added before the product is
+    rounded, and the result cast back to x's dtype. Until the module's first forward has set its
+    compute dtype, or once its weight holds another quantization state (repacked, replaced), its own
+    forward runs."""
 
+    def __init__(self, module: nn.Module, found: Bnb4bit) -> None:
+        super().__init__(module, found.packed)
+        self.found = found
 
-class Hqq4bit(NamedTuple):
-    """What the grouped 4-bit form reads of an HQQ 4-bit linear (skinny_linear_4bit's arguments)."""
-
-    packed: torch.Tensor  # uint8 [N / 2, K]: rows n < N / 2 in the high nibbles, the others in the low ones
-    scale: torch.Tensor  # [N * K / group_size], HQQ's compute dtype
-    zero: torch.Tensor  # the same
-    group_size: int
-    bias: torch.Tensor | None
-
-
-_HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x, dequantize().t()) (+= bias)
-
-
-def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
-    """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped 4-bit form
-    reproduces exactly, else None. Taken: 4 bits packed as "4bit_u8" (not viewed as float), groups
-    along the input dimension (axis=1) of a power-of-two size from 16 to 256 dividing in_features,
-    scale and zero plain tensors of the compute dtype (not quantized, not offloaded), an even
-    out_features, a bias (if any) of the compute dtype, and HQQ's eager PyTorch backend (its default:
-    dequantize, then matmul), whose rounding the kernel repeats. Anything else (other bits, axis=0,
-    quantized or offloaded meta-data, the compiled or ATen backends) runs HQQ's own forward."""
-    cls = type(module)
-    if cls.__name__ != "HQQLinear" or not cls.__module__.startswith("hqq.") or not getattr(module, "ready", False):
-        return None
-    if not any(cls.forward is getattr(cls, name, None) for name in _HQQ_OWN_FORWARDS):
-        return None
-    meta, packed, bias = getattr(module, "meta", None), getattr(module, "W_q", None), getattr(module, "bias", None)
-    if not isinstance(meta, dict) or not isinstance(packed, torch.Tensor):
-        return None
-    if (meta.get("nbits") != 4 or meta.get("axis") != 1 or meta.get("packing") != "4bit_u8"
-            or meta.get("view_as_float") or meta.get("quant_zero") or meta.get("quant_scale")
-            or "zero_scale" in meta):
-        return None
-    scale, zero, shape, group = meta.get("scale"), meta.get("zero"), meta.get("shape"), meta.get("group_size")
-    dtype = meta.get("compute_dtype", torch.float16)  # what Quantizer.dequantize computes in
-    if not (isinstance(scale, torch.Tensor) and isinstance(zero, torch.Tensor) and shape is not None
-            and len(shape) == 2 and isinstance(group, int)):
-        return None
-    N, K = shape
-    if not (N % 2 == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
-            and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 == N * K
-            and dtype in _DTYPES and runs_on(packed.device)):
-        return None
-    for t in (scale, zero):
-        if (not is_plain(t) or t.dtype != dtype or t.numel() != N * K // group or t.device != packed.device
-                or not t.is_contiguous()):
-            return None
-    if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == dtype
-                                 and tuple(bias.shape) == (N,) and bias.device == packed.device):
-        return None
-    return Hqq4bit(packed.detach().reshape(N // 2, K), scale.reshape(-1), zero.reshape(-1), group,
-                   None if bias is None else bias.detach())
-
-
-class PrescaledWeight(NamedTuple):
-    """What the pre-scaled form reads of an 8-bit linear (skinny_linear's `row_scale` form)."""
-
-    data: torch.Tensor  # int8 or float8_e4m3fn [N, K]
-    scale: torch.Tensor  # [N], one per output row: the compute dtype (quanto) or float32 (torchao)
-    bias: torch.Tensor | None
-    dtype: torch.dtype  # the activations' dtype the library computes in
-
-    @property
-    def form(self) -> WeightForm:
-        wide = self.scale.dtype == torch.float32 and self.dtype != torch.float32
-        return WeightForm(self.data.dtype, prescaled=True, scale_dtype=torch.float32 if wide else None)
-
-
-def quanto_bytes(module: nn.Module) -> PrescaledWeight | None:
-    """The 8-bit weight and row scales of a frozen optimum-quanto QLinear (quanto 0.2.7) whose forward
-    is qbytes_mm's `matmul(x, (scale * weight.to(dtype)).t())` (+ bias), else None. Taken: a
-    WeightQBytesTensor (exactly: not the Marlin fp8 subclass) of qint8 or qfloat8_e4m3fn data [N, K],
-    plain and contiguous, quantized along the output rows (axis 0) with a plain [N, 1] scale of a
-    float dtype, no activation quantization (no input or output hooks), a bias (if any) of the
-    scale's dtype. Anything else (unfrozen modules, 2/4-bit weights, other float8 kinds, quantized
-    activations) runs quanto's own forward."""
-    cls = type(module)
-    if cls.__name__ != "QLinear" or not cls.__module__.startswith("optimum.quanto."):
-        return None
-    w, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if type(w).__name__ != "WeightQBytesTensor" or not type(w).__module__.startswith("optimum.quanto."):
-        return None
-    if (getattr(module, "activation_qtype", None) is not None or getattr(w, "activation_qtype", None) is not None
-            or module._forward_pre_hooks or module._forward_hooks):
-        return None
-    data, scale = getattr(w, "_data", None), getattr(w, "_scale", None)
-    if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor) and is_plain(data) and is_plain(scale)):
-        return None
-    if not (getattr(w, "axis", None) == 0 and getattr(getattr(w, "qtype", None), "dtype", None) == data.dtype
-            and data.dtype in PRESCALED_WEIGHTS and data.dim() == 2 and data.is_contiguous()
-            and tuple(data.shape) == tuple(w.shape) and scale.dtype in _DTYPES and scale.dtype == w.dtype
-            and tuple(scale.shape) == (data.shape[0], 1) and scale.device == data.device and runs_on(data.device)):
-        return None
-    if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == scale.dtype
-                                 and tuple(bias.shape) == (data.shape[0],) and bias.device == data.device):
-        return None
-    return PrescaledWeight(data.detach(), scale.detach().reshape(-1).contiguous(),
-                           None if bias is None else bias.detach(), scale.dtype)
-
-
-def torchao_float8(module: nn.Module) -> PrescaledWeight | None:
-    """The float8 weight and row scales of an nn.Linear whose weight is torchao's weight-only float8
-    tensor (Float8WeightOnlyConfig: a Float8Tensor of float8_e4m3fn data [N, K], one float32 scale
-    per output row, no activation quantization), else None. Its linear is
-    `matmul(x, (data.float() * scale).to(dtype).t())` (+ bias): the pre-scaled form with float32
-    scales. Anything else (activation quantization, other granularities or float8 kinds) runs
-    torchao's own path."""
-    w = getattr(module, "weight", None)
-    if type(module) is not nn.Linear or type(w).__name__ != "Float8Tensor":
-        return None
-    if getattr(w, "act_quant_kwargs", None) is not None:
-        return None
-    data, scale, dtype = getattr(w, "qdata", None), getattr(w, "scale", None), getattr(w, "dtype", None)
-    if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor) and is_plain(data) and is_plain(scale)):
-        return None
-    if not (data.dtype == torch.float8_e4m3fn and data.dim() == 2 and data.is_contiguous()
-            and tuple(data.shape) == tuple(w.shape) and list(getattr(w, "block_size", ())) == [1, data.shape[1]]
-            and scale.dtype == torch.float32 and scale.numel() == data.shape[0] and dtype in _DTYPES
-            and scale.device == data.device and runs_on(data.device)):
-        return None
-    bias = module.bias
-    if bias is not None and not (is_plain(bias) and bias.dtype == dtype and bias.device == data.device):
-        return None
-    return PrescaledWeight(data.detach(), scale.detach().reshape(-1).contiguous(),
-                           None if bias is None else bias.detach(), dtype)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        m, f = self.module, self.found
+        if (not getattr(m, "compute_type_is_set", False) or getattr(m.weight, "quant_state", None) is not f.state
+                or getattr(f.state, "packing_format_for_cpu", False)):
+            return self.own(x)
+        compute = bnb_compute_dtype(m, x.dtype)
+        bias = m.bias
+        if compute not in _DTYPES or (bias is not None and bias.dtype != compute):
+            return self.own(x)  # (its forward converts such a bias in place, once)
+        out = skinny_linear_codebook_4bit(x.to(compute), f.packed, f.absmax, f.code, f.blocksize,
+                                          None if bias is None else bias.detach(), round_dtype=f.round_dtype)
+        return out.to(x.dtype)
 
 
 def _eligible(weight: torch.Tensor) -> bool:
@@ -318,7 +200,8 @@ def _eligible(weight: torch.Tensor) -> bool:
 class KernelPick(NamedTuple):
     """A projection routed through the kernel: weight [n, k], whether the kernel adds a bias, the
     weight's form, its configs by rows bucket, and the activations' dtype it runs in (None: any; in
-    another, HQQ's or quanto's own forward runs)."""
+    another, HQQ's or quanto's own forward runs, unless `casts`: the projection casts x to it, as
+    bitsandbytes casts to its compute dtype)."""
 
     n: int
     k: int
@@ -326,6 +209,7 @@ class KernelPick(NamedTuple):
     form: WeightForm
     configs: dict[int, dict]
     dtype: torch.dtype | None
+    casts: bool = False
 
 
 class DecodeGemms:
@@ -341,6 +225,8 @@ class DecodeGemms:
         self._hqq = [(m, found) for m in model.modules() if (found := hqq_4bit(m)) is not None]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
+        self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
+                     and (found.packed.device.type != "cuda" or ROUTE_BNB_4BIT_ON_CUDA)]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -390,6 +276,10 @@ class DecodeGemms:
                              every_bucket, f.scale.dtype) for _, f in self._hqq]
         picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, f.form, every_bucket, f.dtype)
                   for _, f in self._quanto + self._float8]
+        for m, f in self._bnb:  # (the model's dtype stands for the activations')
+            compute = bnb_compute_dtype(m, f.state.dtype)
+            picks.append(KernelPick(f.packed.shape[0], 2 * f.packed.shape[1], m.bias is not None,
+                                    bnb_4bit_form(f, compute), every_bucket, compute, casts=True))
         return picks
 
     def wins(self) -> int:
@@ -419,6 +309,9 @@ class DecodeGemms:
         for module, found in self._quanto + self._float8:
             module.forward = _PrescaledProjection(module, found)
             self._attached.append(module)
+        for module, found in self._bnb:
+            module.forward = _Codebook4bitProjection(module, found)
+            self._attached.append(module)
 
     def detach(self) -> None:
         for item in self._attached:
@@ -437,6 +330,8 @@ class DecodeGemms:
             quanto += f"; {len(self._quanto) - int8} quanto float8 projections read as float8"
         if self._float8:
             quanto += f"; {len(self._float8)} torchao float8 projections read as float8"
+        if self._bnb:
+            quanto += f"; {len(self._bnb)} bitsandbytes 4-bit projections read as 4-bit"
         return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}{quanto}"
 
 

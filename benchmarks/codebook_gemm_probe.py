@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Where the codebook 4-bit form's time goes (bitsandbytes nf4 at decode shapes), on a CUDA GPU.
+
+    PYTHONPATH=. python benchmarks/codebook_gemm_probe.py [--rows 1,32,128] [--json out.json]
+
+Per Llama-3-8B projection shape and rows count, microseconds per product (CUDA events over a CUDA
+graph of 50 calls, as decode steps run; weights rotated over copies that together exceed the L2, so
+every call streams from HBM): cuBLAS on bf16
+weights, bitsandbytes' own Linear4bit path (`bnb.matmul_4bit`), the skinny GEMM's codebook form
+(`skinny_linear_codebook_4bit`) and its grouped 4-bit form (HQQ's layout) for comparison, and a
+probe kernel that reads the same bytes in the codebook layout with three ways of turning a nibble
+into its value: a load from the 16-entry table in global memory (what the form does), `tl.gather`
+from the table held in registers, and arithmetic (`q - 8`, no table: the cost of the rest). Each
+row also gives the bandwidth the 4-bit bytes stream at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {"q/o_proj": (4096, 4096), "gate/up_proj": (14336, 4096), "down_proj": (4096, 14336),
+          "k/v_proj": (1024, 4096)}
+LOOKUPS = {"table load": 0, "tl.gather": 1, "arithmetic": 2}
+
+
+@triton.jit
+def _probe_kernel(x_ptr, w_ptr, s_ptr, code_ptr, out_ptr, M, N, K, k_per_split, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr):
+    """out[:, tile] += x @ w.T over one K split (fp32 atomics), w in bitsandbytes' 4-bit layout."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    half = tl.arange(0, BLOCK_K // 2)
+    k0 = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if LOOKUP == 1:
+        table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
+    for k in range(0, k_per_split, BLOCK_K):
+        at = k0 + k
+        packed = tl.load(w_ptr + rows[:, None] * (K // 2) + (at // 2 + half)[None, :])
+        absmax = tl.load(s_ptr + rows[:, None] * (K // GROUP) + (at // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :])
+        hi = (packed >> 4).to(tl.int32)
+        lo = (packed & 0xF).to(tl.int32)
+        if LOOKUP == 0:
+            vh = tl.load(code_ptr + hi)
+            vl = tl.load(code_ptr + lo)
+        elif LOOKUP == 1:
+            vh = tl.gather(table, hi, 1)
+            vl = tl.gather(table, lo, 1)
+        else:
+            vh = (hi - 8).to(tl.float32)
+            vl = (lo - 8).to(tl.float32)
+        wh = tl.reshape(tl.reshape(vh, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                        (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+        wl = tl.reshape(tl.reshape(vl, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                        (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+        xp = x_ptr + offs_m[:, None] * K + (at + 2 * half)[None, :]
+        xe = tl.load(xp, mask=(offs_m < M)[:, None], other=0.0)
+        xo = tl.load(xp + 1, mask=(offs_m < M)[:, None], other=0.0)
+        acc += tl.dot(xe, tl.trans(wh))
+        acc += tl.dot(xo, tl.trans(wl))
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.atomic_add(out_ptr + offs_m[:, None] * N + cols[None, :], acc, mask=(offs_m < M)[:, None])
+
+
+def _probe(x, packed, absmax, code, lookup: int, split: int):
+    M, K = x.shape
+    N = packed.shape[0]
+    out = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    _probe_kernel[(N // 64, split)](x, packed, absmax, code, out, M, N, K, K // split, BLOCK_M=max(16, triton.next_power_of_2(M)),
+                                    BLOCK_N=64, BLOCK_K=128, GROUP=64, LOOKUP=lookup, num_warps=4, num_stages=3)
+    return out
+
+
+def _time_us(fn, calls: int = 50) -> float:
+    """Microseconds per call replayed from a CUDA graph of `calls` calls (as the engine's decode steps
+    run: no host time between kernels); eager launches where the call cannot be captured."""
+    fn(0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+    except Exception:  # noqa: BLE001 - not capturable: eager, host time included
+        torch.cuda.synchronize()
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1,32,128")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    from hf_async_cb.kernels.skinny_gemm import skinny_linear_4bit, skinny_linear_codebook_4bit
+
+    dev = torch.device("cuda")
+    results = []
+    for name, (N, K) in SHAPES.items():
+        copies = max(2, int(160e6 // (N * K // 2)) + 1)  # > the L2 in 4-bit bytes
+        w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+        states = [F.quantize_4bit(w16[i % 2], blocksize=64, quant_type="nf4") for i in range(copies)]
+        packed = [q.view(N, K // 2) for q, _ in states]
+        hqq = [(torch.randint(0, 255, (N // 2, K), device=dev, dtype=torch.uint8),
+                torch.rand(N * K // 64, device=dev, dtype=torch.bfloat16),
+                torch.rand(N * K // 64, device=dev, dtype=torch.bfloat16)) for _ in range(copies)]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, K, device=dev, dtype=torch.bfloat16)
+            row = dict(shape=name, n=N, k=K, rows=rows, copies=copies)
+            row["cublas_bf16_us"] = _time_us(lambda i: torch.nn.functional.linear(x, w16[i % 2]))
+            row["bnb_own_us"] = _time_us(lambda i: bnb.matmul_4bit(x, packed[i % copies].view(-1, 1),
+                                                                   states[i % copies][1]))
+            row["codebook_form_us"] = _time_us(lambda i: skinny_linear_codebook_4bit(
+                x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, 64))
+            row["hqq_form_us"] = _time_us(lambda i: skinny_linear_4bit(x, *hqq[i % copies], 64))
+            for label, lookup in LOOKUPS.items():
+                split = max(1, min(16, 264 // max(1, N // 64)))
+                try:
+                    row[f"probe_{label}_us"] = _time_us(lambda i: _probe(
+                        x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, lookup, split))
+                except Exception as e:  # noqa: BLE001 - a lookup this Triton cannot build: say so in its cell
+                    row[f"probe_{label}_us"] = f"{type(e).__name__}: {str(e)[:80]}"
+            bytes_4bit = N * K / 2 + N * K / 64 * 4
+            row["codebook_form_tb_s"] = round(bytes_4bit / row["codebook_form_us"] / 1e6, 3)
+            results.append(row)
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
