@@ -2,6 +2,7 @@
 
     engine.py          Engine: owns the pool, scheduler, builder, runner and loops
     requests.py        Request, SamplingParams, RequestOutput, FinishReason
+    seeding.py         which seed each sampled request gets
     scheduler.py       which requests run in the next step (pure Python)
     page_allocator.py  the KV pool's free list with reference counts (pure Python)
     page_table.py      every running request's pages as one numpy row

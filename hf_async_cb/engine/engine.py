@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -37,6 +36,7 @@ from hf_async_cb.engine.requests import (
 )
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests  # noqa: F401 (data_parallel's)
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
@@ -47,37 +47,8 @@ from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel, model_guard
-from hf_async_cb.sampling.sampler import derive_seed
 
 logger = logging.getLogger(__name__)
-
-
-def copy_params(params: SamplingParams, copy: int) -> SamplingParams:
-    """The parameters of copy `copy` of a request: its own seed, so that seeded copies differ."""
-    if copy == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed * 1_000_003 + copy) % (1 << 62))
-
-
-def _random_seed() -> int:
-    """An engine seed drawn from torch's global (CPU) generator: torch.manual_seed makes runs
-    without BatchingConfig.seed reproducible, as it does stock generate's sampling."""
-    return int(torch.randint(0, 1 << 62, (1,)).item())
-
-
-def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_index: int = 0,
-                  draw=None) -> None:
-    """Give every sampled request without a seed of its own the seed derived from `engine_seed` and
-    its index (first_index + position in `requests`), so that its tokens depend on nothing but its
-    prompt, parameters and that index, never on the requests sharing its batches. No engine seed:
-    one is drawn from torch's generator (only when a request needs it), through `draw` if given
-    (tensor-parallel ranks agree on one: engine/distributed.py)."""
-    unseeded = [(i, r) for i, r in enumerate(requests, first_index) if r.params.unseeded]
-    if not unseeded:
-        return
-    base = engine_seed if engine_seed is not None else (draw or _random_seed)()
-    for index, request in unseeded:
-        request.params = dataclasses.replace(request.params, seed=derive_seed(base, index))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
