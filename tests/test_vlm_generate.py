@@ -24,7 +24,6 @@ NEW = 6
 
 # What the engine says, by name, for the families it refuses (and why: docs/models.md).
 REFUSED = {
-    "qwen3_vl": r"also takes \['deepstack_visual_embeds', 'visual_pos_masks'\]",
     "paligemma": r"cannot run on hf_async_cb",
     "mllama": r"cannot run on hf_async_cb: only layers",
 }
@@ -71,7 +70,7 @@ def test_family_matches_stock_or_is_refused_by_name(name):
     hf_async_cb.release(model)
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl", "qwen3_vl", "gemma3"])
 @pytest.mark.parametrize("mode", MODES)
 def test_prefix_cache_shares_identical_rows_and_never_different_images(name, mode):
     """Rows 0 and 1 of "one_each" have the same tokens and different images; a copy of row 0 is
@@ -99,14 +98,14 @@ def test_prefix_cache_shares_identical_rows_and_never_different_images(name, mod
 def _repeat_first_image(name, inputs):
     """pixel_values (and its companions) with row 0's image again for an added fourth row."""
     pixels = inputs["pixel_values"]
-    if name == "qwen2_vl":  # flattened patches: row 0's are the first grid's
+    if name in ("qwen2_vl", "qwen3_vl"):  # flattened patches: row 0's are the first grid's
         grid = inputs["image_grid_thw"]
         first = int(grid[0].prod())
         return torch.cat([pixels, pixels[:first]]), {"image_grid_thw": torch.cat([grid, grid[:1]])}
     return torch.cat([pixels, pixels[:1]]), {}
 
 
-@pytest.mark.parametrize("name", ["llava_next", "qwen2_5_vl", "gemma3", "paligemma2"])
+@pytest.mark.parametrize("name", ["llava_next", "qwen2_5_vl", "qwen3_vl", "gemma3", "paligemma2"])
 @pytest.mark.parametrize("mode", MODES)
 def test_image_tokens_split_across_chunks_and_preempted(name, mode):
     """A step budget smaller than an image: chunks end inside its tokens, except where the image's

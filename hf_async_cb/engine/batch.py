@@ -60,6 +60,9 @@ class StepInputs:
     # (stream indices [N], per chunk (PrefixKV, first, stop)) of the positions whose K/V are given
     # (model/prefix_kv.py), else None.
     prefix_kv: tuple[np.ndarray, list] | None = None
+    # (stream indices [D], per layer the features added there) of deepstack positions
+    # (PromptEmbeds.deepstack), else None.
+    deepstack: tuple[np.ndarray, list[torch.Tensor]] | None = None
 
 
 def _split(items: list, *sizes: int) -> list[list]:
@@ -238,9 +241,10 @@ class BatchBuilder:
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend,
         )
-        embeds = visible = prefix_kv = None
+        embeds = visible = prefix_kv = deepstack = None
         if plan.embedded:
             embeds = _embeds(plan, query_start)
+            deepstack = _deepstack(plan, query_start)
             prefix_kv = _prefix_kv(plan, query_start)
             visible = _visible(plan, cache_positions, query_start)
             if visible is not None:  # a bidirectional block: the reference attention takes the mask
@@ -250,6 +254,7 @@ class BatchBuilder:
             rotary=rotary if plan.embedded else None,
             visible=visible,
             prefix_kv=prefix_kv,
+            deepstack=deepstack,
             input_ids=input_ids[None],
             carry_src=carry_src if has_carry else None,
             position_ids=position_ids[None],
@@ -301,6 +306,21 @@ def _embeds(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list[t
             where.append(rel + query_start[i])
             values.append(vals)
     return (np.concatenate(where), values) if where else None
+
+
+def _deepstack(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor]] | None:
+    """(stream indices, per layer the features added there) of the deepstack positions the step's
+    chunks cover, or None."""
+    where, layers = [], []
+    for i in plan.embedded:
+        chunk = plan.chunks[i]
+        found = chunk.request.embeds.deepstack_slice(chunk.start, chunk.start + chunk.num_tokens)
+        if found is not None:
+            where.append(found[0] + query_start[i])
+            layers.append(found[1])
+    if not where:
+        return None
+    return np.concatenate(where), [torch.cat(parts) for parts in zip(*layers)]
 
 
 def _prefix_kv(plan: StepPlan, query_start: np.ndarray) -> tuple[np.ndarray, list] | None:

@@ -15,6 +15,11 @@ model computed them, and the tokens after the prompt take `position + rope_delta
 `kv` gives keys and values per layer for the prompt's first positions instead of computing them
 (PEFT prefix tuning: model/prefix_kv.py); the chunks that cover them run eagerly too.
 
+`deepstack` holds features the language model adds to the hidden states after its first layers at
+some prompt positions (Qwen3-VL's deepstack: one [D, hidden] tensor per such layer, at
+`deepstack_positions`, a subset of the embedded positions); the chunks that cover them run eagerly
+and hand them to the language model (engine/runner.py).
+
 `key` names the embeddings' content for the prefix cache: pages that hold embedded positions are
 cached under it (the placeholder ids alone would let two different images share pages). None:
 such pages are shared only by the requests holding this same object (num_return_sequences copies,
@@ -56,6 +61,8 @@ class PromptEmbeds:
     # whatever the layer's window, and the causal keys within it. None: causal.
     visible: np.ndarray | None = None
     kv: PrefixKV | None = None  # keys and values given for positions [0, kv.count) (model/prefix_kv.py)
+    deepstack: list[torch.Tensor] | None = None  # per layer [D, hidden], added after it at deepstack_positions
+    deepstack_positions: np.ndarray | None = None  # [D] increasing prompt positions, among `positions`
     first: int = field(init=False)  # positions[0] (0 when P == 0)
     end: int = field(init=False)  # positions[-1] + 1
     rope_first: int = field(init=False)  # the span of the prompt whose K rotary rows differ
@@ -72,6 +79,16 @@ class PromptEmbeds:
         self.first = int(self.positions[0]) if len(self.positions) else 0
         self.end = int(self.positions[-1]) + 1 if len(self.positions) else 0
         self.rope_first = self.rope_end = 0
+        self.deepstack_span = (0, 0)
+        if self.deepstack is not None:
+            self.deepstack_positions = np.asarray(self.deepstack_positions, dtype=np.int64)
+            d = len(self.deepstack_positions)
+            if any(t.dim() != 2 or t.shape[0] != d for t in self.deepstack) or \
+                    not np.isin(self.deepstack_positions, self.positions).all() or np.any(np.diff(self.deepstack_positions) <= 0):
+                raise ValueError("deepstack features must be [positions, hidden] per layer, at increasing positions "
+                                 "among the embedded ones.")
+            if d:
+                self.deepstack_span = (int(self.deepstack_positions[0]), int(self.deepstack_positions[-1]) + 1)
         self.kv_end = self.kv.count if self.kv is not None else 0
         self._salt = next(_SALTS)
         self._rope_digest = None
@@ -106,7 +123,8 @@ class PromptEmbeds:
         """Whether tokens [start, stop) feed an embedding, need all rotary rows or see past
         themselves (an eager step)."""
         return ((start < self.end and stop > self.first) or (start < self.rope_end and stop > self.rope_first)
-                or (start < self.sees_ahead[1] and stop > self.sees_ahead[0]) or start < self.kv_end)
+                or (start < self.sees_ahead[1] and stop > self.sees_ahead[0]) or start < self.kv_end
+                or (start < self.deepstack_span[1] and stop > self.deepstack_span[0]))
 
     def chunk_end(self, start: int, stop: int) -> int:
         """Where a prefill chunk from `start` that would end at `stop` may end: never inside a block
@@ -126,6 +144,16 @@ class PromptEmbeds:
         """The embedded positions in [start, stop) (relative to `start`) and their embeddings."""
         a, b = np.searchsorted(self.positions, (start, stop))
         return self.positions[a:b] - start, self.values[a:b]
+
+    def deepstack_slice(self, start: int, stop: int) -> tuple[np.ndarray, list[torch.Tensor]] | None:
+        """The deepstack positions in [start, stop) (relative to `start`) and each layer's features
+        there, or None when the span holds none."""
+        if self.deepstack is None:
+            return None
+        a, b = np.searchsorted(self.deepstack_positions, (start, stop))
+        if a == b:
+            return None
+        return self.deepstack_positions[a:b] - start, [t[a:b] for t in self.deepstack]
 
     def rope_positions(self, start: int, stop: int, prompt_length: int) -> np.ndarray:
         """[K, stop - start] rotary positions of tokens [start, stop) (generated ones past the prompt)."""
@@ -179,6 +207,8 @@ def checked_embeds(embeds: PromptEmbeds, prompt_length: int, embedding: torch.nn
         raise ValueError(f"rotary positions cover {embeds.rope.shape[1]} tokens for a prompt of {prompt_length}.")
     dtype = weight.dtype if weight.dtype.is_floating_point else embeds.values.dtype
     embeds.values = embeds.values.detach().to(weight.device, dtype)
+    if embeds.deepstack is not None:
+        embeds.deepstack = [t.detach().to(weight.device, dtype) for t in embeds.deepstack]
     return embeds
 
 

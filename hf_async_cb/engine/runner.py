@@ -12,6 +12,7 @@ import torch
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
+from hf_async_cb.model import vision
 from hf_async_cb.model.prefix_kv import StepPrefixKV
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
@@ -75,9 +76,9 @@ class ModelRunner:
         model = self.model
         feed, positions = {"input_ids": inputs.input_ids}, inputs.position_ids
         if (inputs.embeds is not None or inputs.rotary is not None or inputs.visible is not None
-                or inputs.prefix_kv is not None):
+                or inputs.prefix_kv is not None or inputs.deepstack is not None):
             feed, positions = self._embedded_step(model, inputs)
-        with attention.current_step(meta):
+        with attention.current_step(meta), vision.deepstack_inputs(model, inputs.deepstack, inputs.input_ids):
             out = model(
                 **feed,
                 # Never read (causality comes from the step metadata), but its presence keeps models

@@ -12,12 +12,15 @@ their rotary positions (Qwen2-VL's [t, h, w] and the shift they leave) come alon
 A mask the model builds itself is read too: where image tokens attend to the later tokens of
 their image (Gemma 3's bidirectional blocks), each prompt keeps the last position each token sees
 (PromptEmbeds.visible: such chunks run the reference attention with that mask, and never end inside
-a block). Refused by name: any other forward pattern, and inputs the language model takes beyond the
-embeddings (Qwen3-VL's deepstack features).
+a block). Features the language model adds to its first layers' hidden states at the image positions
+(Qwen3-VL's deepstack: `visual_pos_masks`, `deepstack_visual_embeds`) are kept per prompt too, and
+handed to the language model by the steps that cover those positions (`deepstack_inputs`). Refused by
+name: any other forward pattern, and other inputs the language model takes beyond the embeddings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -61,7 +64,7 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     tokens and the same image features) share one object, so that they share their pages."""
     received = _language_model_inputs(model, input_ids, attention_mask, media)
     name = type(model).__name__
-    extra = sorted(k for k, v in received.items() if k not in _PLAIN_KWARGS and v is not None)
+    extra = sorted(k for k, v in received.items() if k not in _PLAIN_KWARGS | _DEEPSTACK and v is not None)
     if extra:
         raise ValueError(f"{name}'s language model also takes {extra} beyond the prompt embeddings (e.g. features "
                          "added at several layers); the engine does not feed them: use batching='off'.")
@@ -74,6 +77,7 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     plain = model.get_input_embeddings()(input_ids)
     differs = (merged != plain.to(merged.dtype)).any(-1) & valid
     rope = _rotary_rows(received.get("position_ids"), valid)
+    deepstack = _deepstack_rows(received, valid, name)
     rows: list[PromptEmbeds | None] = []
     seen: dict[tuple, list[PromptEmbeds]] = {}
     for b in range(input_ids.shape[0]):
@@ -88,12 +92,13 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             row_sees = (sees[b][keep] - int((~keep).sum())).cpu().numpy()  # padded columns -> prompt positions
             if (row_sees == torch.arange(len(row_sees)).numpy()).all():
                 row_sees = None
-        if not len(where) and row_rope is None and row_sees is None:
+        row_deepstack = deepstack[b] if deepstack is not None else (None, None)
+        if not len(where) and row_rope is None and row_sees is None and row_deepstack[0] is None:
             rows.append(None)
             continue
         embeds = PromptEmbeds(values, where.cpu().numpy(), rope=row_rope,
                               rope_delta=int(row_rope.max()) + 1 - row_rope.shape[1] if row_rope is not None else 0,
-                              visible=row_sees)
+                              visible=row_sees, deepstack=row_deepstack[0], deepstack_positions=row_deepstack[1])
         same = (tuple(input_ids[b][keep].tolist()), tuple(embeds.positions.tolist()))
         twin = next((e for e in seen.get(same, ()) if _same(e, embeds)), None)
         if twin is None:
@@ -111,6 +116,59 @@ def _name_contents(embeds: list[PromptEmbeds]) -> None:
     for e, key in zip(embeds, keys):
         where = e.positions.tobytes() + (e.visible.tobytes() if e.visible is not None else b"")
         e.key = key + hashlib.blake2b(where, digest_size=16).digest()
+
+
+_DEEPSTACK = {"visual_pos_masks", "deepstack_visual_embeds"}
+
+
+def _deepstack_rows(received: dict, valid: torch.Tensor, name: str) -> list | None:
+    """Per row: (per layer [D, hidden] features, [D] prompt positions) of the deepstack features the
+    language model received (Qwen3-VL), or (None, None) for a row without any; None when it received
+    none. Its features follow the mask's positions in row-major order, as it adds them."""
+    mask, layers = received.get("visual_pos_masks"), received.get("deepstack_visual_embeds")
+    if mask is None or layers is None:
+        return None
+    if mask.dim() == 3:
+        mask = mask[..., 0]
+    if not (isinstance(layers, (list, tuple)) and mask.shape == valid.shape
+            and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == int(mask.sum()) for t in layers)):
+        raise ValueError(f"{name}'s deepstack features are not [image positions, hidden] per layer over a [batch, "
+                         "length] mask: use batching='off'.")
+    rows, first = [], 0
+    for b in range(mask.shape[0]):
+        count = int(mask[b].sum())
+        if not count:
+            rows.append((None, None))
+            continue
+        positions = torch.nonzero(mask[b][valid[b]]).flatten().cpu().numpy()
+        if len(positions) != count:
+            raise ValueError(f"{name} adds deepstack features at padded positions: use batching='off'.")
+        rows.append(([t[first:first + count] for t in layers], positions))
+        first += count
+    return rows
+
+
+@contextlib.contextmanager
+def deepstack_inputs(model: torch.nn.Module, deepstack, input_ids: torch.Tensor):
+    """While a step runs: its deepstack features (StepInputs.deepstack: stream indices and per layer
+    the features there) handed to the language model as the model hands them when it merges images
+    itself (`visual_pos_masks` [1, T], `deepstack_visual_embeds`); nothing when the step has none."""
+    if deepstack is None:
+        yield
+        return
+    where, layers = deepstack
+    mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    mask[0, torch.from_numpy(where).to(input_ids.device)] = True
+
+    def give(module, args, kwargs):
+        kwargs.update(visual_pos_masks=mask, deepstack_visual_embeds=layers)
+        return args, kwargs
+
+    handle = language_model(model).register_forward_pre_hook(give, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
@@ -187,7 +245,9 @@ def _visible(mask, valid: torch.Tensor, name: str, window: int | None) -> torch.
 
 
 def _same(a: PromptEmbeds, b: PromptEmbeds) -> bool:
-    for x, y in ((a.rope, b.rope), (a.visible, b.visible)):
+    for x, y in ((a.rope, b.rope), (a.visible, b.visible), (a.deepstack_positions, b.deepstack_positions)):
         if (x is None) != (y is None) or (x is not None and (x.shape != y.shape or not (x == y).all())):
             return False
+    if a.deepstack is not None and not all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack)):
+        return False
     return torch.equal(a.values, b.values)
