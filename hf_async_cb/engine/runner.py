@@ -10,9 +10,8 @@ from typing import Iterator
 import torch
 
 from hf_async_cb.engine.batch import StepInputs
-from hf_async_cb.model import attention
+from hf_async_cb.model import attention, vision
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
-from hf_async_cb.model import vision
 from hf_async_cb.model.prefix_kv import StepPrefixKV
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
