@@ -9,9 +9,11 @@ every call streams from HBM): cuBLAS on bf16
 weights, bitsandbytes' own Linear4bit path (`bnb.matmul_4bit`), the skinny GEMM's codebook form
 (`skinny_linear_codebook_4bit`) and its grouped 4-bit form (HQQ's layout) for comparison, and a
 probe kernel that reads the same bytes in the codebook layout with three ways of turning a nibble
-into its value: a load from the 16-entry table in global memory (what the form does), `tl.gather`
-from the table held in registers, and arithmetic (`q - 8`, no table: the cost of the rest). Each
-row also gives the bandwidth the 4-bit bytes stream at.
+into its value: a load from the 16-entry table in global memory, `tl.gather` from the table held in
+registers (what the form does since), and arithmetic (`q - 8`, no table: the cost of the rest),
+each with two half-K dots on x's even and odd columns (the form's) and with the halves joined
+back into one tile for one dot ("joined"). Each row also gives the bandwidth the form's 4-bit
+bytes stream at.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ LOOKUPS = {"table load": 0, "tl.gather": 1, "arithmetic": 2}
 
 @triton.jit
 def _probe_kernel(x_ptr, w_ptr, s_ptr, code_ptr, out_ptr, M, N, K, k_per_split, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr):
-    """out[:, tile] += x @ w.T over one K split (fp32 atomics), w in bitsandbytes' 4-bit layout."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr,
+                  JOIN: tl.constexpr):
+    """out[:, tile] += x @ w.T over one K split (fp32 atomics), w in bitsandbytes' 4-bit layout.
+    JOIN: the high and low nibbles' weights interleaved back into one [BLOCK_N, BLOCK_K] tile
+    (tl.join) for one dot with x's contiguous columns, instead of two dots with its even and odd ones."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -56,25 +61,33 @@ def _probe_kernel(x_ptr, w_ptr, s_ptr, code_ptr, out_ptr, M, N, K, k_per_split, 
         else:
             vh = (hi - 8).to(tl.float32)
             vl = (lo - 8).to(tl.float32)
-        wh = tl.reshape(tl.reshape(vh, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
-                        (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
-        wl = tl.reshape(tl.reshape(vl, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
-                        (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
-        xp = x_ptr + offs_m[:, None] * K + (at + 2 * half)[None, :]
-        xe = tl.load(xp, mask=(offs_m < M)[:, None], other=0.0)
-        xo = tl.load(xp + 1, mask=(offs_m < M)[:, None], other=0.0)
-        acc += tl.dot(xe, tl.trans(wh))
-        acc += tl.dot(xo, tl.trans(wl))
+        if JOIN:
+            v = tl.reshape(tl.join(vh, vl), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = tl.reshape(v * absmax[:, :, None], (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+            xj = tl.load(x_ptr + offs_m[:, None] * K + (at + tl.arange(0, BLOCK_K))[None, :],
+                         mask=(offs_m < M)[:, None], other=0.0)
+            acc += tl.dot(xj, tl.trans(w))
+        else:
+            wh = tl.reshape(tl.reshape(vh, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                            (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+            wl = tl.reshape(tl.reshape(vl, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                            (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+            xp = x_ptr + offs_m[:, None] * K + (at + 2 * half)[None, :]
+            xe = tl.load(xp, mask=(offs_m < M)[:, None], other=0.0)
+            xo = tl.load(xp + 1, mask=(offs_m < M)[:, None], other=0.0)
+            acc += tl.dot(xe, tl.trans(wh))
+            acc += tl.dot(xo, tl.trans(wl))
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.atomic_add(out_ptr + offs_m[:, None] * N + cols[None, :], acc, mask=(offs_m < M)[:, None])
 
 
-def _probe(x, packed, absmax, code, lookup: int, split: int):
+def _probe(x, packed, absmax, code, lookup: int, split: int, join: int = 0):
     M, K = x.shape
     N = packed.shape[0]
     out = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     _probe_kernel[(N // 64, split)](x, packed, absmax, code, out, M, N, K, K // split, BLOCK_M=max(16, triton.next_power_of_2(M)),
-                                    BLOCK_N=64, BLOCK_K=128, GROUP=64, LOOKUP=lookup, num_warps=4, num_stages=3)
+                                    BLOCK_N=64, BLOCK_K=128, GROUP=64, LOOKUP=lookup, JOIN=join, num_warps=4,
+                                    num_stages=3)
     return out
 
 
@@ -136,13 +149,15 @@ def main(argv=None) -> int:
             row["codebook_form_us"] = _time_us(lambda i: skinny_linear_codebook_4bit(
                 x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, 64))
             row["hqq_form_us"] = _time_us(lambda i: skinny_linear_4bit(x, *hqq[i % copies], 64))
-            for label, lookup in LOOKUPS.items():
-                split = max(1, min(16, 264 // max(1, N // 64)))
-                try:
-                    row[f"probe_{label}_us"] = _time_us(lambda i: _probe(
-                        x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, lookup, split))
-                except Exception as e:  # noqa: BLE001 - a lookup this Triton cannot build: say so in its cell
-                    row[f"probe_{label}_us"] = f"{type(e).__name__}: {str(e)[:80]}"
+            split = max(1, min(16, 264 // max(1, N // 64)))
+            for join in (0, 1):
+                for label, lookup in LOOKUPS.items():
+                    column = f"probe_{label}{', joined' if join else ''}_us"
+                    try:
+                        row[column] = _time_us(lambda i: _probe(x, packed[i % copies], states[i % copies][1].absmax,
+                                                                states[i % copies][1].code, lookup, split, join))
+                    except Exception as e:  # noqa: BLE001 - a variant this Triton cannot build: say so in its cell
+                        row[column] = f"{type(e).__name__}: {str(e)[:80]}"
             bytes_4bit = N * K / 2 + N * K / 64 * 4
             row["codebook_form_tb_s"] = round(bytes_4bit / row["codebook_form_us"] / 1e6, 3)
             results.append(row)
