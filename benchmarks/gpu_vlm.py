@@ -2,9 +2,11 @@
 weights) with 64 requests x (1 image of 576 tokens + 64 text tokens) -> 256 new, stock generate beside
 generate(batching="async") in one process, and the roofline. Shapes: LLaVA-1.5-7B (CLIP ViT-L/14 at
 336 px, Llama-2-7B), Qwen2.5-VL-7B (its ViT at 672 x 672 px: 2304 patches merged 2 x 2 into 576 tokens,
-multimodal rotary positions). Inputs are built without a processor (no image library needed).
+multimodal rotary positions), Qwen3-VL-8B (its ViT at 768 x 768 px with 16 px patches: 2304 patches
+merged into 576 tokens, interleaved multimodal rotary positions, deepstack features added to the
+language model's first layers). Inputs are built without a processor (no image library needed).
 
-    PYTHONPATH=. python benchmarks/gpu_vlm.py [--shape llava-1.5-7b|qwen2.5-vl-7b] [--requests 64] [--new 256]
+    PYTHONPATH=. python benchmarks/gpu_vlm.py [--shape llava-1.5-7b|qwen2.5-vl-7b|qwen3-vl-8b] [--requests 64] [--new 256]
 
 Roofline: the vision tower's and the prefill's FLOPs at 790 TFLOP/s, plus every decode step at
 the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth).
@@ -37,19 +39,24 @@ def llava(text: dict, vision: dict, image_size: int, patch: int, dtype, device):
     return model
 
 
-def qwen25_vl(text: dict, vision: dict, dtype, device):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def qwen_vl(text: dict, vision: dict, dtype, device, version: str = "2.5"):
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration)
 
+    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if version == "2.5"
+                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
     vocab = text["vocab_size"]
     ids = dict(image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
                vision_end_token_id=vocab - 4)
     half = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs: [t, h, w] as Qwen's 16/24/24 of 64
     sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
-    config = Qwen2_5_VLConfig(text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                                      "mrope_section": sections}),
-                              vision_config=vision, **ids)
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": sections}
+    if version != "2.5":  # (Qwen3-VL: [24, 20, 20] of 64 pairs, interleaved)
+        rope.update(mrope_section=[3 * half // 8, (half - 3 * half // 8) // 2, half - 3 * half // 8 - (half - 3 * half // 8) // 2],
+                    mrope_interleaved=True)
+    config = config_class(text_config=dict(text, rope_parameters=rope), vision_config=vision, **ids)
     with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+        model = model_class(config).to(dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -123,7 +130,7 @@ def copy_bandwidth(device) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=("llava-1.5-7b", "qwen2.5-vl-7b"), default="llava-1.5-7b")
+    parser.add_argument("--shape", choices=("llava-1.5-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"), default="llava-1.5-7b")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--text", type=int, default=64)
@@ -147,13 +154,24 @@ def main() -> None:
         ids, mask, pixels = batch(model, args.requests, args.text, image_tokens, 336, device)
         inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels)
         tower, vision_tokens = model.model.vision_tower, image_tokens + 1
-    else:
+    elif args.shape == "qwen2.5-vl-7b":
         text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                     num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768)
         vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                       fullatt_block_indexes=[7, 15, 23, 31])
-        model = qwen25_vl(text, vision, torch.bfloat16, device)
+        model = qwen_vl(text, vision, torch.bfloat16, device)
+        grid = 48
+        inputs = qwen_batch(model, args.requests, args.text, grid, device)
+        image_tokens, ids = grid * grid // 4, inputs["input_ids"]
+        tower, vision_tokens = model.model.visual, grid * grid
+    else:
+        text = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=32768)
+        vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                      deepstack_visual_indexes=[8, 16, 24])
+        model = qwen_vl(text, vision, torch.bfloat16, device, version="3")
         grid = 48
         inputs = qwen_batch(model, args.requests, args.text, grid, device)
         image_tokens, ids = grid * grid // 4, inputs["input_ids"]
