@@ -32,7 +32,7 @@ from hf_async_cb.model.vision_attention import packed_vision_attention
 # What the language model may receive besides the embeddings and positions without changing them.
 _PLAIN_KWARGS = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache",
                  "use_cache", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
-                 "logits_to_keep"}
+                 "output_router_logits", "logits_to_keep"}
 
 
 class _Entered(Exception):
