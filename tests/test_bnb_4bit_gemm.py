@@ -190,7 +190,7 @@ def test_kernel_refuses_what_it_does_not_take():
         codebook(x, packed, absmax, code, 64, torch.zeros(16, device=DEVICE, dtype=torch.float64))
     with pytest.raises(ValueError, match="at least 32"):
         codebook(x, packed, torch.ones(16 * 128 // 16, device=DEVICE), code, 16, config=dict(BLOCK_K=16))
-    with pytest.raises(ValueError, match="multiple of the group size"):
+    with pytest.raises(ValueError, match="multiple of the group"):
         codebook(x, packed, absmax, code, 64, config=dict(BLOCK_K=32))
     with pytest.raises(ValueError, match="at most 256 rows"):
         codebook(torch.zeros(257, 128, device=DEVICE, dtype=DTYPE), packed, absmax, code, 64)
@@ -213,6 +213,10 @@ def test_which_linear4bit_modules_are_taken(saved_llama):
     assert bnb_4bit(bnb.nn.Linear4bit(128, 32, compute_dtype=DTYPE)) is None  # not quantized yet (not moved)
     assert bnb_4bit(_linear4bit(32, 512, blocksize=512)) is None  # blocks over 256
     assert bnb_4bit(_linear4bit(32, 128, storage=torch.bfloat16)) is None  # codes stored as bf16 (FSDP's)
+    nested = _linear4bit(32, 128, nested=True)
+    assert bnb_4bit(nested) is not None
+    nested.weight.quant_state.state2.blocksize = 128  # (bitsandbytes' own matmul refuses such nesting)
+    assert bnb_4bit(nested) is None
     for hook in ("register_forward_hook", "register_forward_pre_hook"):
         module = _linear4bit(32, 128)
         getattr(module, hook)(lambda *args: None)

@@ -99,7 +99,7 @@ def test_kernel_refuses_what_it_does_not_take():
         skinny.skinny_linear_4bit(x, packed, ones, ones.to(torch.float16), 64)
     with pytest.raises(ValueError, match="packed uint8"):
         skinny.skinny_linear_4bit(x, packed.to(torch.int8), ones, ones, 64)
-    with pytest.raises(ValueError, match="multiple of the group size"):
+    with pytest.raises(ValueError, match="multiple of the group"):
         skinny.skinny_linear_4bit(x, packed, ones, ones, 64, config=dict(BLOCK_K=32))
 
 

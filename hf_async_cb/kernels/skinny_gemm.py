@@ -419,8 +419,8 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtyp
         base["BLOCK_K"] = max(base["BLOCK_K"], group)
     cfg = _check_config({**base, **(config or {})})
     if group and cfg["BLOCK_K"] % group:
-        raise ValueError(f"skinny_linear_4bit: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group size "
-                         f"({group})")
+        raise ValueError(f"skinny GEMM 4-bit forms: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group "
+                         f"(block) size ({group})")
     if "num_stages" not in (config or {}):
         weight_bytes = 0.5 if group else weight_dtype.itemsize
         stage = block_m(M) * cfg["BLOCK_K"] * dtype.itemsize + cfg["BLOCK_N"] * cfg["BLOCK_K"] * weight_bytes

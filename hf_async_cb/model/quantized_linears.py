@@ -236,8 +236,8 @@ def bnb_4bit(module: nn.Module) -> Bnb4bit | None:
     if getattr(state, "nested", False):
         import bitsandbytes.functional as bnb_functional
 
-        if state.state2 is None or absmax.dtype != torch.uint8:
-            return None
+        if state.state2 is None or absmax.dtype != torch.uint8 or getattr(state.state2, "blocksize", None) != 256:
+            return None  # (bitsandbytes' own matmul takes nested blocks of 256 alone)
         absmax = bnb_functional.dequantize_blockwise(absmax, state.state2) + state.offset  # (as its matmul does)
     if absmax.dtype != torch.float32 or absmax.numel() != N * K // blocksize or absmax.device != data.device:
         return None
