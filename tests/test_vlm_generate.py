@@ -118,7 +118,7 @@ def test_image_tokens_split_across_chunks_and_preempted(name, mode):
     hf_async_cb.release(model)
 
 
-@pytest.mark.parametrize("name", ["llava", "gemma3"])
+@pytest.mark.parametrize("name", ["llava", "qwen3_vl", "gemma3"])
 def test_the_same_images_in_a_later_call_come_from_the_cache(name):
     """Image embeddings are keyed by their content: a later call with the same images and text takes
     every full page of its prompts from the cache; one with other images (the same ids) none past
