@@ -26,35 +26,43 @@ def assert_engine_greedy_matches_stock(model, mode: str, calls: list) -> None:
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def interpreter_launches(monkeypatch) -> list:
+    """Every kernel launch Triton's interpreter runs from now on in the test, as (kernel, args,
+    kwargs); skips the test off the CPU (it reads the interpreter's launches)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if DEVICE != "cpu":
+        pytest.skip("records the interpreter's launches")
+    seen = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    return seen
+
+
 def engine_launches_and_listing(monkeypatch, model) -> tuple[list, set[str], set[str]]:
     """Run an engine on `model` at several batch sizes, recording the skinny GEMM's launches (the
     interpreter's) and what its build handed the precompile: (launches as (kernel, args, kwargs),
     their keys, the listed keys)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from hf_async_cb import Engine
     from hf_async_cb.engine import engine as engine_module
     from hf_async_cb.kernels.model_variants import facts_of, model_variants
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    listed, seen = set(), []
+    launches = interpreter_launches(monkeypatch)
+    listed = set()
 
     def listing(engine, model):
         listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
 
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        if self in (skinny._skinny_gemm_kernel, skinny._splitk_reduce_kernel):
-            seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
     monkeypatch.setattr(engine_module, "precompile", listing)
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
     config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, mode="sync")
     with Engine(model, config) as engine:
         for rows in (1, 3, 9):
             engine.generate(random_prompts(rows, 2, 9, seed=rows), max_new_tokens=3)
+    seen = [launch for launch in launches if launch[0] in (skinny._skinny_gemm_kernel, skinny._splitk_reduce_kernel)]
     return seen, {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}, listed

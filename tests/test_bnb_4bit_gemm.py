@@ -21,7 +21,7 @@ the tests turn it on, to check the form where it would run."""
 import pytest
 import torch
 from models import tiny_model
-from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing
+from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing, interpreter_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -360,20 +360,9 @@ def test_the_listed_variants_are_the_launched_ones(monkeypatch):
     """The codebook form's variants (what the build compiles ahead) have the keys its launches look up:
     split-K (K = 512 at 1 and 5 rows) and not (40 rows), with a bias and without, its weights rounded
     to x's dtype alone or to fp16 first."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    seen = []
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    seen = interpreter_launches(monkeypatch)
     n, k = 64, 512
     packed, absmax, code = torch.ones(n, k // 2, dtype=torch.uint8), torch.ones(n * k // 64), torch.ones(16)
     cases = [(rows, bias, round_dtype) for rows in (1, 5, 40) for bias, round_dtype in

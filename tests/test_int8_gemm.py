@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from models import tiny_model
-from quantized_checks import assert_engine_greedy_matches_stock
+from quantized_checks import assert_engine_greedy_matches_stock, interpreter_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -104,20 +104,9 @@ def test_engine_greedy_matches_stock(mode, scaled_calls):
 
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
     """The scaled form's variants (what the build compiles ahead) have the keys its launches look up."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    seen = []
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    seen = interpreter_launches(monkeypatch)
     n, k = 64, 128
     for rows in (1, 5, 40):
         x = torch.randn(rows, k, dtype=DTYPE)

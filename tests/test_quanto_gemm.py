@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from models import tiny_model
-from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing
+from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing, interpreter_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -190,20 +190,9 @@ def test_engine_greedy_matches_stock(mode, prescaled_calls):
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
     """The pre-scaled form's variants (what the build compiles ahead) have the keys its launches look
     up, int8 and float8, split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    seen = []
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    seen = interpreter_launches(monkeypatch)
     n, k = 64, 512
     for weight_dtype in WEIGHTS:
         seen.clear()

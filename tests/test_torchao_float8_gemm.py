@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from models import tiny_model
-from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing
+from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing, interpreter_launches
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -168,20 +168,9 @@ def test_engine_greedy_matches_stock(mode, prescaled_calls):
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
     """The form with float32 scales under 16-bit activations (what the build compiles ahead for a bf16
     model) has the keys its launches look up, split-K (K = 512 at 1 and 5 rows) and not (40 rows)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
-    if DEVICE != "cpu":
-        pytest.skip("records the interpreter's launches")
-    seen = []
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        seen.append((self, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    seen = interpreter_launches(monkeypatch)
     n, k = 64, 512
     for rows in (1, 5, 40):
         x = torch.randn(rows, k, dtype=SIXTEEN)

@@ -430,17 +430,22 @@ register(VLMFamily("qwen2_5_vl", "qwen2_5_vl", _qwen2_5_vl_model,
                    "model.language_model"))
 
 
-def _qwen3_vl_model():
+def _qwen3_vl_model(moe: bool = False):
+    """A tiny Qwen3-VL (deepstack from both vision layers), its language model dense or a mixture of experts."""
     tok = _qwen_tok()
-    text = _text("qwen3_vl_text", tok, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                         "mrope_section": [4, 2, 2], "mrope_interleaved": True})
-    cfg = transformers.Qwen3VLConfig(
+    text = _text("qwen3_vl_moe_text" if moe else "qwen3_vl_text", tok, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    config_class, model_class = ((transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration)
+                                 if moe else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration))
+    cfg = config_class(
         text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                                              out_hidden_size=64, patch_size=16, spatial_merge_size=2,
                                              temporal_patch_size=2, num_position_embeddings=16,
                                              deepstack_visual_indexes=[0, 1]),
         **_qwen_ids(tok))
-    return transformers.Qwen3VLForConditionalGeneration(cfg)
+    return model_class(cfg)
 
 
 register(VLMFamily("qwen3_vl", "qwen3_vl", _qwen3_vl_model,
@@ -450,21 +455,7 @@ register(VLMFamily("qwen3_vl", "qwen3_vl", _qwen3_vl_model,
                          "the hidden states of its first layers at the image positions)"))
 
 
-def _qwen3_vl_moe_model():
-    tok = _qwen_tok()
-    text = _text("qwen3_vl_moe_text", tok, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": [4, 2, 2], "mrope_interleaved": True})
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-    cfg = transformers.Qwen3VLMoeConfig(
-        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                                             out_hidden_size=64, patch_size=16, spatial_merge_size=2,
-                                             temporal_patch_size=2, num_position_embeddings=16,
-                                             deepstack_visual_indexes=[0, 1]),
-        **_qwen_ids(tok))
-    return transformers.Qwen3VLMoeForConditionalGeneration(cfg)
-
-
-register(VLMFamily("qwen3_vl_moe", "qwen3_vl_moe", _qwen3_vl_moe_model,
+register(VLMFamily("qwen3_vl_moe", "qwen3_vl_moe", lambda: _qwen3_vl_model(moe=True),
                    lambda: _qwen2_vl_processor(16, transformers.Qwen3VLProcessor), QWEN_MARKER,
                    "model.language_model",
                    notes="Qwen3-VL with a mixture-of-experts language model: deepstack features as Qwen3-VL's"))

@@ -17,6 +17,8 @@ from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
 
+_NO_FEATURES = contextlib.nullcontext()  # a step without deepstack features: nothing to hand the language model
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, prepared: PreparedModel,
@@ -77,7 +79,9 @@ class ModelRunner:
         if (inputs.embeds is not None or inputs.rotary is not None or inputs.visible is not None
                 or inputs.prefix_kv is not None or inputs.deepstack is not None):
             feed, positions = self._embedded_step(model, inputs)
-        with attention.current_step(meta), vision.deepstack_inputs(model, inputs.deepstack, inputs.input_ids):
+        features = _NO_FEATURES if inputs.deepstack is None else vision.deepstack_inputs(model, inputs.deepstack,
+                                                                                          inputs.input_ids)
+        with attention.current_step(meta), features:
             out = model(
                 **feed,
                 # Never read (causality comes from the step metadata), but its presence keeps models

@@ -152,10 +152,7 @@ def _deepstack_rows(received: dict, valid: torch.Tensor, name: str) -> list | No
 def deepstack_inputs(model: torch.nn.Module, deepstack, input_ids: torch.Tensor):
     """While a step runs: its deepstack features (StepInputs.deepstack: stream indices and per layer
     the features there) handed to the language model as the model hands them when it merges images
-    itself (`visual_pos_masks` [1, T], `deepstack_visual_embeds`); nothing when the step has none."""
-    if deepstack is None:
-        yield
-        return
+    itself (`visual_pos_masks` [1, T], `deepstack_visual_embeds`)."""
     where, layers = deepstack
     mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     mask[0, torch.from_numpy(where).to(input_ids.device)] = True
