@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Where the codebook 4-bit form's time goes (bitsandbytes nf4 at decode shapes), on a CUDA GPU.
 
-    PYTHONPATH=. python benchmarks/codebook_gemm_probe.py [--rows 1,32,128] [--json out.json]
+    PYTHONPATH=. python benchmarks/codebook_gemm_probe.py [--rows 1,2,4,...,256] [--probes joined|all|none]
+                                                          [--hqq] [--json out.json]
 
 Per Llama-3-8B projection shape and rows count, microseconds per product (CUDA events over a CUDA
 graph of 50 calls, as decode steps run; weights rotated over copies that together exceed the L2, so
@@ -11,9 +12,11 @@ weights, bitsandbytes' own Linear4bit path (`bnb.matmul_4bit`), the skinny GEMM'
 probe kernel that reads the same bytes in the codebook layout with three ways of turning a nibble
 into its value: a load from the 16-entry table in global memory, `tl.gather` from the table held in
 registers (what the form does since), and arithmetic (`q - 8`, no table: the cost of the rest),
-each with two half-K dots on x's even and odd columns (the form's) and with the halves joined
-back into one tile for one dot ("joined"). Each row also gives the bandwidth the form's 4-bit
-bytes stream at.
+each with two half-K dots on x's even and odd columns (the form's first version) and with the
+halves joined back into one tile for one dot ("joined", the form's since). `--probes joined` (the
+default) runs the joined table-free variants only, `all` the six. Each row also gives the bandwidth
+the form's 4-bit bytes stream at and the form's time over bitsandbytes' (below 1: the form wins,
+what decode_gemm's routing of Linear4bit modules on CUDA is set from).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 SHAPES = {"q/o_proj": (4096, 4096), "gate/up_proj": (14336, 4096), "down_proj": (4096, 14336),
           "k/v_proj": (1024, 4096)}
+PER_LAYER = {"q/o_proj": 2, "gate/up_proj": 2, "down_proj": 1, "k/v_proj": 2}  # (Linear4bit modules are never fused)
 LOOKUPS = {"table load": 0, "tl.gather": 1, "arithmetic": 2}
 
 
@@ -119,7 +123,9 @@ def _time_us(fn, calls: int = 50) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="1,32,128")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--probes", choices=("joined", "all", "none"), default="joined")
+    p.add_argument("--hqq", action="store_true", help="time the grouped 4-bit form (HQQ's layout) too")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
         w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(2)]
         states = [F.quantize_4bit(w16[i % 2], blocksize=64, quant_type="nf4") for i in range(copies)]
         packed = [q.view(N, K // 2) for q, _ in states]
-        hqq = [(torch.randint(0, 255, (N // 2, K), device=dev, dtype=torch.uint8),
+        hqq = [] if not args.hqq else [(torch.randint(0, 255, (N // 2, K), device=dev, dtype=torch.uint8),
                 torch.rand(N * K // 64, device=dev, dtype=torch.bfloat16),
                 torch.rand(N * K // 64, device=dev, dtype=torch.bfloat16)) for _ in range(copies)]
         for rows in (int(r) for r in args.rows.split(",")):
@@ -148,24 +154,41 @@ def main(argv=None) -> int:
                                                                    states[i % copies][1]))
             row["codebook_form_us"] = _time_us(lambda i: skinny_linear_codebook_4bit(
                 x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, 64))
-            row["hqq_form_us"] = _time_us(lambda i: skinny_linear_4bit(x, *hqq[i % copies], 64))
+            if args.hqq:
+                row["hqq_form_us"] = _time_us(lambda i: skinny_linear_4bit(x, *hqq[i % copies], 64))
             split = max(1, min(16, 264 // max(1, N // 64)))
-            for join in (0, 1):
-                for label, lookup in LOOKUPS.items():
-                    column = f"probe_{label}{', joined' if join else ''}_us"
-                    try:
-                        row[column] = _time_us(lambda i: _probe(x, packed[i % copies], states[i % copies][1].absmax,
-                                                                states[i % copies][1].code, lookup, split, join))
-                    except Exception as e:  # noqa: BLE001 - a variant this Triton cannot build: say so in its cell
-                        row[column] = f"{type(e).__name__}: {str(e)[:80]}"
+            probes = {"all": [(j, lk) for j in (0, 1) for lk in LOOKUPS.items()],
+                      "joined": [(1, lk) for lk in LOOKUPS.items() if lk[1]], "none": []}[args.probes]
+            for join, (label, lookup) in probes:
+                column = f"probe_{label}{', joined' if join else ''}_us"
+                try:
+                    row[column] = _time_us(lambda i: _probe(x, packed[i % copies], states[i % copies][1].absmax,
+                                                            states[i % copies][1].code, lookup, split, join))
+                except Exception as e:  # noqa: BLE001 - a variant this Triton cannot build: say so in its cell
+                    row[column] = f"{type(e).__name__}: {str(e)[:80]}"
             bytes_4bit = N * K / 2 + N * K / 64 * 4
             row["codebook_form_tb_s"] = round(bytes_4bit / row["codebook_form_us"] / 1e6, 3)
+            row["form_over_bnb"] = round(row["codebook_form_us"] / row["bnb_own_us"], 3)
             results.append(row)
             print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    wins = form_wins(results)
+    print(json.dumps({"form_wins_at_rows": wins}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def form_wins(results: list[dict]) -> list[int]:
+    """The rows counts at which a decoder layer's seven projections take less time in the codebook
+    form than in bitsandbytes' own path, summed (what decode_gemm.BNB_4BIT_CUDA_BUCKETS is set from)."""
+    wins = []
+    for rows in sorted({r["rows"] for r in results}):
+        at = [r for r in results if r["rows"] == rows]
+        if sum(PER_LAYER[r["shape"]] * r["codebook_form_us"] for r in at) < \
+                sum(PER_LAYER[r["shape"]] * r["bnb_own_us"] for r in at):
+            wins.append(rows)
+    return wins
 
 
 if __name__ == "__main__":

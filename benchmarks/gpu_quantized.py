@@ -194,9 +194,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
     p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb (comma-separated)")
+    p.add_argument("--bnb-4bit-buckets", default=None,
+                   help="rows buckets at which bitsandbytes' Linear4bit takes the codebook form (e.g. 2,4,8; "
+                        "default: decode_gemm.BNB_4BIT_CUDA_BUCKETS)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     start = time.perf_counter()
+    if args.bnb_4bit_buckets is not None:
+        from hf_async_cb.model import decode_gemm
+
+        decode_gemm.BNB_4BIT_CUDA_BUCKETS = frozenset(int(b) for b in args.bnb_4bit_buckets.split(",") if b)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import transformers
 

@@ -9,7 +9,8 @@
 # SKIP_TESTS=1 leaves step 1 out (TESTS=... names the test files instead of all six, TESTS_TIMEOUT its
 # seconds); RESOLVE_DIFF=1 first diffs the resolve kernel's worker and serving compiles
 # (benchmarks/gpu_resolve_cache_diff.py); SKIP_CENSUS=1 leaves step 2 out; PROBE=1 times the codebook
-# 4-bit form per projection beside bitsandbytes' own path (benchmarks/codebook_gemm_probe.py) before step 3.
+# 4-bit form per projection beside bitsandbytes' own path (benchmarks/codebook_gemm_probe.py) before step 3,
+# and step 3's bitsandbytes 4-bit forms take the codebook form at the rows counts where the probe found it faster.
 # Needs the quantization wheels the GPU image lacks: run(carry=[".whl"], ...). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -29,7 +30,13 @@ CACHE=$(mktemp -d)
     > "$OUT/census_$run.txt" 2>&1
   grep -E "^[0-9]+:|phases|cache:|compiled ahead" "$OUT/census_$run.txt" | cut -c1-600
 done
-[ "${PROBE:-0}" = 1 ] && timeout 150 python3 benchmarks/codebook_gemm_probe.py --rows 1,32,128 --json "$OUT/probe.json" 2>&1 \
-  | grep -v -i warn | tail -12
+BUCKETS=()
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/codebook_gemm_probe.py --json "$OUT/probe.json" 2>&1 \
+    | grep -v -i warn | tail -40 | tee "$OUT/probe.txt"
+  # the bitsandbytes 4-bit forms below then take the codebook form at the rows the probe found it faster
+  WINS=$(grep -o '"form_wins_at_rows": \[[0-9, ]*\]' "$OUT/probe.txt" | grep -o '\[.*\]' | tr -d '[] ')
+  [ -n "${WINS+x}" ] && BUCKETS=(--bnb-4bit-buckets "$WINS")
+fi
 timeout ${QUANTIZED_TIMEOUT:-330} python3 benchmarks/gpu_quantized.py --forms "${FORMS:-torchao-int8,torchao-float8,hqq-4bit-g128,quanto-int8,bnb-nf4,torchao-int4,bnb-int8}" \
-  --budget ${QUANTIZED_BUDGET:-300} --new ${NEW:-512} --paths "${PATHS:-sync,hf-cb}" --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14
+  --budget ${QUANTIZED_BUDGET:-300} --new ${NEW:-512} --paths "${PATHS:-sync,hf-cb}" "${BUCKETS[@]}" --json "$OUT/quantized.json" 2>&1 | grep -v -i warn | tail -14

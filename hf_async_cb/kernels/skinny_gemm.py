@@ -52,7 +52,7 @@ import triton.language as tl
 from hf_async_cb.devices import num_sms
 # The forms' Triton helpers are the kernel's globals: its cache key counts them (variant.settle_cache_keys).
 from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _codebook_4bit_pointers,
-                                                   _codebook_4bit_step, _grouped_4bit_pointers,
+                                                   _codebook_4bit_tile, _grouped_4bit_pointers,
                                                    _grouped_4bit_tile, _prescaled_tile, check_codebook_4bit,
                                                    check_grouped_4bit, check_prescaled, check_scaled_int8)
 from hf_async_cb.kernels.variant import Variant
@@ -78,8 +78,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     the reduce kernel does this); GROUP > 0: w_ptr packed 4-bit, s_ptr and z_ptr a scale and a zero
     per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
     before the product, so the partials of split-K are only added; CODEBOOK > 0: w_ptr two 4-bit
-    codes per byte along K, z_ptr their 16 values, s_ptr an absmax per GROUP weights along K (the
-    even and odd columns are multiplied apart, so that no tile is interleaved)."""
+    codes per byte along K, z_ptr their 16 values, s_ptr an absmax per GROUP weights along K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -105,45 +104,43 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, k_per_split, BLOCK_K):
-        if CODEBOOK > 0:
-            acc = _codebook_4bit_step(acc, x_ptr, w_ptrs, s_ptrs, z_ptr, offs_m, m_ok, n_ok, k0 + k, K, stride_xm,
-                                      CODEBOOK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, EVEN_K, EVEN_N, SWAP_AB, IEEE)
-            w_ptrs += BLOCK_K // 2
-            s_ptrs += BLOCK_K // GROUP
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            k_ok = (k0 + k + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if CODEBOOK > 0:
+            w = _codebook_4bit_tile(w_ptrs, s_ptrs, z_ptr, n_ok, k0 + k, K, x_ptr.dtype.element_ty, CODEBOOK, BLOCK_N,
+                                    BLOCK_K, GROUP, EVEN_K, EVEN_N)
+            s_ptrs += BLOCK_K // GROUP
+        elif GROUP > 0:
+            w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
+                                   BLOCK_K, GROUP, EVEN_K, EVEN_N)
+            s_ptrs += BLOCK_K // GROUP
+            z_ptrs += BLOCK_K // GROUP
+        else:
+            if not EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            elif EVEN_N:
+                w = tl.load(w_ptrs)
             else:
-                k_ok = (k0 + k + offs_k) < K
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if GROUP > 0:
-                w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
-                                       BLOCK_K, GROUP, EVEN_K, EVEN_N)
-                s_ptrs += BLOCK_K // GROUP
-                z_ptrs += BLOCK_K // GROUP
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            if PRESCALED:
+                w = _prescaled_tile(w, row_scale, x_ptr.dtype.element_ty)
+            elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
+                w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+        if SWAP_AB:
+            if IEEE:
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
             else:
-                if not EVEN_K:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                elif EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-                if PRESCALED:
-                    w = _prescaled_tile(w, row_scale, x_ptr.dtype.element_ty)
-                elif w_ptr.dtype.element_ty != x_ptr.dtype.element_ty:  # int8 (the scaled form): exact in x's dtype
-                    w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
-            if SWAP_AB:
-                if IEEE:
-                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-                else:
-                    acc += tl.dot(w, tl.trans(x))
+                acc += tl.dot(w, tl.trans(x))
+        else:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
-                if IEEE:
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(x, tl.trans(w))
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+                acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2 if CODEBOOK > 0 else BLOCK_K  # (two codes a byte along K)
     if SWAP_AB:
         acc = tl.trans(acc)
     mask = m_ok[:, None] & n_ok[None, :]
@@ -342,7 +339,7 @@ def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: t
     is rebuilt as bitsandbytes' dequantize rounds it: code[q] * absmax in fp32, rounded to
     `round_dtype` (the dtype the model was quantized from; None: x's), then to x's dtype. bias, in x's
     dtype, is added to the fp32 product before it is rounded (as F.linear adds it). blocksize: a power
-    of two from 16 to 256 dividing K; a config's BLOCK_K must be a multiple of it and at least 32.
+    of two from 16 to 256 dividing K; a config's BLOCK_K must be a multiple of it.
     Raises ValueError for what it does not take."""
     absmax, code = check_codebook_4bit(x, packed, absmax, code, blocksize)
     if bias is not None and bias.dtype != x.dtype:
@@ -435,9 +432,6 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: Weig
     M rows in `dtype` with a weight in `form`: one derivation for a launch and for variants(), so the
     variants listed to compile ahead are the ones launched."""
     cfg = _config(M, N, K, dtype, form.dtype or dtype, sms, config, form.group)
-    if form.codebook and cfg["BLOCK_K"] < 32:
-        raise ValueError(f"skinny_linear_codebook_4bit: BLOCK_K ({cfg['BLOCK_K']}) must be at least 32 (each half "
-                         "of a K block is a dot of at least 16)")
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K blocks
     gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,

@@ -221,12 +221,15 @@ def _codebook_4bit_pointers(w_ptr, s_ptr, n0, k0, K, BLOCK_N: tl.constexpr, BLOC
 
 
 @triton.jit
-def _codebook_4bit_halves(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype: tl.constexpr, CODEBOOK: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                          EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """The tile at K offset `k_at` as two [BLOCK_N, BLOCK_K / 2] halves in `dtype`: its even columns
-    (the high nibbles) and its odd ones (the low), each weight code[q] * absmax in fp32, rounded as
-    bitsandbytes' dequantize rounds it (CODEBOOK 2 / 3: to bf16 / fp16 first), masked past N and K."""
+def _codebook_4bit_tile(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype: tl.constexpr, CODEBOOK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN_N: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at K offset `k_at` in `dtype`, each weight code[q] * absmax
+    in fp32, rounded as bitsandbytes' dequantize rounds it (CODEBOOK 2 / 3: to bf16 / fp16 first),
+    masked past N and K. The high and low nibbles' values are interleaved back into K's order
+    (tl.join), so that the product is one dot with x's contiguous columns: two half-K dots with x's
+    even and odd columns (strided loads) took 3-4x as long on the H200 at 32 rows
+    (benchmarks/codebook_gemm_probe.py)."""
     if EVEN_K:
         if EVEN_N:
             packed = tl.load(w_ptrs)
@@ -239,59 +242,15 @@ def _codebook_4bit_halves(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype: tl.con
         g_ok = n_ok[:, None] & ((k_at + tl.arange(0, BLOCK_K // GROUP) * GROUP) < K)[None, :]
         packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
         absmax = tl.load(s_ptrs, mask=g_ok, other=0.0)
-    # The 16 values held in registers, gathered along K (a load from global memory per weight took
-    # twice as long on the H200: benchmarks/codebook_gemm_probe.py).
+    # The 16 values held in registers, gathered (a load from global memory per weight took twice as
+    # long on the H200).
     table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
-    high = _codebook_rebuilt(tl.gather(table, (packed >> 4).to(tl.int32), 1), absmax, dtype, CODEBOOK, BLOCK_N,
-                             BLOCK_K, GROUP)
-    low = _codebook_rebuilt(tl.gather(table, (packed & 0xF).to(tl.int32), 1), absmax, dtype, CODEBOOK, BLOCK_N,
-                            BLOCK_K, GROUP)
-    return high, low
-
-
-@triton.jit
-def _codebook_rebuilt(value, absmax, dtype: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """code[q] [BLOCK_N, BLOCK_K / 2] (fp32) times its block's absmax ([BLOCK_N, BLOCK_K / GROUP]), in
-    `dtype`: one rounding of the fp32 product, or two (to bf16 / fp16, then to `dtype`)."""
-    w = tl.reshape(value, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None]
+    high = tl.gather(table, (packed >> 4).to(tl.int32), 1)
+    low = tl.gather(table, (packed & 0xF).to(tl.int32), 1)
+    value = tl.reshape(tl.join(high, low), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    w = value * absmax[:, :, None]
     if CODEBOOK == 2:
         w = w.to(tl.bfloat16)
     elif CODEBOOK == 3:
         w = w.to(tl.float16)
-    return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K // 2))
-
-
-@triton.jit
-def _codebook_4bit_step(acc, x_ptr, w_ptrs, s_ptrs, code_ptr, offs_m, m_ok, n_ok, k_at, K, stride_xm,
-                        CODEBOOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
-                        IEEE: tl.constexpr):
-    """acc plus one K block of the codebook form: x's even columns times the high nibbles' weights,
-    plus its odd columns times the low ones'."""
-    dtype = x_ptr.dtype.element_ty
-    high, low = _codebook_4bit_halves(w_ptrs, s_ptrs, code_ptr, n_ok, k_at, K, dtype, CODEBOOK, BLOCK_N, BLOCK_K,
-                                      GROUP, EVEN_K, EVEN_N)
-    even = k_at + 2 * tl.arange(0, BLOCK_K // 2)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + even[None, :]
-    if EVEN_K:
-        x_even = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        x_odd = tl.load(x_ptrs + 1, mask=m_ok[:, None], other=0.0)
-    else:
-        x_even = tl.load(x_ptrs, mask=m_ok[:, None] & (even < K)[None, :], other=0.0)
-        x_odd = tl.load(x_ptrs + 1, mask=m_ok[:, None] & (even + 1 < K)[None, :], other=0.0)
-    if SWAP_AB:
-        if IEEE:
-            acc += tl.dot(high, tl.trans(x_even), input_precision="ieee")
-            acc += tl.dot(low, tl.trans(x_odd), input_precision="ieee")
-        else:
-            acc += tl.dot(high, tl.trans(x_even))
-            acc += tl.dot(low, tl.trans(x_odd))
-    else:
-        if IEEE:
-            acc += tl.dot(x_even, tl.trans(high), input_precision="ieee")
-            acc += tl.dot(x_odd, tl.trans(low), input_precision="ieee")
-        else:
-            acc += tl.dot(x_even, tl.trans(high))
-            acc += tl.dot(x_odd, tl.trans(low))
-    return acc
+    return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K))

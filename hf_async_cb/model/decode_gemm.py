@@ -18,7 +18,8 @@ weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the libr
 weight before its matmul at every call, the kernel scales each tile as it is read, rounding each
 weight alike. bitsandbytes' nf4 / fp4 Linear4bit (`bnb_4bit`) takes the codebook 4-bit form: half a
 byte per weight read, where bitsandbytes' inference path on the H200 dequantizes the whole weight
-at every call. The pickers are model/quantized_linears.py's. attach()
+at every call; on CUDA at the rows buckets where it measured faster (BNB_4BIT_CUDA_BUCKETS). The
+pickers are model/quantized_linears.py's. attach()
 routes the products through per-weight callables that pick per call by row count: more than 256
 rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
 forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
@@ -45,11 +46,12 @@ from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, im
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# On CUDA the codebook 4-bit form is still slower than bitsandbytes' own path (H200, 2026-12-04, the
-# 8B shape's projections at 32 rows, eager: 131-455 us a product against bitsandbytes' 37-104 us;
-# generate 1.7x stock against 2.8x with bitsandbytes' own forward: docs/benchmarks.md), so Linear4bit
-# modules take it only where this says so, or off CUDA (Triton's interpreter: the tests).
-ROUTE_BNB_4BIT_ON_CUDA = False
+# The rows buckets at which bitsandbytes' Linear4bit modules on CUDA take the codebook 4-bit form: where
+# a decoder layer's seven projections took less time in it than in bitsandbytes' own path (H200,
+# 2026-12-04, the 8B shape's projections in CUDA graphs: 0.5-0.9x its time from 4 to 64 rows; at one
+# and two rows its GEMV, from 128 rows its dequantize + cuBLAS were faster: benchmarks/codebook_gemm_probe.py,
+# docs/benchmarks.md). Off CUDA every bucket takes it.
+BNB_4BIT_CUDA_BUCKETS: frozenset[int] = frozenset({4, 8, 16, 32, 64})
 try:  # what a recorded config that this machine cannot build raises
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
@@ -176,9 +178,12 @@ class _Codebook4bitProjection(_QuantizedProjection):
     def __init__(self, module: nn.Module, found: Bnb4bit) -> None:
         super().__init__(module, found.packed)
         self.found = found
+        self.buckets = _codebook_buckets(found.packed.device)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         m, f = self.module, self.found
+        if m_bucket(x.numel() // x.shape[-1]) not in self.buckets:
+            return self.own(x)
         if (not getattr(m, "compute_type_is_set", False) or getattr(m.weight, "quant_state", None) is not f.state
                 or getattr(f.state, "packing_format_for_cpu", False)):
             return self.own(x)
@@ -189,6 +194,11 @@ class _Codebook4bitProjection(_QuantizedProjection):
         out = skinny_linear_codebook_4bit(x.to(compute), f.packed, f.absmax, f.code, f.blocksize,
                                           None if bias is None else bias.detach(), round_dtype=f.round_dtype)
         return out.to(x.dtype)
+
+
+def _codebook_buckets(device: torch.device) -> frozenset[int]:
+    """The rows buckets at which a Linear4bit on `device` takes the codebook form."""
+    return BNB_4BIT_CUDA_BUCKETS if device.type == "cuda" else frozenset(1 << i for i in range(MAX_M.bit_length()))
 
 
 def _eligible(weight: torch.Tensor) -> bool:
@@ -226,7 +236,7 @@ class DecodeGemms:
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
-                     and (found.packed.device.type != "cuda" or ROUTE_BNB_4BIT_ON_CUDA)]
+                     and _codebook_buckets(found.packed.device)]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -279,7 +289,8 @@ class DecodeGemms:
         for m, f in self._bnb:  # (the model's dtype stands for the activations')
             compute = bnb_compute_dtype(m, f.state.dtype)
             picks.append(KernelPick(f.packed.shape[0], 2 * f.packed.shape[1], m.bias is not None,
-                                    bnb_4bit_form(f, compute), every_bucket, compute, casts=True))
+                                    bnb_4bit_form(f, compute), {b: {} for b in _codebook_buckets(f.packed.device)},
+                                    compute, casts=True))
         return picks
 
     def wins(self) -> int:
