@@ -104,8 +104,11 @@ def test_oom_in_a_step_of_engine_generate_is_explained_and_the_engine_recovers()
     config = BatchingConfig(mode="async", **HOOK_CONFIG)
     with Engine(model, config) as fresh:
         expected = [o.output_token_ids for o in fresh.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))]
-    with Engine(model, config) as engine:
-        with OomOnStep(model, MIN_PREFILL, nth=2) as hook, pytest.raises(torch.OutOfMemoryError) as caught:
+    # The hook is in place before the engine is built (one added after is a changed model, refused)
+    # and armed once it is, so that only the steps' forwards count.
+    with OomOnStep(model, MIN_PREFILL, nth=2, armed=False) as hook, Engine(model, config) as engine:
+        hook.armed = True
+        with pytest.raises(torch.OutOfMemoryError) as caught:
             engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
         assert hook.fired
         assert_explained_oom(caught.value, original=caught.value.__cause__)
@@ -118,22 +121,36 @@ def test_oom_in_a_step_of_engine_generate_is_explained_and_the_engine_recovers()
 
 
 def test_oom_in_a_step_of_model_generate_leaves_the_model_usable():
+    """The runtime kept between calls (and its prefix cache) survives an out-of-memory step: the
+    prompts of the failed call, prefilled in part when it failed, then give stock's tokens (no K/V
+    of the failed step is reused)."""
     model = cuda_tiny()
-    ids, mask = (t.cuda() for t in left_pad(random_prompts(8, 20, 60, seed=32)))
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=[2], pad_token_id=0)
+    first, failing = (left_pad(random_prompts(8, 20, 60, seed=seed)) for seed in (32, 132))
     config = BatchingConfig(max_batch_tokens=64, max_running_requests=16,  # the pool sized from memory
                             prefill_graphs=False)
-    stock = model.generate(ids, batching="off", **kwargs)
-    fresh = model.generate(ids, batching="async", batching_config=config, **kwargs)
+
+    def generate(prompts, batching):
+        ids, mask = (t.cuda() for t in prompts)
+        return model.generate(ids, attention_mask=mask, batching=batching, batching_config=config,
+                              max_new_tokens=12, eos_token_id=[2], pad_token_id=0)
+
+    stock, stock_failing = generate(first, "off"), generate(failing, "off")
     attention = model.config._attn_implementation
-    with OomOnStep(model, MIN_PREFILL, nth=2) as hook, pytest.raises(torch.OutOfMemoryError) as caught:
-        model.generate(ids, batching="async", batching_config=config, **kwargs)
+    with OomOnStep(model, MIN_PREFILL, nth=2, armed=False) as hook:
+        # A first call builds the runtime around the hook (its checks run forwards of their own, which
+        # must not count); the hook is armed for the second, whose steps alone then run forwards. Its
+        # prompts are new to the prefix cache, so that its prefill steps are whole prompts.
+        fresh = generate(first, "async")
+        hook.armed = True
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            generate(failing, "async")
     assert hook.fired
     assert_explained_oom(caught.value, original=caught.value.__cause__)
     del caught
     assert model.config._attn_implementation == attention
-    assert torch.equal(model.generate(ids, batching="off", **kwargs), stock)  # unfused, as it was
-    assert torch.equal(model.generate(ids, batching="async", batching_config=config, **kwargs), fresh)
+    assert torch.equal(generate(first, "off"), stock)  # unfused, as it was
+    assert torch.equal(generate(first, "async"), fresh)
+    assert torch.equal(generate(failing, "async"), stock_failing)
 
 
 def test_oom_in_a_step_of_the_online_loop_fails_that_step_and_the_loop_keeps_serving():
@@ -151,7 +168,7 @@ def test_oom_in_a_step_of_the_online_loop_fails_that_step_and_the_loop_keeps_ser
         expected = [o.output_token_ids for o in fresh.generate(
             running + [late] + after, [SamplingParams(max_new_tokens=n) for n in new])]
     threads_before = set(threading.enumerate())
-    with Engine(model, config) as engine, OomOnStep(model, MIN_PREFILL, armed=False) as hook:
+    with OomOnStep(model, MIN_PREFILL, armed=False) as hook, Engine(model, config) as engine:
         engine.start()
         try:
             handles = [engine.add_request(p, max_new_tokens=64) for p in running]
@@ -239,12 +256,17 @@ def _tokens_or_errors(engine, prompts, online):
 def test_activations_that_no_longer_fit_raise_an_explained_oom_and_the_engine_recovers(online):
     """The pool and the first run fit; then the device fills up (another tenant) and a prefill step's
     activations do not: every request of that run ends with the explained OutOfMemoryError; once the
-    memory is back, the same engine (the same loop thread, online) gives the first run's tokens."""
+    memory is back, the same engine (the same loop thread, online) gives a fresh engine's tokens for
+    the failed run's prompts (none of its K/V reused from the prefix cache) and the first run's again.
+    The failed run's prompts are new to the prefix cache: the first run's would be served from it,
+    prefilling a few tokens each, whose activations fit."""
     model = wide_llama()
-    prompts = random_prompts(8, PROMPT, PROMPT, seed=36, vocab=4096)
-    config = BatchingConfig(mode="async", page_size=16, num_pages=len(prompts) * (PROMPT // 16 + 1) + 16,
+    prompts, failing = (random_prompts(8, PROMPT, PROMPT, seed=seed, vocab=4096) for seed in (36, 136))
+    config = BatchingConfig(mode="async", page_size=16, num_pages=2 * len(prompts) * (PROMPT // 16 + 1) + 16,
                             max_batch_tokens=len(prompts) * PROMPT, max_running_requests=len(prompts),
                             prefill_graphs=False)
+    with Engine(model, config) as fresh:
+        want = [o.output_token_ids for o in fresh.generate(failing, max_new_tokens=3)]
     with Engine(model, config) as engine:
         if online:
             engine.start()
@@ -254,13 +276,14 @@ def test_activations_that_no_longer_fit_raise_an_explained_oom_and_the_engine_re
             expected = _tokens_or_errors(engine, prompts, online)
             assert all(isinstance(t, list) and len(t) == 3 for t in expected), expected
             with device_nearly_full(LEAVE):
-                failed = _tokens_or_errors(engine, prompts, online)
+                failed = _tokens_or_errors(engine, failing, online)
             for error in failed:
                 assert_explained_oom(error)
             del failed
             assert engine.allocator.num_free == engine.allocator.num_pages
             if online:
                 assert engine._background.thread.is_alive(), "the loop thread died with the step"
+            assert _tokens_or_errors(engine, failing, online) == want
             assert _tokens_or_errors(engine, prompts, online) == expected
         finally:
             if online:
