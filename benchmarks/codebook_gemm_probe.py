@@ -9,12 +9,14 @@ graph of 50 calls, as decode steps run; weights rotated over copies that togethe
 every call streams from HBM): cuBLAS on bf16
 weights, bitsandbytes' own Linear4bit path (`bnb.matmul_4bit`), the skinny GEMM's codebook form
 (`skinny_linear_codebook_4bit`) and its grouped 4-bit form (HQQ's layout) for comparison, and a
-probe kernel that reads the same bytes in the codebook layout with three ways of turning a nibble
+probe kernel that reads the same bytes in the codebook layout with four ways of turning a nibble
 into its value: a load from the 16-entry table in global memory, `tl.gather` from the table held in
-registers (what the form does since), and arithmetic (`q - 8`, no table: the cost of the rest),
+registers (what the form does since), arithmetic (`q - 8`, no table: the cost of the rest), and
+"block tables": each absmax block's 16 weights computed and rounded once, then gathered (no
+multiply or rounding per weight; the same values),
 each with two half-K dots on x's even and odd columns (the form's first version) and with the
 halves joined back into one tile for one dot ("joined", the form's since). `--probes joined` (the
-default) runs the joined table-free variants only, `all` the six. Each row also gives the bandwidth
+default) runs the joined variants without the global-memory table only, `all` the eight. Each row also gives the bandwidth
 the form's 4-bit bytes stream at and the form's time over bitsandbytes' (below 1: the form wins,
 what decode_gemm's routing of Linear4bit modules on CUDA is set from).
 """
@@ -32,7 +34,7 @@ import triton.language as tl
 SHAPES = {"q/o_proj": (4096, 4096), "gate/up_proj": (14336, 4096), "down_proj": (4096, 14336),
           "k/v_proj": (1024, 4096)}
 PER_LAYER = {"q/o_proj": 2, "gate/up_proj": 2, "down_proj": 1, "k/v_proj": 2}  # (Linear4bit modules are never fused)
-LOOKUPS = {"table load": 0, "tl.gather": 1, "arithmetic": 2}
+LOOKUPS = {"table load": 0, "tl.gather": 1, "arithmetic": 2, "block tables": 3}
 
 
 @triton.jit
@@ -48,6 +50,7 @@ def _probe_kernel(x_ptr, w_ptr, s_ptr, code_ptr, out_ptr, M, N, K, k_per_split, 
     half = tl.arange(0, BLOCK_K // 2)
     k0 = pid_k * k_per_split
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = x_ptr.dtype.element_ty
     if LOOKUP == 1:
         table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
     for k in range(0, k_per_split, BLOCK_K):
@@ -62,20 +65,34 @@ def _probe_kernel(x_ptr, w_ptr, s_ptr, code_ptr, out_ptr, M, N, K, k_per_split, 
         elif LOOKUP == 1:
             vh = tl.gather(table, hi, 1)
             vl = tl.gather(table, lo, 1)
-        else:
+        elif LOOKUP == 2:
             vh = (hi - 8).to(tl.float32)
             vl = (lo - 8).to(tl.float32)
-        if JOIN:
+        if LOOKUP == 3:
+            # Each block's 16 weights code[j] * absmax rounded once (the same values the rebuilt
+            # weights take), then gathered: no multiply or rounding per weight.
+            tables = (tl.load(code_ptr + tl.arange(0, 16))[None, None, :] * absmax[:, :, None]).to(dtype)
+            shape = (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)
+            wh = tl.gather(tables, tl.reshape(hi, shape), 2)
+            wl = tl.gather(tables, tl.reshape(lo, shape), 2)
+            if JOIN:
+                w = tl.reshape(tl.join(wh, wl), (BLOCK_N, BLOCK_K))
+            else:
+                wh = tl.reshape(wh, (BLOCK_N, BLOCK_K // 2))
+                wl = tl.reshape(wl, (BLOCK_N, BLOCK_K // 2))
+        elif JOIN:
             v = tl.reshape(tl.join(vh, vl), (BLOCK_N, BLOCK_K // GROUP, GROUP))
-            w = tl.reshape(v * absmax[:, :, None], (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+            w = tl.reshape(v * absmax[:, :, None], (BLOCK_N, BLOCK_K)).to(dtype)
+        else:
+            wh = tl.reshape(tl.reshape(vh, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                            (BLOCK_N, BLOCK_K // 2)).to(dtype)
+            wl = tl.reshape(tl.reshape(vl, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
+                            (BLOCK_N, BLOCK_K // 2)).to(dtype)
+        if JOIN:
             xj = tl.load(x_ptr + offs_m[:, None] * K + (at + tl.arange(0, BLOCK_K))[None, :],
                          mask=(offs_m < M)[:, None], other=0.0)
             acc += tl.dot(xj, tl.trans(w))
         else:
-            wh = tl.reshape(tl.reshape(vh, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
-                            (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
-            wl = tl.reshape(tl.reshape(vl, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)) * absmax[:, :, None],
-                            (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
             xp = x_ptr + offs_m[:, None] * K + (at + 2 * half)[None, :]
             xe = tl.load(xp, mask=(offs_m < M)[:, None], other=0.0)
             xo = tl.load(xp + 1, mask=(offs_m < M)[:, None], other=0.0)
