@@ -13,12 +13,12 @@ probe kernel that reads the same bytes in the codebook layout with four ways of 
 into its value: a load from the 16-entry table in global memory, `tl.gather` from the table held in
 registers (what the form does since), arithmetic (`q - 8`, no table: the cost of the rest), and
 "block tables": each absmax block's 16 weights computed and rounded once, then gathered (no
-multiply or rounding per weight; the same values),
-each with two half-K dots on x's even and odd columns (the form's first version) and with the
-halves joined back into one tile for one dot ("joined", the form's since). `--probes joined` (the
-default) runs the joined variants without the global-memory table only, `all` the eight. Each row also gives the bandwidth
-the form's 4-bit bytes stream at and the form's time over bitsandbytes' (below 1: the form wins,
-what decode_gemm's routing of Linear4bit modules on CUDA is set from).
+multiply or rounding per weight; the same values), each with two half-K dots on x's even and odd
+columns (the form's first version) and with the halves joined back into one tile for one dot
+("joined", the form's since). `--probes joined` (the default) runs the joined variants without the
+global-memory table only, `all` the eight. Each row also gives the bandwidth the form's 4-bit bytes
+stream at and the form's time over bitsandbytes' (below 1: the form wins, what decode_gemm's
+routing of Linear4bit modules on CUDA is set from).
 """
 
 from __future__ import annotations
