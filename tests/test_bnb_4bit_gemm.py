@@ -341,14 +341,15 @@ def test_only_the_routed_buckets_take_the_form(monkeypatch, codebook_calls):
     """On CUDA the form runs at the rows buckets where it beat bitsandbytes' own path
     (decode_gemm.BNB_4BIT_CUDA_BUCKETS): rows in other buckets run the module's own forward, and only
     the routed buckets' variants are listed to compile ahead."""
-    monkeypatch.setattr(decode_gemm, "_codebook_buckets", lambda device: frozenset({4}))
+    monkeypatch.setattr(decode_gemm, "_codebook_buckets", lambda device: frozenset({4, 8}))
     module = _linear4bit(64, 128, bias=True)
     gemms = DecodeGemms(torch.nn.Sequential(module), None)
-    assert [set(pick.configs) for pick in gemms.kernel_picks()] == [{4}]
+    assert [set(pick.configs) for pick in gemms.kernel_picks()] == [{4, 8}]
+    assert "1 bitsandbytes 4-bit projections read as 4-bit (decode steps of 3-8 rows)" in gemms.summary()
     gemms.attach()
     try:
         with torch.no_grad():
-            for rows in (1, 3, 5):
+            for rows in (1, 3, 9):
                 x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE, DTYPE)
                 got = module(x)
                 _assert_close_up_to_rounding(got, type(module).forward(module, x))

@@ -342,7 +342,10 @@ class DecodeGemms:
         if self._float8:
             quanto += f"; {len(self._float8)} torchao float8 projections read as float8"
         if self._bnb:
-            quanto += f"; {len(self._bnb)} bitsandbytes 4-bit projections read as 4-bit"
+            buckets = sorted(set().union(*(_codebook_buckets(f.packed.device) for _, f in self._bnb)))
+            rows = "" if len(buckets) == MAX_M.bit_length() else \
+                f" (decode steps of {buckets[0] // 2 + 1}-{buckets[-1]} rows)"
+            quanto += f"; {len(self._bnb)} bitsandbytes 4-bit projections read as 4-bit{rows}"
         return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}{quanto}"
 
 
