@@ -557,7 +557,19 @@ def test_transformers_own_hooks_are_not_the_users():
     assert parity._VERDICTS  # kept: the model counts as unhooked
 
 
-def test_a_ctrl_c_during_cleanup_is_delivered_after_it():
+@pytest.fixture
+def interruptible():
+    """SIGINT raises KeyboardInterrupt for the test, as in an interactive Python: a process started
+    in the background by a non-interactive shell (`pytest ... &`) inherits SIGINT ignored, where a
+    Ctrl-C interrupts nothing and deferring it has nothing to deliver."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_cleanup_is_delivered_after_it(interruptible):
     import signal
 
     from hf_async_cb.interrupts import deferred_interrupts
@@ -570,7 +582,7 @@ def test_a_ctrl_c_during_cleanup_is_delivered_after_it():
     assert done and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_ctrl_c_while_the_model_is_given_back_leaves_it_stock(monkeypatch):
+def test_a_ctrl_c_while_the_model_is_given_back_leaves_it_stock(monkeypatch, interruptible):
     """SIGINT landing in the middle of giving the model back its modules and attention setting
     (here: as the first of them is put back) still leaves it stock, then interrupts the caller;
     the guard is free for the next call."""
