@@ -1,6 +1,7 @@
 """Checks every quantized weight form of the skinny GEMM shares (tests/test_int8_gemm.py,
-test_hqq_gemm.py, test_quanto_gemm.py): the engine's greedy tokens against stock generate with the
-form routed, and an engine's listed variants against its launches."""
+test_hqq_gemm.py, test_quanto_gemm.py, test_torchao_float8_gemm.py, test_bnb_4bit_gemm.py): the
+routed forward's logits beside the model's own, the engine's greedy tokens against stock generate
+with the form routed, and an engine's listed variants against its launches."""
 
 import pytest
 import torch
@@ -24,6 +25,30 @@ def assert_engine_greedy_matches_stock(model, mode: str, calls: list) -> None:
     assert torch.equal(got.cpu(), expected.cpu())
     assert calls and min(rows for rows, _ in calls) <= 8  # decode steps went through the kernel
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def routed_logits(model, calls: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expected, got): the model's logits for 2 x 9 tokens from its own forward, then with its
+    projections routed (DecodeGemms attached: 18 decode-sized rows through the kernel). Routed
+    still, 2 x 200 tokens (400 rows, a prefill) must not reach the kernel (`calls`: its calls as the
+    test's fixture records them). The model is left without instance forwards."""
+    from hf_async_cb.model.decode_gemm import DecodeGemms
+
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+    gemms = DecodeGemms(model, None)
+    gemms.attach()
+    try:
+        with torch.no_grad():
+            got = model(ids).logits
+            before = len(calls)
+            model(torch.randint(3, 256, (2, 200), generator=torch.Generator().manual_seed(2)).to(DEVICE))
+            assert len(calls) == before  # 400 rows: the module's own forward
+    finally:
+        gemms.detach()
+    assert not any("forward" in vars(m) for m in model.modules())
+    return expected, got
 
 
 def interpreter_launches(monkeypatch) -> list:
