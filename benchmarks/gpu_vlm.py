@@ -7,9 +7,13 @@ merged into 576 tokens, interleaved multimodal rotary positions, deepstack featu
 language model's first layers). Inputs are built without a processor (no image library needed).
 
     PYTHONPATH=. python benchmarks/gpu_vlm.py [--shape llava-1.5-7b|qwen2.5-vl-7b|qwen3-vl-8b] [--requests 64] [--new 256]
+                                              [--repeat G]
 
-Roofline: the vision tower's and the prefill's FLOPs at 790 TFLOP/s, plus every decode step at
-the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth).
+--repeat G: requests / G distinct prompts, each G times in a row, image included (a GRPO rollout's
+groups): the Qwen towers encode each distinct image once (model/vision_dedupe.py), stock every copy.
+
+Roofline: the vision tower's and the prefill's FLOPs (of the distinct prompts) at 790 TFLOP/s, plus
+every decode step at the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth).
 """
 
 from __future__ import annotations
@@ -83,6 +87,20 @@ def qwen_batch(model, rows: int, text_tokens: int, grid: int, device, seed: int 
     return inputs
 
 
+def repeated(inputs: dict, times: int) -> dict:
+    """Each row `times` times in a row, its image too (the per-row tensors, the patches of a row's
+    image and its grid alike: one image per row)."""
+    rows = inputs["input_ids"].shape[0]
+    out = {}
+    for key, value in inputs.items():
+        if key == "pixel_values" and value.shape[0] != rows:  # flattened patches, as many per row
+            value = value.reshape(rows, -1, value.shape[-1]).repeat_interleave(times, 0).flatten(0, 1)
+        else:
+            value = value.repeat_interleave(times, 0)
+        out[key] = value
+    return out
+
+
 def batch(model, rows: int, text_tokens: int, image_tokens: int, image_size: int, device, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.text_config.vocab_size
@@ -135,8 +153,12 @@ def main() -> None:
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--text", type=int, default=64)
     parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=1, help="each distinct prompt and image this many times")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.requests % args.repeat:
+        parser.error("--requests must be a multiple of --repeat")
+    distinct = args.requests // args.repeat
     device = torch.device("cuda")
     report = {}
     if not args.skip_tiny:
@@ -151,7 +173,7 @@ def main() -> None:
                       projection_dim=768)
         model = llava(text, vision, 336, 14, torch.bfloat16, device)
         image_tokens = (336 // 14) ** 2
-        ids, mask, pixels = batch(model, args.requests, args.text, image_tokens, 336, device)
+        ids, mask, pixels = batch(model, distinct, args.text, image_tokens, 336, device)
         inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels)
         tower, vision_tokens = model.model.vision_tower, image_tokens + 1
     elif args.shape == "qwen2.5-vl-7b":
@@ -162,7 +184,7 @@ def main() -> None:
                       fullatt_block_indexes=[7, 15, 23, 31])
         model = qwen_vl(text, vision, torch.bfloat16, device)
         grid = 48
-        inputs = qwen_batch(model, args.requests, args.text, grid, device)
+        inputs = qwen_batch(model, distinct, args.text, grid, device)
         image_tokens, ids = grid * grid // 4, inputs["input_ids"]
         tower, vision_tokens = model.model.visual, grid * grid
     else:
@@ -173,9 +195,11 @@ def main() -> None:
                       deepstack_visual_indexes=[8, 16, 24])
         model = qwen_vl(text, vision, torch.bfloat16, device, version="3")
         grid = 48
-        inputs = qwen_batch(model, args.requests, args.text, grid, device)
+        inputs = qwen_batch(model, distinct, args.text, grid, device)
         image_tokens, ids = grid * grid // 4, inputs["input_ids"]
         tower, vision_tokens = model.model.visual, grid * grid
+    inputs = repeated(inputs, args.repeat)
+    ids = inputs["input_ids"]
     built = time.perf_counter() - started
     kw = dict(inputs, max_new_tokens=args.new, do_sample=False)
     first, _ = timed(lambda: model.generate(**kw, batching="async"))
@@ -194,7 +218,8 @@ def main() -> None:
     vision_params = sum(p.numel() for p in tower.parameters())
     text_params = params - vision_params
     prompt = ids.shape[1]
-    flops = 2 * vision_params * vision_tokens * args.requests + 2 * text_params * prompt * args.requests
+    # (each distinct image encoded and each distinct prompt prefilled once: the rest is cached or shared)
+    flops = 2 * vision_params * vision_tokens * distinct + 2 * text_params * prompt * distinct
     bandwidth = copy_bandwidth(device)
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 2
@@ -202,7 +227,7 @@ def main() -> None:
     decode = sum((weight_bytes + kv_per_token * args.requests * (prompt + t)) / bandwidth for t in range(args.new))
     roofline = flops / PEAK_FLOPS + decode
     report.update(
-        shape=args.shape, requests=args.requests, prompt_tokens=prompt, image_tokens=image_tokens, new=args.new,
+        shape=args.shape, requests=args.requests, repeat=args.repeat, prompt_tokens=prompt, image_tokens=image_tokens, new=args.new,
         build_s=round(built, 2), first_call_s=round(first, 3), async_s=round(ours, 3), stock_s=round(stock, 3),
         vision_and_merge_s=round(merge, 3),
         speedup=round(stock / ours, 2), async_tok_s=round(new_tokens / ours), stock_tok_s=round(new_tokens / stock),

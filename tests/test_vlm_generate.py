@@ -147,3 +147,39 @@ def test_the_same_images_in_a_later_call_come_from_the_cache(name):
 def _image_token(model):
     config = model.config
     return getattr(config, "image_token_id", None) or getattr(config, "image_token_index")
+
+
+PACKED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"]  # towers taking patches and grids
+
+
+@pytest.mark.parametrize("name", PACKED)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
+    """Every row of the call twice, image included (a GRPO group of two): stock's tokens, and the
+    engine's merge hands the vision tower each distinct image once, where stock encodes every copy."""
+    import functools
+
+    model = _model(name)
+    inputs = V.build_inputs(name, "one_each")
+    rows = inputs["input_ids"].shape[0]
+    doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and (v.shape[0] == rows or k in (
+        "pixel_values", "image_grid_thw")) else v for k, v in inputs.items()}
+    tower = next(m for m in model.modules() if type(m).__name__.endswith(("VisionTransformerPretrainedModel",
+                                                                          "VisionModel")) and hasattr(m, "merger"))
+    seen = []
+    forward = type(tower).forward
+
+    @functools.wraps(forward)
+    def counting(self, hidden_states, grid_thw, **kwargs):
+        seen.append(int(grid_thw.shape[0]))
+        return forward(self, hidden_states, grid_thw, **kwargs)
+
+    monkeypatch.setattr(type(tower), "forward", counting)
+    expected = _stock(model, doubled)
+    assert seen == [2 * rows]  # stock: every copy
+    seen.clear()
+    hf_async_cb.release(model)
+    got = _stock(model, doubled, batching=mode)
+    assert torch.equal(got, expected)
+    assert seen and seen[-1] == rows, seen  # the call's merge: each distinct image once
+    hf_async_cb.release(model)

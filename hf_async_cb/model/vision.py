@@ -28,6 +28,7 @@ import torch
 
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, content_keys
 from hf_async_cb.model.vision_attention import packed_vision_attention
+from hf_async_cb.model.vision_dedupe import distinct_images
 
 # What the language model may receive besides the embeddings and positions without changing them.
 _PLAIN_KWARGS = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache",
@@ -179,7 +180,8 @@ def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
 
     handle = language_model(model).register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        with packed_vision_attention(model):  # (one attention call per window length, not per window)
+        # One attention call per window length, not per window; each distinct image encoded once.
+        with packed_vision_attention(model), distinct_images(model):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
     except _Entered:
         pass

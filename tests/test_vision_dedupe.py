@@ -1,0 +1,105 @@
+"""The merge's packed-patch vision towers encode each distinct image of a call once
+(model/vision_dedupe.py), and their outputs are the full forward's, whatever the images."""
+
+import pytest
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from hf_async_cb.model.vision_dedupe import distinct_images
+
+
+class Tower(torch.nn.Module):
+    """A packed-patch tower: per patch a linear map, per merged token (2 x 2 patches) their sum,
+    and per-token "deepstack" features; records how many images each call encodes."""
+
+    spatial_merge_size = 2
+
+    def __init__(self, kind="output"):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+        self.kind = kind
+        self.calls: list[int] = []
+
+    def forward(self, hidden_states, grid_thw, **kwargs):
+        self.calls.append(int(grid_thw.shape[0]))
+        per_patch = self.proj(hidden_states)
+        merged = per_patch.reshape(-1, 4, per_patch.shape[-1]).sum(1)
+        if self.kind == "output":
+            return BaseModelOutputWithPooling(last_hidden_state=per_patch, pooler_output=merged)
+        if self.kind == "tuple":
+            return merged, [merged + 1, merged * 2]
+        return merged.sum()  # (not per image)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, kind="output"):
+        super().__init__()
+        self.visual = Tower(kind)
+
+
+def _images(*grids_and_seeds):
+    """Packed patches [sum t*h*w, 6] and grids [n, 3] of images given as ((t, h, w), seed)."""
+    patches = [torch.randn(t * h * w, 6, generator=torch.Generator().manual_seed(seed)) for (t, h, w), seed in
+               grids_and_seeds]
+    return torch.cat(patches), torch.tensor([g for g, _ in grids_and_seeds])
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["output", "tuple"])
+def test_each_distinct_image_is_encoded_once_and_the_outputs_are_the_full_forwards(kind):
+    model = Model(kind)
+    pixels, grid = _images(((1, 2, 4), 0), ((1, 4, 2), 1), ((1, 2, 4), 0), ((1, 2, 2), 2), ((1, 4, 2), 1))
+    with torch.no_grad():
+        expected = model.visual(pixels, grid)
+        with distinct_images(model):
+            got = model.visual(pixels, grid_thw=grid)
+    assert model.visual.calls == [5, 3]
+    assert _equal(got, expected)
+    assert "forward" not in vars(model.visual)
+
+
+def test_images_alike_in_their_sampled_patches_but_not_in_all_stay_apart():
+    model = Model()
+    pixels, grid = _images(((1, 4, 4), 0), ((1, 4, 4), 0))
+    pixels[16 + 1] += 1  # the second image's second patch: not among the sampled ones (0, 4, 8, 12)
+    with torch.no_grad():
+        expected = model.visual(pixels, grid)
+        with distinct_images(model):
+            got = model.visual(pixels, grid)
+    assert model.visual.calls == [2, 2]
+    assert _equal(got, expected)
+
+
+def test_the_same_patches_under_another_grid_are_another_image():
+    model = Model()
+    pixels, grid = _images(((1, 2, 4), 0), ((1, 2, 4), 0))
+    grid[1] = torch.tensor([1, 4, 2])
+    with torch.no_grad(), distinct_images(model):
+        model.visual(pixels, grid)
+    assert model.visual.calls == [2]
+
+
+def test_an_output_not_laid_out_per_image_runs_every_image():
+    model = Model("sum")
+    pixels, grid = _images(((1, 2, 2), 0), ((1, 2, 2), 0))
+    with torch.no_grad():
+        expected = model.visual(pixels, grid)
+        with distinct_images(model):
+            got = model.visual(pixels, grid)
+    assert model.visual.calls == [2, 1, 2]  # the distinct one, then every image again
+    assert torch.equal(got, expected)
+
+
+def test_per_patch_inputs_of_the_callers_own_leave_the_images_as_they_are():
+    model = Model()
+    pixels, grid = _images(((1, 2, 2), 0), ((1, 2, 2), 0))
+    with torch.no_grad(), distinct_images(model):
+        model.visual(pixels, grid, position_ids=torch.arange(8))
+    assert model.visual.calls == [2]
