@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from hf_async_cb.model.vision_dedupe import distinct_images
+from hf_async_cb.model.vision_dedupe import distinct_images, sampled
 
 
 class Tower(torch.nn.Module):
@@ -31,10 +31,35 @@ class Tower(torch.nn.Module):
         return merged.sum()  # (not per image)
 
 
+class SummingTower(Tower):
+    """Its output is one sum over every image: not per image."""
+
+    def __init__(self):
+        super().__init__("sum")
+
+
+class BatchedTower(torch.nn.Module):
+    """A tower over a batch of images [n, 3, 4, 4] with a per-image mask: per image tokens, a pooled
+    vector and the hidden states of each layer; records how many images each call encodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 5)
+        self.calls: list[int] = []
+
+    def forward(self, pixel_values, patch_attention_mask=None, output_hidden_states=False):
+        self.calls.append(int(pixel_values.shape[0]))
+        tokens = self.proj(pixel_values.flatten(2).transpose(1, 2))  # [n, 16, 5]
+        if patch_attention_mask is not None:
+            tokens = tokens * patch_attention_mask[..., None]
+        return BaseModelOutputWithPooling(last_hidden_state=tokens, pooler_output=tokens.mean(1),
+                                          hidden_states=(tokens, tokens * 2) if output_hidden_states else None)
+
+
 class Model(torch.nn.Module):
     def __init__(self, kind="output"):
         super().__init__()
-        self.visual = Tower(kind)
+        self.visual = {"sum": SummingTower, "batched": BatchedTower}.get(kind, lambda: Tower(kind))()
 
 
 def _images(*grids_and_seeds):
@@ -68,7 +93,9 @@ def test_each_distinct_image_is_encoded_once_and_the_outputs_are_the_full_forwar
 def test_images_alike_in_their_sampled_patches_but_not_in_all_stay_apart():
     model = Model()
     pixels, grid = _images(((1, 4, 4), 0), ((1, 4, 4), 0))
-    pixels[16 + 1] += 1  # the second image's second patch: not among the sampled ones (0, 4, 8, 12)
+    second = pixels[16:].view(-1)
+    unread = next(i for i in range(second.numel()) if i not in sampled(second.numel()).tolist())
+    second[unread] += 1  # an element the grouping does not read: only the full comparison tells them apart
     with torch.no_grad():
         expected = model.visual(pixels, grid)
         with distinct_images(model):
@@ -93,8 +120,29 @@ def test_an_output_not_laid_out_per_image_runs_every_image():
         expected = model.visual(pixels, grid)
         with distinct_images(model):
             got = model.visual(pixels, grid)
-    assert model.visual.calls == [2, 1, 2]  # the distinct one, then every image again
-    assert torch.equal(got, expected)
+        with distinct_images(model):
+            again = model.visual(pixels, grid)
+    # The distinct one, then every image again; in a later call the class is not tried again.
+    assert model.visual.calls == [2, 1, 2, 2]
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
+def test_a_batch_of_images_with_what_comes_with_each():
+    """A tower over a batch of images: equal images with equal masks are encoded once, an equal
+    image under another mask is another input; every output (tokens, pooled, each layer's states)
+    is the full forward's."""
+    model = Model("batched")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, 4, generator=g), torch.randn(3, 4, 4, generator=g)
+    pixels = torch.stack([a, b, a, a, b])
+    masks = torch.ones(5, 16)
+    masks[3, 5] = 0  # image a again, partly masked
+    with torch.no_grad():
+        expected = model.visual(pixels, patch_attention_mask=masks, output_hidden_states=True)
+        with distinct_images(model):
+            got = model.visual(pixels, masks, output_hidden_states=True)
+    assert model.visual.calls == [5, 3]
+    assert _equal(got, expected)
 
 
 def test_per_patch_inputs_of_the_callers_own_leave_the_images_as_they_are():

@@ -2,13 +2,19 @@
 
 RL rollouts and evaluation repeat a prompt, image included, in several rows (GRPO's groups, several
 questions about one image); the merge of a call's images (model/vision.py) runs the model's forward
-over every row, so its vision tower encodes each copy again. Towers that take their images packed
-as patches with a [t, h, w] grid per image (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V: a `visual`
-module whose forward takes `grid_thw`) encode each image apart from the others (attention within an
-image, positions from its own grid), so during the merge their forward is given each distinct image
-once and its outputs are laid out again for every copy. Images are compared in full (a sample of
-their patches only groups the candidates); whatever the forward returns must be per patch or per
-merged token along its first dimension, or the tower runs on every image as before.
+over every row, so its vision tower encodes each copy again. Vision towers encode each image apart
+from the others, so during the merge their forward is given each distinct image once and its
+outputs are laid out again for every copy. Two kinds are recognised by their forward's arguments:
+
+- packed patches with a [t, h, w] grid per image (`forward(hidden_states, grid_thw)`: Qwen2-VL,
+  Qwen2.5-VL, Qwen3-VL, GLM-4V): attention within an image, positions from its own grid; outputs
+  per patch or per merged token;
+- a batch of images (`forward(pixel_values, ...)`: CLIP, SigLIP, Idefics3's, InternVL's towers):
+  every tensor argument and output per image along its first dimension.
+
+Images are compared in full (a sample of each only groups the candidates), together with whatever
+else the tower is given per image; an output laid out otherwise (Pixtral packs its images into one
+sequence) has the tower run on every image, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-SAMPLED_PATCHES = 4  # patches per image read to the host to group candidates (compared in full after)
+SAMPLED = 16  # elements per image read to the host to group candidates (compared in full after)
 
 
 class _NotPerImage(Exception):
@@ -28,29 +34,41 @@ class _NotPerImage(Exception):
 
 @contextlib.contextmanager
 def distinct_images(model: torch.nn.Module) -> Iterator[None]:
-    """While the block runs, the model's packed-patch vision towers encode each distinct image of a
-    call once."""
-    towers = [m for m in model.modules() if _packed_tower(m)]
-    for tower in towers:
-        tower.forward = _deduplicating(tower, type(tower).forward.__get__(tower))
+    """While the block runs, the model's vision towers encode each distinct image of a call once."""
+    wrapped: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(outer + ".") for outer, _ in wrapped) or "forward" in vars(module):
+            continue  # (a tower's own parts run on what the tower gives them)
+        kind = _tower_kind(module)
+        if kind is not None:
+            module.forward = kind(module, type(module).forward.__get__(module))
+            wrapped.append((name, module))
     try:
         yield
     finally:
-        for tower in towers:
-            tower.__dict__.pop("forward", None)
+        for _, module in wrapped:
+            module.__dict__.pop("forward", None)
 
 
-def _packed_tower(module: torch.nn.Module) -> bool:
-    if "forward" in vars(module) or not isinstance(getattr(module, "spatial_merge_size", None), int):
-        return False
+_NOT_PER_IMAGE: set[type] = set()  # tower classes whose output was laid out otherwise: not tried again
+
+
+def _tower_kind(module: torch.nn.Module):
+    if type(module) in _NOT_PER_IMAGE:
+        return None
     try:
         parameters = list(inspect.signature(type(module).forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return parameters[1:3] == ["hidden_states", "grid_thw"]
+        return None
+    if parameters[1:3] == ["hidden_states", "grid_thw"] and isinstance(getattr(module, "spatial_merge_size", None),
+                                                                        int):
+        return _packed
+    if parameters[1:2] == ["pixel_values"]:
+        return _batched
+    return None
 
 
-def _deduplicating(tower: torch.nn.Module, forward):
+def _packed(tower: torch.nn.Module, forward):
     def run(hidden_states, grid_thw=None, *args, **kwargs):
         if (args or grid_thw is None or not isinstance(hidden_states, torch.Tensor)
                 or any(isinstance(v, torch.Tensor) for v in kwargs.values())):  # (per-patch inputs of its own)
@@ -61,59 +79,108 @@ def _deduplicating(tower: torch.nn.Module, forward):
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        first = _first_copies(hidden_states, grid_thw, bounds)
+        images = [hidden_states[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+        first = _first_copies(images, [repr(g).encode() for g in grid_thw.tolist()])
         distinct = sorted(set(first))
         if len(distinct) == len(first):
             return forward(hidden_states, grid_thw, *args, **kwargs)
-        patches = torch.cat([hidden_states[bounds[i]:bounds[i + 1]] for i in distinct])
-        out = forward(patches, grid_thw[distinct], *args, **kwargs)
-        slot = {image: k for k, image in enumerate(distinct)}
+        out = forward(torch.cat([images[i] for i in distinct]), grid_thw[distinct], *args, **kwargs)
+        merge = tower.spatial_merge_size ** 2
+        order = _order(first, distinct)
+
+        def expand(value: torch.Tensor) -> torch.Tensor:
+            for per in (1, merge):  # per patch, or per merged token
+                counts = [sizes[i] // per for i in distinct]
+                if value.dim() and value.shape[0] == sum(counts) and all(sizes[i] % per == 0 for i in distinct):
+                    parts = torch.split(value, counts)
+                    return torch.cat([parts[j] for j in order])
+            raise _NotPerImage
+
         try:
-            return _laid_out(out, [sizes[i] for i in distinct], tower.spatial_merge_size ** 2,
-                             [slot[i] for i in first])
+            return _laid_out(out, expand)
         except _NotPerImage:
+            _NOT_PER_IMAGE.add(type(tower))
             return forward(hidden_states, grid_thw, *args, **kwargs)
 
     return run
 
 
-def _first_copies(hidden_states: torch.Tensor, grid_thw: torch.Tensor, bounds: list[int]) -> list[int]:
-    """Per image (its patches from bounds[i] to bounds[i + 1]), the index of the first image equal
-    to it: the same grid and every patch the same."""
-    starts = torch.tensor(bounds[:-1], device=hidden_states.device)
-    sizes = torch.tensor(bounds[1:], device=hidden_states.device) - starts
-    sampled = torch.stack([starts + j * sizes // SAMPLED_PATCHES for j in range(SAMPLED_PATCHES)], 1).reshape(-1)
-    samples = hidden_states[sampled].reshape(len(starts), -1).contiguous().view(torch.uint8).cpu()  # (any dtype)
-    grids = grid_thw.tolist()
+def _batched(tower: torch.nn.Module, forward):
+    def run(pixel_values, *args, **kwargs):
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() < 2:
+            return forward(pixel_values, *args, **kwargs)
+        n = pixel_values.shape[0]
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if any(v.dim() == 0 or v.shape[0] != n for v in tensors):  # (not per image: left as they are)
+            return forward(pixel_values, *args, **kwargs)
+        images = [torch.cat([t[i].reshape(-1).view(torch.uint8) for t in (pixel_values, *tensors)])
+                  for i in range(n)]  # (an image and what comes with it, as bytes)
+        first = _first_copies(images, [b""] * n)
+        distinct = sorted(set(first))
+        if len(distinct) == n:
+            return forward(pixel_values, *args, **kwargs)
+        index = torch.tensor(distinct, device=pixel_values.device)
+
+        def pick(v):
+            return v.index_select(0, index) if isinstance(v, torch.Tensor) else v
+
+        out = forward(pick(pixel_values), *map(pick, args), **{k: pick(v) for k, v in kwargs.items()})
+        order = torch.tensor(_order(first, distinct), device=pixel_values.device)
+
+        def expand(value: torch.Tensor) -> torch.Tensor:
+            if value.dim() and value.shape[0] == len(distinct):
+                return value.index_select(0, order.to(value.device))
+            raise _NotPerImage
+
+        try:
+            return _laid_out(out, expand)
+        except _NotPerImage:
+            _NOT_PER_IMAGE.add(type(tower))
+            return forward(pixel_values, *args, **kwargs)
+
+    return run
+
+
+def _order(first: list[int], distinct: list[int]) -> list[int]:
+    """Per image, the place of its first copy among the distinct ones."""
+    slot = {image: k for k, image in enumerate(distinct)}
+    return [slot[i] for i in first]
+
+
+def _first_copies(images: list[torch.Tensor], keys: list[bytes]) -> list[int]:
+    """Per image, the index of the first image equal to it: the same key (its grid) and every element
+    the same. A few elements of each, read to the host in one transfer, group the candidates."""
+    picks = [sampled(x.numel(), x.device) for x in images]
+    samples = torch.stack([x.reshape(-1)[p] if x.numel() else torch.zeros_like(p, dtype=x.dtype)
+                           for x, p in zip(images, picks)]) if images else None
+    samples = samples.reshape(len(images), -1).contiguous().view(torch.uint8).cpu() if images else None
     first: list[int] = []
     candidates: dict[bytes, list[int]] = {}
-    for i in range(len(grids)):
-        key = repr(grids[i]).encode() + samples[i].numpy().tobytes()
-        patches = hidden_states[bounds[i]:bounds[i + 1]]
+    for i, image in enumerate(images):
+        key = keys[i] + samples[i].numpy().tobytes()
         same = next((j for j in candidates.get(key, ())
-                     if torch.equal(hidden_states[bounds[j]:bounds[j + 1]], patches)), None)
+                     if images[j].shape == image.shape and torch.equal(images[j], image)), None)
         if same is None:
             candidates.setdefault(key, []).append(i)
         first.append(i if same is None else same)
     return first
 
 
-def _laid_out(value, sizes: list[int], merge: int, order: list[int]):
-    """The tower's output for the distinct images (`sizes` patches each) laid out for every image of
-    the call: image k is distinct image order[k]. Tensors per patch or per merged token (a merge
-    of `merge` patches) along their first dimension; lists, tuples and model outputs of them."""
+def sampled(numel: int, device=None) -> torch.Tensor:
+    """The flat indices of an image's elements that group it with its candidate copies."""
+    return torch.linspace(0, max(numel - 1, 0), SAMPLED, device=device).long()
+
+
+def _laid_out(value, expand):
+    """The tower's output for the distinct images laid out for every image of the call: `expand` on
+    each tensor (raising _NotPerImage where it is not per image), through lists, tuples and model
+    outputs."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        for per in (1, merge):
-            counts = [n // per for n in sizes]
-            if value.dim() and value.shape[0] == sum(counts) and all(n % per == 0 for n in sizes):
-                parts = torch.split(value, counts)
-                return torch.cat([parts[j] for j in order])
-        raise _NotPerImage
+        return expand(value)
     if isinstance(value, dict):  # (transformers' ModelOutput is one)
-        laid = {k: _laid_out(v, sizes, merge, order) for k, v in value.items()}
-        return type(value)(**laid)
+        return type(value)(**{k: _laid_out(v, expand) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
-        return type(value)(_laid_out(v, sizes, merge, order) for v in value)
+        return type(value)(_laid_out(v, expand) for v in value)
     raise _NotPerImage
