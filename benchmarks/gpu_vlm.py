@@ -10,7 +10,7 @@ language model's first layers). Inputs are built without a processor (no image l
                                               [--repeat G]
 
 --repeat G: requests / G distinct prompts, each G times in a row, image included (a GRPO rollout's
-groups): the Qwen towers encode each distinct image once (model/vision_dedupe.py), stock every copy.
+groups): the towers encode each distinct image once (model/vision_dedupe.py), stock every copy.
 
 Roofline: the vision tower's and the prefill's FLOPs (of the distinct prompts) at 790 TFLOP/s, plus
 every decode step at the bandwidth floor (weights + the K/V it reads, at the measured copy bandwidth).
