@@ -208,6 +208,18 @@ def main() -> None:
 
     media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     merge, _ = timed(lambda: merged_prompts(model, inputs["input_ids"], inputs["attention_mask"], media))
+    if args.repeat > 1:  # the same merge with every copy encoded, as before model/vision_dedupe.py
+        import contextlib
+
+        from hf_async_cb.model import vision
+
+        every = vision.distinct_images
+        vision.distinct_images = lambda model: contextlib.nullcontext()
+        try:
+            report["vision_and_merge_every_copy_s"] = round(
+                timed(lambda: merged_prompts(model, inputs["input_ids"], inputs["attention_mask"], media))[0], 3)
+        finally:
+            vision.distinct_images = every
     hf_async_cb.clear_prefix_cache(model)
     ours, out = timed(lambda: model.generate(**kw, batching="async"))
     stock, ref = timed(lambda: model.generate(**kw))
