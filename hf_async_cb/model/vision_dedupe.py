@@ -20,6 +20,7 @@ sequence) has the tower run on every image, as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Iterator
 
@@ -56,16 +57,21 @@ _NOT_PER_IMAGE: set[type] = set()  # tower classes whose output was laid out oth
 def _tower_kind(module: torch.nn.Module):
     if type(module) in _NOT_PER_IMAGE:
         return None
-    try:
-        parameters = list(inspect.signature(type(module).forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    if parameters[1:3] == ["hidden_states", "grid_thw"] and isinstance(getattr(module, "spatial_merge_size", None),
-                                                                        int):
+    parameters = _leading_parameters(type(module))
+    if parameters == ("hidden_states", "grid_thw") and isinstance(getattr(module, "spatial_merge_size", None), int):
         return _packed
-    if parameters[1:2] == ["pixel_values"]:
+    if parameters[:1] == ("pixel_values",):
         return _batched
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _leading_parameters(cls: type) -> tuple[str, ...]:
+    """The first two parameters of a module class's forward after self (read once per class)."""
+    try:
+        return tuple(inspect.signature(cls.forward).parameters)[1:3]
+    except (TypeError, ValueError):
+        return ()
 
 
 def _packed(tower: torch.nn.Module, forward):
