@@ -207,3 +207,49 @@ def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
         else:  # tried once in the process (the distinct images, then all of them), then not again
             assert seen[-1] == every and (call == 0 or seen == [every]), seen
     hf_async_cb.release(model)
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl", "qwen3_vl", "gemma3", "idefics3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_served_requests_with_images_give_stock_tokens(name, mode):
+    """Engine.add_request(prompt, media=...) while the loop serves: each request's images are merged
+    on the loop thread before it is taken in; its tokens are stock generate's for that prompt alone,
+    whatever else runs beside it (a text-only request, the same image twice). A merge that fails ends
+    that request alone, with its error."""
+    model = _model(name)
+    hf_async_cb.release(model)
+    rows = [V.build_inputs(name, "mixed", only_row=r) for r in (0, 2)]  # a row with an image, alone
+    full = V.build_inputs(name, "mixed")  # (some processors take no batch without images: row 1 from here)
+    text = full["input_ids"][1][full["attention_mask"][1].bool()][None]
+    rows.insert(1, dict(input_ids=text, attention_mask=torch.ones_like(text)))  # text alone: no media at all
+    expected = [_stock(model, inputs)[0, inputs["input_ids"].shape[1]:].tolist() for inputs in rows]
+    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, page_size=4))
+    engine.start()
+    try:
+        handles = []
+        for inputs in rows + rows[:1]:
+            media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            handles.append(engine.add_request(inputs["input_ids"][0].tolist(), max_new_tokens=NEW,
+                                              media=media or None))
+        broken = {k: v[..., :1] if k == "pixel_values" else v for k, v in rows[0].items()
+                  if k not in ("input_ids", "attention_mask")}
+        failing = engine.add_request(rows[0]["input_ids"][0].tolist(), max_new_tokens=NEW, media=broken)
+        got = [h.result(timeout=120).output_token_ids for h in handles]
+        with pytest.raises(RuntimeError):
+            failing.result(timeout=120)
+        after = engine.add_request(rows[2]["input_ids"][0].tolist(), max_new_tokens=NEW,
+                                   media={k: v for k, v in rows[2].items() if k not in ("input_ids", "attention_mask")})
+        assert after.result(timeout=120).output_token_ids == expected[2]  # the loop serves on
+    finally:
+        engine.shutdown(timeout=60)
+        engine.close()
+    assert got == expected + expected[:1]
+    with pytest.raises(ValueError, match="embeds or media"):
+        engine2 = hf_async_cb.Engine(model, BatchingConfig(mode=mode))
+        engine2.start()
+        try:
+            engine2.add_request([1, 2, 3], max_new_tokens=2, media={}, embeds=hf_async_cb.PromptEmbeds(
+                torch.zeros(1, model.config.get_text_config().hidden_size), [0]))
+        finally:
+            engine2.shutdown(timeout=60)
+            engine2.close()

@@ -183,22 +183,24 @@ def build_model(name):
     return model.eval()
 
 
-def build_inputs(name, scenario="one_each", image_seed=0):
-    """The batch the family's processor makes for ``scenario`` (left-padded, return_tensors="pt")."""
+def build_inputs(name, scenario="one_each", image_seed=0, only_row=None):
+    """The batch the family's processor makes for ``scenario`` (left-padded, return_tensors="pt");
+    `only_row`: that row of it alone (its text and images), a batch of one."""
     fam = FAMILIES[name]
     proc = _processor(name)
     rows = ROWS[scenario]
     texts, images, k = [], [], 0
-    for text, n in rows:
+    for r, (text, n) in enumerate(rows):
         if fam.images_first:
             text = "{img}" * n + " ".join(w for w in text.split() if w != "{img}")
-        texts.append(text.replace("{img}", fam.image_marker))
         row = []
         for _ in range(n):
             size = fam.image_size or IMAGE_SIZES[scenario][k]
             row.append(make_image(image_seed * 100 + k, size))
             k += 1
-        images.append(row)
+        if only_row is None or r == only_row:
+            texts.append(text.replace("{img}", fam.image_marker))
+            images.append(row)
     if fam.nested_images:
         imgs = images
     else:

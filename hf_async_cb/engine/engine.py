@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -47,6 +48,7 @@ from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel, model_guard
+from hf_async_cb.model.vision import media_embeds
 
 logger = logging.getLogger(__name__)
 
@@ -401,10 +403,15 @@ class Engine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,
                     stopping_criteria=None, on_token=None, embeds: PromptEmbeds | None = None,
-                    **param_kwargs) -> RequestHandle:
+                    media: dict | None = None, **param_kwargs) -> RequestHandle:
         """Submit a prompt (token ids, or text when the engine has a tokenizer); returns its handle.
         `params` or the keyword arguments as in generate(): it stops at the model's EOS ids unless
         they name others (eos_token_ids=() runs past EOS); `embeds` as in make_request().
+
+        `media`: a vision-language model's image inputs for this one prompt, as its processor gives
+        them for a batch of that prompt alone (`pixel_values`, `image_grid_thw`, `image_sizes`, ...;
+        the prompt its `input_ids`, placeholders included). The loop thread merges them as generate()
+        does (model/vision.py), right before the request is taken in; an error there fails the handle.
 
         `on_token(request, token)`: called on the loop thread for every token, right after the
         handle has it (the moment any reader can see it), e.g. to time tokens without a reader
@@ -417,10 +424,15 @@ class Engine:
                 raise ValueError("a text prompt needs Engine(..., tokenizer=...); or pass token ids.")
             prompt = self.tokenizer(prompt)["input_ids"]
         params = one_params(params, param_kwargs)
+        if media is not None and embeds is not None:
+            raise ValueError("add_request takes embeds or media, not both.")
         request = self.make_request(prompt, params, logits_processor=logits_processor,
                                     stopping_criteria=stopping_criteria, on_token=on_token, embeds=embeds)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))
         handle = RequestHandle(request)
+        if media is not None:
+            handle._before_admission = functools.partial(
+                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal, cache=self.cache)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
         self._background.submit(handle)
         return handle

@@ -58,6 +58,7 @@ class RequestHandle:
         self._done = threading.Event()
         self._abort = False
         self._callbacks: list = []
+        self._before_admission = None  # run on the loop thread before it is taken in (its images' merge)
 
     @property
     def request_id(self) -> str:
@@ -287,8 +288,13 @@ class _Worker:
                 return
             self.active[id(handle.request)] = handle
             try:
+                if handle._before_admission is not None:  # its images merged (Engine.add_request(media=...))
+                    streams = self.pipeline.streams
+                    # On the compute stream, ordered with the steps that read them; by the stock model.
+                    with streams.on(streams.compute), self.runner.prepared_model.set_aside():
+                        handle._before_admission(self.runner.model, handle.request)
                 self.scheduler.add(handle.request)
-            except ValueError as error:
+            except Exception as error:  # noqa: BLE001 - its inputs' failure (a merge, a refusal): its caller's
                 self.active.pop(id(handle.request))
                 handle._finish(error)
                 continue

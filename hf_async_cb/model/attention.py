@@ -96,14 +96,31 @@ def implementation(config, name: str) -> Iterator[None]:
     saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in config_tree(config)]
     config._attn_implementation = name
     try:
-        yield
+        yield saved
     finally:
         with deferred_interrupts():  # a config left on the engine's attention fails every later forward
-            for c, value in saved:
-                if value is _MISSING:
-                    c.__dict__.pop("_attn_implementation_internal", None)
-                else:
-                    c._attn_implementation_internal = value
+            _put_back(saved)
+
+
+@contextlib.contextmanager
+def given_back(saved: list) -> Iterator[None]:
+    """Inside implementation() (what it yielded): each config's own setting for a block, for a
+    forward of the stock model's own (a served request's images merged), then the engine's again."""
+    current = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c, _ in saved]
+    _put_back(saved)
+    try:
+        yield
+    finally:
+        with deferred_interrupts():
+            _put_back(current)
+
+
+def _put_back(saved: list) -> None:
+    for c, value in saved:
+        if value is _MISSING:
+            c.__dict__.pop("_attn_implementation_internal", None)
+        else:
+            c._attn_implementation_internal = value
 
 
 def resolve_backend(choice: str, device: torch.device) -> str:

@@ -242,19 +242,35 @@ class PreparedModel:
                 check()
             with uncompiled(model):  # compiled wrappers set aside: the engine runs the eager forward
                 try:
-                    if self.fusion is not None:
-                        self.fusion.attach()
-                    if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
-                        self.elementwise.attach()
-                    if self.decode_gemms is not None:  # after the projections: it routes their groups' GEMMs
-                        self.decode_gemms.attach()
-                    self.adapters.attach()
+                    self._attach()
                     attention.register()
-                    with attention.implementation(model.config, attention.ATTENTION_NAME):
+                    with attention.implementation(model.config, attention.ATTENTION_NAME) as stock:
+                        self._stock_attention = stock
                         yield
                 finally:
                     with deferred_interrupts():  # half given back, the model would fail every later forward
                         self._detach()
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Inside using(): the model stock for a forward of its own (a served request's images merged
+        on the loop thread: model/vision.py's media_embeds), then prepared again."""
+        self._detach()
+        try:
+            with attention.given_back(self._stock_attention):
+                yield
+        finally:
+            with deferred_interrupts():
+                self._attach()
+
+    def _attach(self) -> None:
+        if self.fusion is not None:
+            self.fusion.attach()
+        if self.elementwise is not None:  # after the projections: its MLP forward uses their GEMM
+            self.elementwise.attach()
+        if self.decode_gemms is not None:  # after the projections: it routes their groups' GEMMs
+            self.decode_gemms.attach()
+        self.adapters.attach()
 
     def _detach(self) -> None:
         self.adapters.detach()

@@ -26,7 +26,7 @@ import hashlib
 import numpy as np
 import torch
 
-from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, content_keys
+from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, checked_embeds, content_keys
 from hf_async_cb.model.vision_attention import packed_vision_attention
 from hf_async_cb.model.vision_dedupe import distinct_images
 
@@ -107,6 +107,19 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         rows.append(twin or embeds)
     _name_contents([e for group in seen.values() for e in group])
     return rows
+
+
+@torch.no_grad()
+def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str | None, cache) -> None:
+    """A served request's images, merged on the loop thread before it is taken in
+    (Engine.add_request(media=...)): its embeds are the model's own merge of this one prompt, as
+    generate() merges each row of a batch (`refusal`, `cache`: as checked_embeds takes them)."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([request.prompt_token_ids], device=device)
+    given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in media.items()}
+    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given)
+    if row is not None:
+        request.embeds = checked_embeds(row, ids.shape[1], model.get_input_embeddings(), refusal, cache)
 
 
 def _name_contents(embeds: list[PromptEmbeds]) -> None:
