@@ -6,7 +6,9 @@
 #  probe   the codebook form per projection beside bitsandbytes' own path, with the block-tables
 #          variant (benchmarks/codebook_gemm_probe.py);
 #  vlm     a GRPO-shaped Qwen2.5-VL-7B call (64 rows = 8 images x 8 copies) through generate() beside
-#          stock: each image encoded once (benchmarks/gpu_vlm.py --repeat 8).
+#          stock: each image encoded once (benchmarks/gpu_vlm.py --repeat 8);
+#  serve   (not in the default STEPS) 64 requests with an image each at 8 req/s through
+#          Engine.add_request(media=...), sync and async (benchmarks/vlm_serving.py).
 # Needs the quantization wheels the GPU image lacks: run(carry=[".whl"], ...). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
@@ -25,5 +27,8 @@ for step in $STEPS; do
     vlm)
       timeout 240 python3 benchmarks/gpu_vlm.py --shape qwen2.5-vl-7b --skip-tiny --requests 64 --repeat 8 --new 128 \
         --json "$OUT/vlm_repeat8.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    serve)
+      timeout 300 python3 benchmarks/vlm_serving.py --requests 64 --rate 8 --new 128 --json "$OUT/vlm_serving.json" \
+        2>&1 | grep -v -i warn | tail -6 ;;
   esac
 done

@@ -253,3 +253,21 @@ def test_served_requests_with_images_give_stock_tokens(name, mode):
         finally:
             engine2.shutdown(timeout=60)
             engine2.close()
+
+
+def test_the_serving_benchmark_with_images_runs_on_the_cpu(tmp_path):
+    """benchmarks/vlm_serving.py on its tiny shape: every request of both loops finishes with its tokens."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import vlm_serving
+
+    out = tmp_path / "serving.json"
+    assert vlm_serving.main(["--shape", "tiny", "--device", "cpu", "--requests", "4", "--rate", "inf", "--new", "4",
+                             "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        assert report[mode]["requests"] == 4 and report[mode]["failed"] == 0
+        assert report[mode]["output_tokens"] == 16
