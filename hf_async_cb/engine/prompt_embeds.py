@@ -83,8 +83,9 @@ class PromptEmbeds:
         if self.deepstack is not None:
             self.deepstack_positions = np.asarray(self.deepstack_positions, dtype=np.int64)
             d = len(self.deepstack_positions)
+            where = self.deepstack_positions
             if any(t.dim() != 2 or t.shape[0] != d for t in self.deepstack) or \
-                    not np.isin(self.deepstack_positions, self.positions).all() or np.any(np.diff(self.deepstack_positions) <= 0):
+                    not np.isin(where, self.positions).all() or np.any(np.diff(where) <= 0):
                 raise ValueError("deepstack features must be [positions, hidden] per layer, at increasing positions "
                                  "among the embedded ones.")
             if d:
@@ -216,7 +217,8 @@ _KEY_WORDS = 2  # two independent 64-bit sums: a 128-bit key
 
 
 def content_keys(rows: list[torch.Tensor]) -> list[bytes]:
-    """A key per [P, hidden] embeddings tensor naming its content, computed on its device with one
+    """A key per [P, hidden] embeddings tensor (or any 2-D tensor: a vision tower's images,
+    model/vision_dedupe.py) naming its content, computed on its device with one
     transfer for all: two sums over the values' bits (as integers) times random 64-bit multipliers
     per column and per position, wrapping modulo 2**64. Two tensors of other contents share a key
     only if both sums of their difference vanish: for multipliers drawn at random, about one chance
@@ -231,7 +233,8 @@ def content_keys(rows: list[torch.Tensor]) -> list[bytes]:
     positions = torch.randint(-2**62, 2**62, (_KEY_WORDS, length), generator=g).to(device)
     sums = []
     for r in rows:
-        bits = r.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[r.element_size()]).long()
+        bits = r.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[r.element_size()])
+        bits = bits.long()
         per_position = torch.stack([(bits * columns[w, :r.shape[1]]).sum(1) for w in range(_KEY_WORDS)])
         sums.append((per_position * positions[:, :r.shape[0]]).sum(1))
     words = torch.stack(sums).cpu().numpy()  # one transfer

@@ -12,8 +12,8 @@ outputs are laid out again for every copy. Two kinds are recognised by their for
 - a batch of images (`forward(pixel_values, ...)`: CLIP, SigLIP, Idefics3's, InternVL's towers):
   every tensor argument and output per image along its first dimension.
 
-Images are compared in full (a sample of each only groups the candidates), together with whatever
-else the tower is given per image; an output laid out otherwise (Pixtral packs its images into one
+Images are compared by content key (as the prefix cache names image embeddings), together with
+whatever else the tower is given per image; an output laid out otherwise (Pixtral packs its images into one
 sequence) has the tower run on every image, as before.
 """
 
@@ -26,8 +26,7 @@ from typing import Iterator
 
 import torch
 
-SAMPLED = 16  # elements per image read to the host to group candidates (compared in full after)
-
+from hf_async_cb.engine.prompt_embeds import content_keys
 
 class _NotPerImage(Exception):
     """An output of the tower that is not laid out per patch or per merged token."""
@@ -119,9 +118,9 @@ def _batched(tower: torch.nn.Module, forward):
         tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         if any(v.dim() == 0 or v.shape[0] != n for v in tensors):  # (not per image: left as they are)
             return forward(pixel_values, *args, **kwargs)
-        images = [torch.cat([t[i].reshape(-1).view(torch.uint8) for t in (pixel_values, *tensors)])
-                  for i in range(n)]  # (an image and what comes with it, as bytes)
-        first = _first_copies(images, [b""] * n)
+        given = [content_keys([t[i].reshape(1, -1) for i in range(n)]) for t in tensors]  # (what comes with each)
+        first = _first_copies([pixel_values[i].reshape(1, -1) for i in range(n)],
+                              [b"".join(keys) for keys in zip(*given)] if given else [b""] * n)
         distinct = sorted(set(first))
         if len(distinct) == n:
             return forward(pixel_values, *args, **kwargs)
@@ -154,27 +153,14 @@ def _order(first: list[int], distinct: list[int]) -> list[int]:
 
 
 def _first_copies(images: list[torch.Tensor], keys: list[bytes]) -> list[int]:
-    """Per image, the index of the first image equal to it: the same key (its grid) and every element
-    the same. A few elements of each, read to the host in one transfer, group the candidates."""
-    picks = [sampled(x.numel(), x.device) for x in images]
-    samples = torch.stack([x.reshape(-1)[p] if x.numel() else torch.zeros_like(p, dtype=x.dtype)
-                           for x, p in zip(images, picks)]) if images else None
-    samples = samples.reshape(len(images), -1).contiguous().view(torch.uint8).cpu() if images else None
+    """Per image ([rows, columns]), the index of the first image with the same key (its grid) and
+    the same content key: engine/prompt_embeds.py's content_keys, which names the prefix cache's
+    image embeddings too (one transfer for all)."""
     first: list[int] = []
-    candidates: dict[bytes, list[int]] = {}
-    for i, image in enumerate(images):
-        key = keys[i] + samples[i].numpy().tobytes()
-        same = next((j for j in candidates.get(key, ())
-                     if images[j].shape == image.shape and torch.equal(images[j], image)), None)
-        if same is None:
-            candidates.setdefault(key, []).append(i)
-        first.append(i if same is None else same)
+    seen: dict[bytes, int] = {}
+    for i, content in enumerate(content_keys(images)):
+        first.append(seen.setdefault(keys[i] + content, i))
     return first
-
-
-def sampled(numel: int, device=None) -> torch.Tensor:
-    """The flat indices of an image's elements that group it with its candidate copies."""
-    return torch.linspace(0, max(numel - 1, 0), SAMPLED, device=device).long()
 
 
 def _laid_out(value, expand):
