@@ -31,6 +31,7 @@ import transformers
 from models import left_pad, random_prompts, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
+from hf_async_cb.generate import runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_soak  # noqa: E402
@@ -137,13 +138,18 @@ def test_oom_in_a_step_of_model_generate_leaves_the_model_usable():
     stock, stock_failing = generate(first, "off"), generate(failing, "off")
     attention = model.config._attn_implementation
     with OomOnStep(model, MIN_PREFILL, nth=2, armed=False) as hook:
-        # A first call builds the runtime around the hook (its checks run forwards of their own, which
-        # must not count); the hook is armed for the second, whose steps alone then run forwards. Its
-        # prompts are new to the prefix cache, so that its prefill steps are whole prompts.
+        # The first calls build the runtime around the hook (its checks run forwards of their own, which
+        # must not count), the second one with a pool that holds the failing call, so that it is not
+        # rebuilt (a hooked model's parity is checked again at each build). The hook is armed for the
+        # failing call, whose steps alone then run forwards; its prompts are new to the prefix cache, so
+        # that its prefill steps are whole prompts.
         fresh = generate(first, "async")
+        generate(left_pad(random_prompts(16, 60, 60, seed=33)), "async")
+        built = runtime._RUNTIMES[model].builds
         hook.armed = True
         with pytest.raises(torch.OutOfMemoryError) as caught:
             generate(failing, "async")
+        assert runtime._RUNTIMES[model].builds == built  # the OOM came from a step, not from a build
     assert hook.fired
     assert_explained_oom(caught.value, original=caught.value.__cause__)
     del caught
