@@ -444,7 +444,8 @@ def test_attention_variants_compile_for_sm90():
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "new_k_ptr", "new_v_ptr")}
     pointers.update({n: "*fp32" for n in ("m_ptr", "l_ptr", "sinks_ptr", "slopes_ptr")})
-    pointers.update({n: "*i64" for n in ("block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr")})
+    pointers.update({n: "*i64" for n in ("block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr",
+                                         "kv_start_ptr")})
     scalars = {"qk_scale": "fp32", "cap_log2": "fp32", "window": "i32", "num_seqs": "i32", "num_splits": "i32"}
     strides = {n: "i64" for n in ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_os stride_ot "
                                   "stride_oh stride_ms stride_mt stride_bt stride_nkt stride_nkh stride_nvt "
@@ -452,12 +453,13 @@ def test_attention_variants_compile_for_sm90():
     signature = {**pointers, **scalars, **strides}
     variants = dict(PAGE=16, HEAD_DIM=192, BLOCK_D=256, HEAD_DIM_V=128, BLOCK_DV=128, GROUP=16, HEADS=16, CHUNKS=1,
                     BLOCK_Q=1, BLOCK_M=16, BLOCK_N=32, SPLIT=True, ALIGNED_INPUTS=True, HAS_WINDOW=True, HAS_SOFTCAP=True,
-                    HAS_SINKS=True, HAS_ALIBI=True, IEEE=False)
+                    HAS_SINKS=True, HAS_ALIBI=True, IEEE=False, KV_START=False)
     plain = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, HAS_SINKS=False)  # prefill's unmasked loop
     assert_compiles_for_sm90([("hf_async_cb.kernels.paged_attention", "_paged_attention_kernel", signature,
                                dict(variants, DECODE=decode, NEW_KV=new, EARLY_LOADS=early, HEADS_FIRST=first, **more))
                               for decode, new, early, first, more in (
                                   (False, False, False, False, {}), (True, False, True, True, {}),
                                   (True, True, False, False, {}), (True, True, True, False, {}),
+                                  (True, True, False, False, dict(KV_START=True, HAS_WINDOW=False, HAS_ALIBI=False)),
                                   (False, False, False, True, plain), (False, False, False, False, dict(plain, BLOCK_M=64)))],
                              options={"num_warps": 4, "num_stages": 1})

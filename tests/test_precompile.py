@@ -47,6 +47,7 @@ def _keys(recorded) -> dict[str, str]:
                                            ("llama", torch.bfloat16)])
 def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeypatch):
     from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.engine import shared_prefix_groups
     from hf_async_cb.kernels.model_variants import facts_of, model_variants
     from hf_async_cb.kernels.variant import variant_key
 
@@ -70,6 +71,9 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
             sampled = [SamplingParams(max_new_tokens=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
                                       seed=i, repetition_penalty=1.2 if i % 2 else 1.0) for i in range(rows)]
             engine.generate(prompts, sampled)
+        if dtype == torch.bfloat16:  # a prompt repeated: decode steps read its cached prefix once per group
+            monkeypatch.setattr(shared_prefix_groups, "MIN_SHARED_TOKENS", 8)  # (short prompts: the interpreter)
+            engine.generate(random_prompts(1, 20, 20, seed=4) * 2, max_new_tokens=4)
     ran = _keys(launches)
     missing = {key: name for key, name in ran.items() if key not in listed}
     assert not missing, f"{len(missing)} launched variants not listed: {sorted(set(missing.values()))}"
@@ -77,6 +81,8 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
     assert {"paged_attention._paged_attention_kernel", "draw_greedy._greedy_parts_kernel",
             "draw_sampled._resolve_kernel"} <= names
     assert "elementwise._rms_norm_kernel" in names
+    if dtype == torch.bfloat16:
+        assert "shared_prefix_attention._shared_prefix_kernel" in names
 
 
 def test_nothing_is_compiled_ahead_off_cuda():

@@ -20,6 +20,7 @@ from hf_async_cb.engine.io_slots import IOSlot
 from hf_async_cb.engine.page_table import PageTable
 from hf_async_cb.engine.requests import Request, SamplingParams
 from hf_async_cb.engine.scheduler import StepPlan
+from hf_async_cb.engine.shared_prefix_groups import shared_prefix_groups
 from hf_async_cb.model.step_metadata import StepMetadata
 from hf_async_cb.sampling.device_processors import HistoryProcessors, HostProcessors, TokenBlock
 from hf_async_cb.sampling.sampler import SamplingTensors
@@ -226,8 +227,11 @@ class BatchBuilder:
                     params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
                 sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
             unseeded = any(p.unseeded for p in params)
+        groups = None
+        if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
+            groups = shared_prefix_groups(table, context_lens, real_rows, ps)
         ints = [input_ids, carry, positions, slot_mapping, logits_rows, table, query_start, context_lens,
-                *sampling_ints]
+                *(groups or ()), *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked, padded=pad_to is not None)
@@ -236,10 +240,13 @@ class BatchBuilder:
         floats, dev_processor_floats = _split(floats, len(sampling_floats))
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
          context_lens_d, *dev_sampling_ints) = dev
+        group_start_d = shared_len_d = None
+        if groups is not None:
+            group_start_d, shared_len_d, *dev_sampling_ints = dev_sampling_ints
         meta = StepMetadata(
             slot_mapping=slot_mapping_d, block_table=table_d, query_start=query_start_d,
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
-            max_context=max_ctx, backend=self.attention_backend,
+            max_context=max_ctx, backend=self.attention_backend, group_start=group_start_d, shared_len=shared_len_d,
         )
         embeds = visible = prefix_kv = deepstack = None
         if plan.embedded:

@@ -62,6 +62,7 @@ PADDED_BUCKET_MAX_TOKENS = 256
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
+_SHARED_META = ("group_start", "shared_len")  # a decode step's shared-prefix groups, when it has them
 _SAMPLING_INTS = ("top_k", "seed", "token_index")  # uploaded after the tensors above, in the same buffer
 _SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's float buffer
 # A repetition penalty's tensors (penalties.HistoryProcessors), uploaded after the sampling ones.
@@ -97,12 +98,15 @@ class GraphKey:
     penalty: tuple | None = None
     blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
     tall: bool = False  # a prefill/mixed step whose longest query takes the attention's tall tiles
+    shared: bool = False  # a decode step whose rows share prefixes (StepMetadata.group_start): other kernels
 
 
 def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The step's uploaded tensors by name, in upload order: (the int64 buffer's, the float32 one's)."""
     ints = {name: getattr(inputs, name) for name in _STATIC}
     ints.update((name, getattr(inputs.meta, name)) for name in _STATIC_META)
+    if inputs.meta.group_start is not None:
+        ints.update((name, getattr(inputs.meta, name)) for name in _SHARED_META)
     floats = {}
     if inputs.sampling is not None:
         ints.update((name, getattr(inputs.sampling, name)) for name in _SAMPLING_INTS)
@@ -163,7 +167,7 @@ class _Graph:
         if inputs.token_block is not None:  # padded to the bucket's pair count
             token_block = TokenBlock(*(t["block_" + name] for name in _BLOCK_INTS))
         meta = StepMetadata(
-            **{name: t[name] for name in _STATIC_META}, page_size=inputs.meta.page_size,
+            **{name: t[name] for name in _STATIC_META + _SHARED_META if name in t}, page_size=inputs.meta.page_size,
             # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
             max_query_len=inputs.meta.max_query_len if decode else max(2, inputs.meta.max_query_len),
             max_context=inputs.meta.max_context,

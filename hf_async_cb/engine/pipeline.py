@@ -42,6 +42,7 @@ finished ones instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -164,6 +165,8 @@ class Pipeline:
         carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
         key = self.graphs.key_for(plan) if self.graphs is not None else None
         inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context, key.tokens) if key else None)
+        if key is not None and inputs.meta.group_start is not None:  # rows that share prefixes: their own graph
+            key = dataclasses.replace(key, shared=True)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
         first_tokens = False

@@ -31,6 +31,7 @@ first imported, as the tests do): slow, but the same code, so CI checks the kern
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -44,6 +45,7 @@ from hf_async_cb.kernels.attention_launch import (
     launch_defaults,
     tile_shape,
 )
+from hf_async_cb.devices import num_sms
 from hf_async_cb.kernels.paged_attention_reference import check_shapes, check_sinks, check_softcap
 from hf_async_cb.kernels.variant import Variant
 from hf_async_cb.model.step_metadata import StepMetadata
@@ -108,10 +110,10 @@ def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_splits", "stride_qt", "stride_qh", "stride_os", "stride_ms",
                                "stride_bt", "stride_nkt", "stride_nkh", "stride_nvt", "stride_nvh"],
             do_not_specialize_on_alignment=["block_table_ptr", "query_start_ptr", "context_lens_ptr", "slot_ptr",
-                                            "sinks_ptr", "slopes_ptr"])
+                                            "sinks_ptr", "slopes_ptr", "kv_start_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, sinks_ptr, slopes_ptr,
-    block_table_ptr, query_start_ptr, context_lens_ptr, new_k_ptr, new_v_ptr, slot_ptr,
+    block_table_ptr, query_start_ptr, context_lens_ptr, new_k_ptr, new_v_ptr, slot_ptr, kv_start_ptr,
     qk_scale, cap_log2, window, num_seqs, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_os, stride_ot, stride_oh, stride_ms, stride_mt, stride_bt,
@@ -122,6 +124,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr, NEW_KV: tl.constexpr,
     EARLY_LOADS: tl.constexpr, HEADS_FIRST: tl.constexpr, ALIGNED_INPUTS: tl.constexpr,
+    KV_START: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (KV heads x chunks, query blocks, splits): a request's heads run side by side
         qb = tl.program_id(1)
@@ -178,6 +181,8 @@ def _paged_attention_kernel(
         kv_lo = 0
         if HAS_WINDOW:
             kv_lo = tl.maximum(first_pos - window + 1, 0)
+        if KV_START:  # (decode) the keys before kv_start[seq] are a shared prefix's: shared_prefix_attention.py
+            kv_lo = tl.load(kv_start_ptr + seq).to(tl.int32)
         num_blocks = (kv_hi - kv_lo + BLOCK_N - 1) // BLOCK_N
         per_split = num_blocks
         if SPLIT:
@@ -392,13 +397,24 @@ def paged_attention_triton(
     splits = num_splits or choose_splits(meta, num_kv_heads * chunks, query.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
+    # Rows that share a prefix (meta.group_start): its keys read once per group, into split slots
+    # after the rows' own (shared_prefix_attention.py).
+    cascade = (decode and meta.group_start is not None and sliding_window is None and alibi_slopes is None
+               and chunks == 1)
+    psplits = 0
+    if cascade:
+        from hf_async_cb.kernels.shared_prefix_attention import launch_shared_prefix, prefix_splits  # imports this
+
+        psplits = prefix_splits(num_seqs, num_kv_heads, meta.max_context, num_sms(query.device) or 1)
+    splits = min(splits, MAX_SPLITS - psplits)
+    slots = splits + psplits
     out = torch.empty(total, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
-    if splits > 1:
+    if slots > 1:
         # Each split's rows padded to a multiple of 16 tokens: the merge's split strides are then
         # multiples of 16 at any token count (one compiled variant, aligned loads).
         padded = -(-total // 16) * 16
-        part = torch.empty(splits, padded, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
-        m = torch.empty(splits, padded, num_heads, dtype=torch.float32, device=query.device)
+        part = torch.empty(slots, padded, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
+        m = torch.empty(slots, padded, num_heads, dtype=torch.float32, device=query.device)
         l = torch.empty_like(m)
         target, part_strides, ml_strides = part, part.stride(), m.stride()[:2]
     else:
@@ -424,19 +440,23 @@ def paged_attention_triton(
         q, key_pool, value_pool, target, m, l, sinks if sinks is not None else q,
         alibi_slopes if alibi_slopes is not None else q,
         meta.block_table, meta.query_start, meta.context_lens, new_k, new_v, meta.slot_mapping,
+        meta.shared_len if cascade else meta.context_lens,
         qk_scale, cap_log2, sliding_window or 0, num_seqs, splits,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
         *part_strides[:3], *ml_strides, meta.block_table.stride(0), *new_strides,
         PAGE=meta.page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
         GROUP=group, HEADS=tile["heads"], CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=splits > 1, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        SPLIT=slots > 1, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
         DECODE=decode, NEW_KV=new_kv is not None, EARLY_LOADS=tuning.get("early_loads", False), HEADS_FIRST=heads_first,
-        ALIGNED_INPUTS=aligned_inputs, **launch,
+        ALIGNED_INPUTS=aligned_inputs, KV_START=cascade, **launch,
     )
-    if splits > 1:
+    if cascade:
+        launch_shared_prefix(q, key_pool, value_pool, part, m, l, meta, qk_scale, cap_log2, splits, psplits, group,
+                             softcap is not None, query.dtype == torch.float32)
+    if slots > 1:
         _merge_splits_kernel[(total, num_heads)](
-            part, m, l, out, splits, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
+            part, m, l, out, slots, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
             HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
         )
     return out[None]
@@ -445,12 +465,14 @@ def paged_attention_triton(
 def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, page_size: int, dtype: torch.dtype, *,
              window: bool = False, softcap: bool = False, sinks: torch.dtype | None = None,
              alibi: torch.dtype | None = None, splits: bool = True, tall: bool = True,
-             new_kv: bool = True) -> list[Variant]:
+             new_kv: bool = True, shared: bool = True) -> list[Variant]:
     """The kernels' compiled variants for one kind of layer (its heads, pools, flags) as the engine
     launches them: decode steps (their new K/V as inputs when `new_kv`; unsplit, and split over the
     context when `splits`, with the merge), prefill and mixed steps (16-row tiles and, when `tall`,
     the tall ones), whatever the batch, tokens and contexts. `sinks` / `alibi`: their dtypes, when
-    the layer has them. Query and new K/V strides are multiples of the head sizes."""
+    the layer has them. `shared`: decode steps whose rows share prefixes too (the rows' own keys
+    after kv_start, and the prefix kernel), where the layer can take them (no window, no ALiBi, one
+    program per KV head). Query and new K/V strides are multiples of the head sizes."""
     num_kv_heads, head_dim = key_pool.shape[1:]
     head_dim_v = value_pool.shape[-1]
     group = num_heads // num_kv_heads
@@ -466,7 +488,7 @@ def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, p
             tuning = launch_defaults(head_dim, dtype, head_dim_v, tile["block_m"], decode)
             out, stat = (f32, f32) if split else (dtype, dtype)
             args = (dtype, key_pool.dtype, value_pool.dtype, out, stat, stat, sinks or dtype, alibi or dtype,
-                    i64, i64, i64, dtype, dtype, i64, 0.5, 0.5, 0, 2, 2, 0, 0, *pools,
+                    i64, i64, i64, dtype, dtype, i64, i64, 0.5, 0.5, 0, 2, 2, 0, 0, *pools,
                     0, num_heads * head_dim_v, head_dim_v, 0, num_heads if split else 0, 0, 0, 0, 0, 0)
             found.append(Variant(_paged_attention_kernel, args, dict(
                 PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
@@ -474,8 +496,14 @@ def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, p
                 BLOCK_M=tile["block_m"], BLOCK_N=tuning["block_n"], SPLIT=split, HAS_WINDOW=window,
                 HAS_SOFTCAP=softcap, HAS_SINKS=sinks is not None, HAS_ALIBI=alibi is not None, IEEE=dtype == f32,
                 DECODE=decode, NEW_KV=decode and new_kv, EARLY_LOADS=tuning.get("early_loads", False),
-                HEADS_FIRST=False, ALIGNED_INPUTS=head_dim % 16 == 0 and head_dim_v % 16 == 0),
+                HEADS_FIRST=False, ALIGNED_INPUTS=head_dim % 16 == 0 and head_dim_v % 16 == 0, KV_START=False),
                 {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}))
+    tile = tile_shape(group, head_dim, head_dim_v, 1)
+    if shared and splits and not window and alibi is None and tile["chunks"] == 1:
+        from hf_async_cb.kernels.shared_prefix_attention import prefix_variant  # imports this module
+
+        found.append(dataclasses.replace(found[1], constexprs={**found[1].constexprs, "KV_START": True}))
+        found.append(prefix_variant(group, key_pool, value_pool, page_size, dtype, softcap))
     if splits:
         found.append(Variant(_merge_splits_kernel, (f32, f32, f32, dtype, 2, 0, num_heads * head_dim_v, head_dim_v, 0,
                                                     num_heads, num_heads * head_dim_v, head_dim_v),

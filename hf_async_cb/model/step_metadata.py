@@ -40,6 +40,12 @@ class StepMetadata:
     # Eager steps only: the rows of the stream whose K/V are given instead of computed, and what
     # (model/prefix_kv.py: StepPrefixKV, applied by PagedKVCache.update); None: every row computes its own.
     prefix_kv: object = None
+    # Decode steps whose adjacent rows share their first full pages (a prompt repeated, a common
+    # prefix): group_start [B + 1] (group i: rows group_start[i] .. group_start[i + 1] - 1, groups past
+    # the last empty) and shared_len [B] (each row's shared keys, 0 alone). The Triton kernels then read
+    # a group's prefix once (kernels/shared_prefix_attention.py); None: every row reads its own.
+    group_start: torch.Tensor | None = None
+    shared_len: torch.Tensor | None = None
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
     # Decode steps on the Triton kernels: each layer's new K/V, which PagedKVCache.update leaves to the

@@ -8,7 +8,8 @@ Workloads (rows are separate requests, as an RL trainer or an eval harness sends
     none      256 distinct prompts of 512 tokens -> 256 new: the cost of caching when nothing hits
 Paths, in one process on one model: stock generate, transformers' continuous batching (its block
 sharing on, as it ships), and ours through model.generate(batching="async") with prefix caching off
-and on. Ours first runs the same workload on other tokens (kernels, graphs: the first-call cost,
+and on (`cache-on-per-row`, not in the defaults: on, with every decode row reading its shared prefix
+itself, the attention before prefix groups were read once). Ours first runs the same workload on other tokens (kernels, graphs: the first-call cost,
 reported beside), so the timed call reuses only what it shares within itself; `second_call_s` is
 the same call again, which also reuses what the first one cached.
 """
@@ -29,6 +30,9 @@ WORKLOADS = {
     "none": dict(groups=256, rows=1, prefix=0, own=512, new=256),
 }
 PATHS = ("stock", "hf-cb-sync", "cache-off", "cache-on")
+# Not in the defaults: caching on, each decode row reading its shared prefix itself (the attention
+# before kernels/shared_prefix_attention.py): an A/B of reading a group's prefix once.
+PER_ROW = "cache-on-per-row"
 
 
 def workload_prompts(kind: str, vocab: int, seed: int = 1, scale: float = 1.0) -> tuple[list[list[int]], int]:
@@ -86,7 +90,16 @@ def run(shape: str, kinds, paths=PATHS, device=None, scale: float = 1.0) -> dict
         floor = (bench.floor_ms_per_step(model, len(prompts), len(prompts[0]), new, bandwidth) * new / 1e3
                  if bandwidth else None)
         for path in paths:
-            if path.startswith("cache-"):
+            if path == PER_ROW:
+                from hf_async_cb.engine import shared_prefix_groups
+
+                saved = shared_prefix_groups.MIN_SAVED_FRACTION
+                shared_prefix_groups.MIN_SAVED_FRACTION = float("inf")  # no step is worth grouping
+                try:
+                    result = run_ours(model, prompts, warm, new, caching=True)
+                finally:
+                    shared_prefix_groups.MIN_SAVED_FRACTION = saved
+            elif path.startswith("cache-"):
                 result = run_ours(model, prompts, warm, new, caching=path == "cache-on")
             else:
                 bench.run_path(path, model, prompts[:2], 2, phase="warm-up")

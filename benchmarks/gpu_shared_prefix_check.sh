@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Shared prefixes read once per group in decode (kernels/shared_prefix_attention.py), on the GPU in one
+# device call (about 8 minutes on an H200):
+#  tests   the kernel and attention tests on CUDA (bf16 real sizes included);
+#  micro   one decode step's attention, 256 rows in groups of 8 over 1,024 shared + ~64 own tokens, per
+#          8B and 1B layer: pages of its own per row, shared pages read per row, read once per group;
+#  e2e     the 8B group and few-shot workloads through model.generate(batching="async"): stock, caching
+#          off, caching on reading each prefix per row (the attention before), caching on as it ships.
+set -uo pipefail
+export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-tests micro e2e}
+git log --oneline -1 | tee "$OUT/commit.txt"
+for step in $STEPS; do
+  case $step in
+    tests)
+      timeout 180 python3 -m pytest -q tests/test_shared_prefix_attention.py tests/test_triton_attention.py \
+        -p no:cacheprovider --tb=short -W ignore 2>&1 | tee "$OUT/tests.txt" | grep -E "^E |FAILED|passed|failed" \
+        | cut -c1-300 | tail -20 ;;
+    micro)
+      for shape in 8b 1b; do
+        timeout 90 python3 benchmarks/shared_prefix_attention.py --shape $shape --json "$OUT/micro_$shape.json" 2>&1 \
+          | grep -v -i warn | tail -5
+      done ;;
+    e2e)
+      timeout 200 python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads group \
+        --paths stock,cache-off,cache-on-per-row,cache-on --json "$OUT/group_8b.json" 2>&1 | grep "shared-prefix"
+      timeout 150 python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads few-shot \
+        --paths cache-off,cache-on-per-row,cache-on --json "$OUT/fewshot_8b.json" 2>&1 | grep "shared-prefix" ;;
+  esac
+done

@@ -1,0 +1,220 @@
+"""Decode attention that reads a shared prefix once per group of rows (kernels/shared_prefix_attention.py)
+and the host's choice of those groups (engine/shared_prefix_groups.py), against the reference
+attention (which reads every row's context whole) and stock generate.
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1).
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import generated_rows, random_prompts, stock_generate, tiny_model
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.engine import shared_prefix_groups as groups_module
+from hf_async_cb.engine.shared_prefix_groups import shared_prefix_groups
+from hf_async_cb.kernels import paged_attention as triton_paged
+from hf_async_cb.kernels import shared_prefix_attention as shared_kernel
+from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
+from hf_async_cb.kernels.shared_prefix_attention import MAX_GROUP_ROWS, MIN_SHARED_TOKENS
+from hf_async_cb.model.step_metadata import StepMetadata, block_table
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def pages_of(layout: list[tuple[int, int]], page: int, seed: int = 0) -> tuple[list[list[int]], list[int], int]:
+    """Rows as (group id or -1 for a row alone, own pages after the prefix), group g's prefix the
+    fewest pages that pay plus g: page lists, context lengths (each row's last page partly filled),
+    and the pool's page count. Pages drawn from a shuffled pool."""
+    g = torch.Generator().manual_seed(seed)
+    prefix_pages = {gid: -(-MIN_SHARED_TOKENS // page) + gid for gid, _ in layout if gid >= 0}
+    total = sum(prefix_pages.values()) + sum(own for _, own in layout) + 2
+    order = torch.randperm(total, generator=g).tolist()
+    prefixes = {}
+    for gid, n in prefix_pages.items():
+        prefixes[gid], order = order[:n], order[n:]
+    lists, lens = [], []
+    for gid, own in layout:
+        mine, order = order[:own], order[own:]
+        row = (prefixes[gid] if gid >= 0 else []) + mine
+        lists.append(row)
+        lens.append((len(row) - 1) * page + 1 + int(torch.randint(0, page, (1,), generator=g)))
+    return lists, lens, total
+
+
+def decode_step(lists, lens, page, total, heads, kv_heads, head_dim, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    width = -(-max(lens) // 64) * 64 // page
+    table = block_table(lists, lens, page, width)
+    meta = StepMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long, device=DEVICE),
+                        block_table=torch.from_numpy(table).to(DEVICE),
+                        query_start=torch.arange(len(lens) + 1, device=DEVICE),
+                        context_lens=torch.tensor(lens, device=DEVICE), page_size=page, max_query_len=1,
+                        max_context=width * page, backend="triton")
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    query = rand(1, heads, len(lens), head_dim)
+    keys, values = rand(total * page, kv_heads, head_dim), rand(total * page, kv_heads, head_dim)
+    return query, keys, values, meta, table
+
+
+def grouped(meta: StepMetadata, table: np.ndarray) -> StepMetadata:
+    groups = shared_prefix_groups(table, meta.context_lens.cpu().numpy(), len(table), meta.page_size)
+    assert groups is not None
+    meta.group_start, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+    return meta
+
+
+# -- the host's groups ---------------------------------------------------------------------------
+
+def test_rows_without_shared_pages_are_not_grouped():
+    lists, lens, _ = pages_of([(-1, 9), (-1, 12), (-1, 10)], 16)
+    assert shared_prefix_groups(block_table(lists, lens, 16, 16), np.array(lens), 3, 16) is None
+
+
+def test_adjacent_rows_with_the_same_first_pages_form_groups():
+    page = 16
+    lists, lens, _ = pages_of([(0, 2), (0, 3), (0, 1), (-1, 9), (1, 2), (1, 2)], page)
+    table = block_table(lists, lens, page, 16)
+    group_start, shared = shared_prefix_groups(table, np.array(lens), 6, page)
+    assert group_start.tolist() == [0, 3, 4, 6, 6, 6, 6]
+    assert shared.tolist() == [MIN_SHARED_TOKENS] * 3 + [0] + [MIN_SHARED_TOKENS + page] * 2
+    for begin, end in zip(group_start[:-1], group_start[1:]):  # a group's rows read its first row's pages
+        for row in range(begin, end):
+            pages = shared[row] // page
+            assert (table[row, :pages] == table[begin, :pages]).all()
+            assert shared[row] < lens[row]  # never the page of the row's newest token
+
+
+def test_padding_rows_stand_alone_and_groups_stop_at_the_row_limit():
+    page = 16
+    rows = MAX_GROUP_ROWS + 3
+    lists, lens, _ = pages_of([(0, 1)] * rows, page)
+    table = block_table(lists + [[0]] * 2, lens + [1, 1], page, 16)  # two padding rows on one page
+    group_start, shared = shared_prefix_groups(table, np.array(lens + [1, 1]), rows, page)
+    assert group_start.tolist()[:5] == [0, MAX_GROUP_ROWS, rows, rows + 1, rows + 2]
+    assert shared[rows:].tolist() == [0, 0]
+
+
+def test_short_or_rare_sharing_is_left_to_the_plain_kernel():
+    page = 16
+    few = MIN_SHARED_TOKENS // page - 1  # a prefix of fewer keys than pays
+    lists = [list(range(few)) + [100 + r] for r in range(4)]
+    lens = [(few + 1) * page] * 4
+    assert shared_prefix_groups(block_table(lists, lens, page, 16), np.array(lens), 4, page) is None
+    # Two rows of sixteen share a prefix: less than an eighth of the keys read is saved.
+    lists, lens, _ = pages_of([(0, 1), (0, 1)] + [(-1, 60)] * 14, page)
+    assert shared_prefix_groups(block_table(lists, lens, page, 64), np.array(lens), 16, page) is None
+
+
+# -- the kernels -----------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "two groups and a row alone": [(0, 2), (0, 3), (0, 1), (-1, 9), (1, 2), (1, 1)],
+    "one group of every row": [(0, 1)] * 5,
+    "a group larger than a tile": [(0, 1)] * 12,
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (14, 2)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_grouped_decode_matches_reference(name, heads, kv_heads, splits):
+    page = 16
+    lists, lens, total = pages_of(LAYOUTS[name], page, seed=splits)
+    query, keys, values, meta, table = decode_step(lists, lens, page, total, heads, kv_heads, 32)
+    expected = paged_attention_reference(query, keys, values, meta, None)
+    got = triton_paged.paged_attention_triton(query, keys, values, grouped(meta, table), None, num_splits=splits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["softcap", "sinks", "new_kv"])
+def test_grouped_decode_keeps_the_kernels_variants(variant):
+    """Softcap on both parts, a sink counted once (the rows' own split 0), the step's new K/V
+    stored by the rows' kernel and attended with (the prefix never holds a newest token)."""
+    page, heads, kv_heads = 8, 8, 2
+    lists, lens, total = pages_of(LAYOUTS["two groups and a row alone"], page, seed=3)
+    query, keys, values, meta, table = decode_step(lists, lens, page, total, heads, kv_heads, 16)
+    kwargs = {}
+    full_k, full_v = keys, values
+    if variant == "softcap":
+        kwargs["softcap"] = 2.0
+    elif variant == "sinks":
+        kwargs["sinks"] = torch.randn(heads, device=DEVICE)
+    else:
+        ends = [n - 1 for n in lens]
+        slots = [lists[r][e // page] * page + e % page for r, e in enumerate(ends)]
+        meta.slot_mapping = torch.tensor(slots, device=DEVICE)
+        new_k, new_v = torch.randn(2, 1, kv_heads, len(lens), 16, device=DEVICE)
+        full_k, full_v = keys.clone(), values.clone()
+        full_k[slots], full_v[slots] = new_k[0].transpose(0, 1), new_v[0].transpose(0, 1)
+        keys[slots], values[slots] = float("nan"), float("nan")
+        kwargs["new_kv"] = (new_k, new_v)
+    expected = paged_attention_reference(query, full_k, full_v, meta, None, softcap=kwargs.get("softcap"),
+                                         sinks=kwargs.get("sinks"))
+    got = triton_paged.paged_attention_triton(query, keys, values, grouped(meta, table), None, **kwargs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(keys, full_k) and torch.equal(values, full_v)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), page=st.sampled_from([8, 16]))
+def test_random_groups_match_reference(data, page):
+    """Random runs of rows sharing prefixes, rows alone between them: whatever groups the host
+    chooses (or none), the result is the reference's."""
+    rows = data.draw(st.integers(2, 10))
+    layout = [(data.draw(st.integers(-1, 2)), data.draw(st.integers(1, 4))) for _ in range(rows)]
+    lists, lens, total = pages_of(layout, page, seed=rows)
+    query, keys, values, meta, table = decode_step(lists, lens, page, total, 8, 2, 16)
+    groups = shared_prefix_groups(table, np.array(lens), rows, page)
+    if groups is not None:
+        meta.group_start, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+    expected = paged_attention_reference(query, keys, values, meta, None)
+    got = triton_paged.paged_attention_triton(query, keys, values, meta, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(CUDA, reason="the CPU end-to-end run of the interpreted kernels (CUDA runs test_gpu.py)")
+def test_repeated_prompts_read_their_prefix_once_and_give_stock_tokens(monkeypatch):
+    """A GRPO-shaped batch (each prompt repeated as adjacent rows) on the Triton kernels, async with
+    CUDA graphs (the sync loop builds its steps the same way): prefix caching shares the prompts'
+    pages, decode steps read each shared prefix once per group, and every token is stock's."""
+    model = tiny_model("llama")
+    monkeypatch.setattr(groups_module, "MIN_SHARED_TOKENS", 16)  # short prompts: the interpreter is slow
+    prompts = [p for p in random_prompts(2, 36, 50, seed=5) for _ in range(3)]
+    expected = stock_generate(model, prompts, max_new_tokens=6, eos_token_id=[2], pad_token_id=0)
+    launches = []
+    real = shared_kernel.launch_shared_prefix
+
+    def counted(*args, **kwargs):
+        launches.append(args[6].shared_len.max().item())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shared_kernel, "launch_shared_prefix", counted)
+    with Engine(model, BatchingConfig(mode="async", attention="triton", cuda_graphs=True, page_size=8,
+                                      num_pages=96)) as engine:
+        outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, (2,))
+    assert launches and min(launches) >= 16
+
+
+def test_prefix_kernel_compiles_for_sm90_and_fits_an_h200():
+    """The prefix kernel's bf16 tiles (head sizes 128 and 256, groups of 4 and 8 query heads)
+    compile for an H200 without a GPU (CI has none) and fit its shared memory."""
+    from sm90 import assert_compiles_for_sm90
+
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
+    pointers.update({n: "*fp32" for n in ("part_ptr", "m_ptr", "l_ptr")})
+    pointers.update({n: "*i64" for n in ("block_table_ptr", "group_start_ptr", "shared_len_ptr")})
+    scalars = {"qk_scale": "fp32", "cap_log2": "fp32", "slot0": "i32", "num_psplits": "i32"}
+    strides = {n: "i64" for n in ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ps stride_pt "
+                                  "stride_ph stride_ms stride_mt stride_bt").split()}
+    kernels = [("hf_async_cb.kernels.shared_prefix_attention", "_shared_prefix_kernel", {**pointers, **scalars, **strides},
+                shared_kernel._constexprs(group, head_dim, head_dim, 16, softcap, False), shared_kernel.LAUNCH)
+               for group, head_dim, softcap in ((4, 128, False), (8, 256, True))]
+    sizes = assert_compiles_for_sm90(kernels)
+    assert max(sizes) <= 232448, sizes  # the H200's shared memory per block
