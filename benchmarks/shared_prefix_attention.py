@@ -18,12 +18,14 @@ off. Three layouts of one step:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
 
 from hf_async_cb.engine.shared_prefix_groups import shared_prefix_groups
 from hf_async_cb.kernels import graph_timing
+from hf_async_cb.kernels import shared_prefix_attention as shared_kernel
 from hf_async_cb.kernels.attention_launch import choose_splits
 from hf_async_cb.kernels.paged_attention import paged_attention_triton
 from hf_async_cb.model.step_metadata import StepMetadata, block_table
@@ -58,6 +60,32 @@ def step(page_lists: list[list[int]], lens: list[int], page: int) -> StepMetadat
     return meta
 
 
+def sweep(q, pools, new_kv, meta, copies) -> list[dict]:
+    """The grouped step (`meta`, with its groups) at each prefix-kernel launch choice, fastest first."""
+    found = []
+    defaults = (shared_kernel.prefix_splits, shared_kernel.BLOCK_N, dict(shared_kernel.LAUNCH))
+    try:
+        for psplits, block_n, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3)):
+            shared_kernel.prefix_splits = lambda *args, n=psplits: n
+            shared_kernel.BLOCK_N = block_n
+            shared_kernel.LAUNCH.update(num_warps=warps, num_stages=stages)
+            try:
+                ms = graph_timing.graph_ms(lambda i: paged_attention_triton(q, *pools[i % copies], meta, None,
+                                                                            new_kv=new_kv), calls=20)
+            except Exception as error:  # noqa: BLE001 - a launch that does not compile or fit
+                print(f"  skip psplits {psplits} block_n {block_n} warps {warps}: {type(error).__name__}")
+                continue
+            found.append(dict(us=round(ms * 1e3, 1), psplits=psplits, block_n=block_n, warps=warps, stages=stages))
+    finally:
+        shared_kernel.prefix_splits, shared_kernel.BLOCK_N = defaults[:2]
+        shared_kernel.LAUNCH.clear()
+        shared_kernel.LAUNCH.update(defaults[2])
+    found.sort(key=lambda r: r["us"])
+    for row in found[:8]:
+        print("sweep", row, flush=True)
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -65,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", type=int, default=1024, help="shared tokens (a multiple of the page)")
     parser.add_argument("--own", type=int, default=64, help="each row's own tokens after the prefix")
     parser.add_argument("--shape", default="8b", choices=("8b", "1b"))
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the prefix kernel's splits, key block and warps on the grouped step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     heads, kv_heads, head_dim = (32, 8, 128) if args.shape == "8b" else (32, 8, 64)
@@ -98,6 +128,8 @@ def main(argv=None) -> int:
                          "every_row_GB_s": round(sum(lens) * token_bytes / ms / 1e6),
                          "distinct_bytes_GB_s": round(read * token_bytes / ms / 1e6)}
         print(name, results[name], flush=True)
+    if args.sweep:
+        results["sweep"] = sweep(q, pools, new_kv, meta, copies)
     print(json.dumps(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -116,9 +116,10 @@ def _constexprs(group: int, head_dim: int, head_dim_v: int, page_size: int, soft
     block_m, rows, chunks = tile_rows(group, max(head_dim, head_dim_v))
     return dict(PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 HEAD_DIM_V=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), GROUP=group, ROWS=rows,
-                CHUNKS=chunks, BLOCK_M=block_m, BLOCK_N=64, HAS_SOFTCAP=softcap, IEEE=ieee)
+                CHUNKS=chunks, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap, IEEE=ieee)
 
 
+BLOCK_N = 64  # keys per tile
 LAUNCH = dict(num_warps=4, num_stages=2)
 
 

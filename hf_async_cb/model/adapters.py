@@ -2,8 +2,8 @@
 
 Most modeling code looks its attention function up in `ALL_ATTENTION_FUNCTIONS`, which is how the
 paged attention gets in. A few families still hard-code SDPA or eager attention inside their
-attention module (Falcon, and the ALiBi families Bloom and MPT, which add their position biases
-as a dense tensor). For those, this module holds a forward that does the same projections, rotary
+attention module (Falcon up to transformers 5.24, and the ALiBi families Bloom and MPT, which add
+their position biases as a dense tensor). For those, this module holds a forward that does the same projections, rotary
 and cache update and then calls the registered attention (with the ALiBi slopes, which the paged
 attention applies per key position): `attach()` puts it on each such module as an instance
 attribute for an engine call, `detach()` removes it, so that between calls the module is stock.
@@ -12,6 +12,7 @@ The parity check (engine/parity.py) compares the result with the stock forward.
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 
@@ -113,11 +114,19 @@ _FORWARDS = {"FalconAttention": _falcon_attention_forward, "BloomAttention": _bl
 _SLOPES = {"BloomAttention": (_bloom_slopes, "num_heads"), "MptAttention": (_mpt_slopes, "n_heads")}
 
 
+def _needs_adapter(module: torch.nn.Module) -> bool:
+    """Falcon's attention bypasses the attention interface only up to transformers 5.24 (its forward
+    took the ALiBi tensor then); since 5.25 it calls the interface with one K/V per KV head itself."""
+    if type(module).__name__ == "FalconAttention":
+        return "alibi" in inspect.signature(type(module).forward).parameters
+    return True
+
+
 class AttentionAdapters:
     """The model's modules that need an adapted forward (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = [m for m in model.modules() if type(m).__name__ in _FORWARDS]
+        self.modules = [m for m in model.modules() if type(m).__name__ in _FORWARDS and _needs_adapter(m)]
         self._config = model.config
         self._slopes: dict[str, torch.Tensor] = {}  # per class, made once, on the model's device
         for module in self.modules:
