@@ -116,3 +116,27 @@ def test_online_backlog(benchmark):
 
     outputs = benchmark.pedantic(run, rounds=1, iterations=1)
     assert len(outputs) == 10000 and all(len(o.output_token_ids) == 2 for o in outputs)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_find_shared_prefix_groups_of_a_256_row_decode_step(benchmark, shared):
+    """The host's part of reading shared prefixes once (engine/shared_prefix_groups.py): 256 rows over
+    1,088 tokens in pages of 16, in groups of 8 sharing their first 64 pages, or sharing none (the
+    one-column check that returns at once)."""
+    import numpy as np
+
+    from hf_async_cb.engine.shared_prefix_groups import shared_prefix_groups
+
+    rng = np.random.default_rng(0)
+    pages = rng.permutation(256 * 68)
+    if shared:
+        prefixes = pages[:32 * 64].reshape(32, 64)
+        own = pages[32 * 64:32 * 64 + 256 * 4].reshape(256, 4)
+        table = np.concatenate([np.repeat(prefixes, 8, axis=0), own], axis=1)
+    else:
+        table = pages.reshape(256, 68)
+    lens = np.full(256, 1024 + 60)
+    groups = benchmark(shared_prefix_groups, table, lens, 256, 16)
+    assert (groups is not None) == shared
+    if shared:
+        assert groups[0][:33].tolist() == list(range(0, 257, 8)) and set(groups[1].tolist()) == {1024}

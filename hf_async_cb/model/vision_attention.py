@@ -15,6 +15,7 @@ only for the merge of a call's images (model/vision.py); without `cu_seq_lens_q`
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Iterator
 
@@ -83,7 +84,10 @@ def register() -> None:
     AttentionInterface.register(NAME, varlen_attention)
 
 
+@functools.lru_cache(maxsize=None)
 def _source(fn) -> str:
+    """A forward's source, read once per function: a tower's merge asks for each of its attention
+    modules' (32 in Qwen2.5-VL-7B's), and reading one costs a tokenize of its block (ms each)."""
     try:
         return inspect.getsource(fn)
     except (OSError, TypeError):
