@@ -271,3 +271,24 @@ def test_the_serving_benchmark_with_images_runs_on_the_cpu(tmp_path):
     for mode in ("sync", "async"):
         assert report[mode]["requests"] == 4 and report[mode]["failed"] == 0
         assert report[mode]["output_tokens"] == 16
+
+
+def test_the_merge_cost_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/vlm_merge_cost.py on the tiny shape: each merge timed, one profiled through the
+    engine's own media_embeds (which it puts back afterwards)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from hf_async_cb.engine import engine as engine_module
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import vlm_merge_cost
+
+    real = engine_module.media_embeds
+    out = tmp_path / "merge.json"
+    assert vlm_merge_cost.main(["--shape", "tiny", "--device", "cpu", "--merges", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["merge_ms"]) == 2 and all(ms > 0 for ms in report["merge_ms"])
+    assert "media_embeds" in report["profile"]
+    assert engine_module.media_embeds is real
