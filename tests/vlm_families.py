@@ -42,7 +42,10 @@ import numpy as np
 import torch
 
 import transformers
+from packaging.version import Version
 from transformers import PreTrainedTokenizerFast
+
+TRANSFORMERS_MINOR = Version(transformers.__version__).release[:2]
 
 N_WORDS = 200
 BASE_TOKENS = ("<unk>", "<pad>", "<s>", "</s>")
@@ -815,9 +818,10 @@ register(VLMFamily("llama4", "llama4", _llama4_model, _llama4_processor, "<|imag
                          "a Llama4ForCausalLM, its own lm_head included",
                    expected_refusal="the text model has chunked-attention layers, which hf_async_cb refuses "
                                     "for Llama4ForCausalLM already",
-                   stock_broken="Llama4ForConditionalGeneration.forward reads outputs.image_outputs from the "
-                                "language model's MoeCausalLMOutputWithPast (AttributeError) in transformers 5.24, "
-                                "so every forward, and generate, fails"))
+                   stock_broken=("Llama4ForConditionalGeneration.forward reads outputs.image_outputs from the "
+                                 "language model's MoeCausalLMOutputWithPast (AttributeError) in transformers 5.24, "
+                                 "so every forward, and generate, fails (5.25 fixed it)")
+                   if TRANSFORMERS_MINOR == (5, 24) else None))
 
 
 # ---------------------------------------------------------------------------------------------
