@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         meta = step(page_lists, lens, page)
         if name.endswith("once per group"):  # the engine's groups (engine/shared_prefix_groups.py)
             table = meta.block_table.cpu().numpy()
-            meta.group_start, meta.shared_len = (torch.from_numpy(a).cuda() for a in shared_prefix_groups(
+            meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).cuda() for a in shared_prefix_groups(
                 table, meta.context_lens.cpu().numpy(), args.rows, page))
         read = sum(lens) if name == "distinct" else (args.rows // args.group) * args.prefix + sum(lens) - \
             args.rows * args.prefix

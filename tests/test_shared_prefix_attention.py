@@ -63,7 +63,7 @@ def decode_step(lists, lens, page, total, heads, kv_heads, head_dim, dtype=torch
 def grouped(meta: StepMetadata, table: np.ndarray) -> StepMetadata:
     groups = shared_prefix_groups(table, meta.context_lens.cpu().numpy(), len(table), meta.page_size)
     assert groups is not None
-    meta.group_start, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+    meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
     return meta
 
 
@@ -78,14 +78,36 @@ def test_adjacent_rows_with_the_same_first_pages_form_groups():
     page = 16
     lists, lens, _ = pages_of([(0, 2), (0, 3), (0, 1), (-1, 9), (1, 2), (1, 2)], page)
     table = block_table(lists, lens, page, 16)
-    group_start, shared = shared_prefix_groups(table, np.array(lens), 6, page)
-    assert group_start.tolist() == [0, 3, 4, 6, 6, 6, 6]
+    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens), 6, page)
+    groups = [sorted(group_rows[a:b].tolist()) for a, b in zip(group_start[:-1], group_start[1:]) if b > a]
+    assert sorted(groups) == [[0, 1, 2], [3], [4, 5]]
     assert shared.tolist() == [MIN_SHARED_TOKENS] * 3 + [0] + [MIN_SHARED_TOKENS + page] * 2
-    for begin, end in zip(group_start[:-1], group_start[1:]):  # a group's rows read its first row's pages
-        for row in range(begin, end):
+    assert_groups_read_their_first_rows_pages(table, lens, page, group_start, group_rows, shared)
+
+
+def assert_groups_read_their_first_rows_pages(table, lens, page, group_start, group_rows, shared):
+    assert sorted(group_rows.tolist()) == list(range(len(group_rows)))  # every row once
+    for begin, end in zip(group_start[:-1], group_start[1:]):
+        if begin == end:  # past the last group
+            continue
+        lead = group_rows[begin]
+        for row in group_rows[begin:end]:
             pages = shared[row] // page
-            assert (table[row, :pages] == table[begin, :pages]).all()
+            assert shared[row] == shared[lead]
+            assert (table[row, :pages] == table[lead, :pages]).all()
             assert shared[row] < lens[row]  # never the page of the row's newest token
+
+
+def test_rows_of_one_prompt_apart_in_the_batch_are_grouped_together():
+    """Rows as the async loop may admit them (a group's first row before its copies, another
+    prompt's rows between): each prompt's rows still form one group."""
+    page = 16
+    lists, lens, _ = pages_of([(0, 1), (1, 1), (0, 2), (0, 1), (1, 2), (-1, 9), (1, 1)], page)
+    table = block_table(lists, lens, page, 16)
+    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens), 7, page)
+    groups = [sorted(group_rows[a:b].tolist()) for a, b in zip(group_start[:-1], group_start[1:]) if b > a]
+    assert sorted(groups) == [[0, 2, 3], [1, 4, 6], [5]]
+    assert_groups_read_their_first_rows_pages(table, lens, page, group_start, group_rows, shared)
 
 
 def test_padding_rows_stand_alone_and_groups_stop_at_the_row_limit():
@@ -93,9 +115,9 @@ def test_padding_rows_stand_alone_and_groups_stop_at_the_row_limit():
     rows = MAX_GROUP_ROWS + 3
     lists, lens, _ = pages_of([(0, 1)] * rows, page)
     table = block_table(lists + [[0]] * 2, lens + [1, 1], page, 16)  # two padding rows on one page
-    group_start, shared = shared_prefix_groups(table, np.array(lens + [1, 1]), rows, page)
+    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens + [1, 1]), rows, page)
     assert group_start.tolist()[:5] == [0, MAX_GROUP_ROWS, rows, rows + 1, rows + 2]
-    assert shared[rows:].tolist() == [0, 0]
+    assert group_rows.tolist() == list(range(rows + 2)) and shared[rows:].tolist() == [0, 0]
 
 
 def test_short_or_rare_sharing_is_left_to_the_plain_kernel():
@@ -115,6 +137,7 @@ LAYOUTS = {
     "two groups and a row alone": [(0, 2), (0, 3), (0, 1), (-1, 9), (1, 2), (1, 1)],
     "one group of every row": [(0, 1)] * 5,
     "a group larger than a tile": [(0, 1)] * 12,
+    "groups interleaved": [(0, 1), (1, 2), (-1, 5), (0, 2), (1, 1), (0, 1)],
 }
 
 
@@ -170,7 +193,7 @@ def test_random_groups_match_reference(data, page):
     query, keys, values, meta, table = decode_step(lists, lens, page, total, 8, 2, 16)
     groups = shared_prefix_groups(table, np.array(lens), rows, page)
     if groups is not None:
-        meta.group_start, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+        meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
     expected = paged_attention_reference(query, keys, values, meta, None)
     got = triton_paged.paged_attention_triton(query, keys, values, meta, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -209,7 +232,7 @@ def test_prefix_kernel_compiles_for_sm90_and_fits_an_h200():
 
     pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
     pointers.update({n: "*fp32" for n in ("part_ptr", "m_ptr", "l_ptr")})
-    pointers.update({n: "*i64" for n in ("block_table_ptr", "group_start_ptr", "shared_len_ptr")})
+    pointers.update({n: "*i64" for n in ("block_table_ptr", "group_start_ptr", "group_rows_ptr", "shared_len_ptr")})
     scalars = {"qk_scale": "fp32", "cap_log2": "fp32", "slot0": "i32", "num_psplits": "i32"}
     strides = {n: "i64" for n in ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ps stride_pt "
                                   "stride_ph stride_ms stride_mt stride_bt").split()}

@@ -240,13 +240,14 @@ class BatchBuilder:
         floats, dev_processor_floats = _split(floats, len(sampling_floats))
         (input_ids, carry_src, position_ids, slot_mapping_d, logits_indices, table_d, query_start_d,
          context_lens_d, *dev_sampling_ints) = dev
-        group_start_d = shared_len_d = None
+        group_start_d = group_rows_d = shared_len_d = None
         if groups is not None:
-            group_start_d, shared_len_d, *dev_sampling_ints = dev_sampling_ints
+            group_start_d, group_rows_d, shared_len_d, *dev_sampling_ints = dev_sampling_ints
         meta = StepMetadata(
             slot_mapping=slot_mapping_d, block_table=table_d, query_start=query_start_d,
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
-            max_context=max_ctx, backend=self.attention_backend, group_start=group_start_d, shared_len=shared_len_d,
+            max_context=max_ctx, backend=self.attention_backend, group_start=group_start_d,
+            group_rows=group_rows_d, shared_len=shared_len_d,
         )
         embeds = visible = prefix_kv = deepstack = None
         if plan.embedded:

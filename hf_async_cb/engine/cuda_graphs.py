@@ -62,7 +62,7 @@ PADDED_BUCKET_MAX_TOKENS = 256
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
-_SHARED_META = ("group_start", "shared_len")  # a decode step's shared-prefix groups, when it has them
+_SHARED_META = ("group_start", "group_rows", "shared_len")  # a decode step's shared-prefix groups, when it has them
 _SAMPLING_INTS = ("top_k", "seed", "token_index")  # uploaded after the tensors above, in the same buffer
 _SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's float buffer
 # A repetition penalty's tensors (penalties.HistoryProcessors), uploaded after the sampling ones.

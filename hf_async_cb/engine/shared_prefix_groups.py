@@ -3,8 +3,9 @@
 Rows share a prefix when their block tables start with the same physical pages: prefix caching
 gives every request of a repeated prompt (a GRPO group, a few-shot header, a system prompt) the
 cached pages of its longest cached prefix, and `num_return_sequences` copies share their prompt's.
-Only adjacent rows are grouped (a batch keeps a call's rows in order, so a repeated prompt's rows
-sit together), only full pages before each row's newest token (those no row writes), at most
+Rows are put in order by their first page (stable: a batch keeps a call's rows in order, so a
+repeated prompt's rows stay together), and neighbours in that order are grouped: only full pages
+before each row's newest token (those no row writes), at most
 MAX_GROUP_ROWS rows per group and at least MIN_SHARED_TOKENS keys each; a group's prefix is the
 shortest any of its rows shares with the row before it. A step where grouping
 saves less than an eighth of the keys it reads is left ungrouped: the extra kernel and merge would
@@ -21,22 +22,25 @@ MIN_SAVED_FRACTION = 1 / 8
 
 
 def shared_prefix_groups(table: np.ndarray, context_lens: np.ndarray, real_rows: int,
-                         page_size: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(group_start [R + 1], shared_len [R]) int64 for a decode step's block table [R, W] and
-    context lengths [R] (rows past `real_rows`: padding, each alone), or None when no group pays.
-    Group i holds rows group_start[i] .. group_start[i + 1] - 1 (entries past the last group: R);
-    shared_len: each row's keys read by its group's program (0 for a row alone)."""
+                         page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(group_start [R + 1], group_rows [R], shared_len [R]) int64 for a decode step's block table
+    [R, W] and context lengths [R] (rows past `real_rows`: padding, each alone), or None when no
+    group pays. group_rows: the rows in the groups' order (by first page, then as they came);
+    group i holds the rows group_rows[group_start[i]] .. group_rows[group_start[i + 1] - 1] (entries
+    past the last group: R); shared_len: each row's keys read by its group's program (0 alone)."""
     if real_rows < 2:
         return None
-    first = table[:real_rows, 0]
-    if not (first[1:] == first[:-1]).any():  # the common case without sharing: one compare per row
+    order = np.argsort(table[:real_rows, 0], kind="stable")  # rows that share pages share their first
+    first = table[order, 0]
+    if not (first[1:] == first[:-1]).any():  # the common case without sharing
         return None
     rows = table.shape[0]
-    full = (context_lens[:real_rows] - 1) // page_size  # pages wholly before each row's newest token
+    full = (context_lens[order] - 1) // page_size  # pages wholly before each row's newest token
     width = min(table.shape[1], int(full.max()))
     if width == 0:
         return None
-    same = table[1:real_rows, :width] == table[:real_rows - 1, :width]
+    ordered = table[order, :width]
+    same = ordered[1:] == ordered[:-1]
     leading = np.where(same.all(axis=1), width, np.argmin(same, axis=1))  # equal pages before the first other
     common = np.minimum(leading, np.minimum(full[1:], full[:-1]))
     min_pages = -(-MIN_SHARED_TOKENS // page_size)
@@ -59,10 +63,12 @@ def shared_prefix_groups(table: np.ndarray, context_lens: np.ndarray, real_rows:
     saved = int(((sizes - 1) * pages).sum()) * page_size  # keys not read again
     if saved < MIN_SAVED_FRACTION * int(context_lens[:real_rows].sum()):
         return None
+    group_rows = np.arange(rows, dtype=np.int64)
+    group_rows[:real_rows] = order
     shared = np.zeros(rows, dtype=np.int64)
-    shared[:real_rows] = np.repeat(pages * page_size, sizes)
+    shared[order] = np.repeat(pages * page_size, sizes)
     group_start = np.full(rows + 1, rows, dtype=np.int64)
     group_start[:len(starts)] = starts
     padding = np.arange(real_rows, rows + 1)  # the end of the last group, then each padding row alone
     group_start[len(starts):len(starts) + len(padding)] = padding
-    return group_start, shared
+    return group_start, group_rows, shared

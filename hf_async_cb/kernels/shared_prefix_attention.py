@@ -12,10 +12,11 @@ heads in one tile); the paged kernel then takes only each row's own keys after t
 (`kv_start`), and the split merge joins both partial results per row (exact: the same online
 softmax over disjoint key sets).
 
-The step's groups come from the host (engine/batch.py: adjacent decode rows whose block tables
-start with the same full pages): group_start [R + 1] (group i owns rows group_start[i] ..
-group_start[i + 1] - 1; groups past the last are empty) and shared_len [R] (each row's shared
-prefix in tokens, a multiple of the page; 0 for a row alone). A row alone writes an empty partial
+The step's groups come from the host (engine/shared_prefix_groups.py: decode rows whose block
+tables start with the same full pages): group_rows [R] (the rows in the groups' order), group_start
+[R + 1] (group i owns rows group_rows[group_start[i]] .. group_rows[group_start[i + 1] - 1]; groups
+past the last are empty) and shared_len [R] (each row's shared prefix in tokens, a multiple of the
+page; 0 for a row alone). A row alone writes an empty partial
 (running max at its finite floor, sum 0), which the merge weighs 0. A group of more rows than a
 tile holds is spread over CHUNKS programs, each rereading the prefix.
 """
@@ -52,9 +53,9 @@ def prefix_splits(num_requests: int, num_kv_heads: int, max_context: int, sms: i
 
 
 @triton.jit(do_not_specialize=["slot0", "num_psplits", "stride_qt", "stride_qh", "stride_bt"],
-            do_not_specialize_on_alignment=["block_table_ptr", "group_start_ptr", "shared_len_ptr"])
+            do_not_specialize_on_alignment=["block_table_ptr", "group_start_ptr", "group_rows_ptr", "shared_len_ptr"])
 def _shared_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, m_ptr, l_ptr, block_table_ptr, group_start_ptr, shared_len_ptr,
+    q_ptr, k_ptr, v_ptr, part_ptr, m_ptr, l_ptr, block_table_ptr, group_start_ptr, group_rows_ptr, shared_len_ptr,
     qk_scale, cap_log2, slot0, num_psplits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_bt,
@@ -70,11 +71,13 @@ def _shared_prefix_kernel(
     end = tl.load(group_start_ptr + g + 1)
     first = start + chunk * ROWS
     if first < end:
-        shared = tl.load(shared_len_ptr + start)
+        lead = tl.load(group_rows_ptr + start)  # the group's first row: its pages are the prefix
+        shared = tl.load(shared_len_ptr + lead)
         offs_m = tl.arange(0, BLOCK_M)
-        row = first + offs_m // GROUP
+        at = first + offs_m // GROUP  # places in the groups' order of rows
         head = kv_head * GROUP + offs_m % GROUP
-        row_ok = (offs_m < ROWS * GROUP) & (row < end) & (row < first + ROWS)
+        row_ok = (offs_m < ROWS * GROUP) & (at < end) & (at < first + ROWS)
+        row = tl.load(group_rows_ptr + at, mask=row_ok, other=0)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -90,7 +93,7 @@ def _shared_prefix_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-        table_row = block_table_ptr + start * stride_bt  # the group's first row: its pages are the prefix
+        table_row = block_table_ptr + lead * stride_bt
         for blk in range(blk_lo, blk_hi):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < shared
@@ -128,7 +131,7 @@ def prefix_variant(group: int, key_pool: torch.Tensor, value_pool: torch.Tensor,
     """The prefix kernel's compiled variant for one kind of layer (paged_attention.variants)."""
     num_heads, head_dim_v = group * key_pool.shape[1], value_pool.shape[-1]
     i64, f32 = torch.int64, torch.float32
-    args = (dtype, key_pool.dtype, value_pool.dtype, f32, f32, f32, i64, i64, i64, 0.5, 0.5, 0, 2, 0, 0,
+    args = (dtype, key_pool.dtype, value_pool.dtype, f32, f32, f32, i64, i64, i64, i64, 0.5, 0.5, 0, 2, 0, 0,
             key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
             0, num_heads * head_dim_v, head_dim_v, 0, num_heads, 0)
     return Variant(_shared_prefix_kernel, args,
@@ -137,13 +140,13 @@ def prefix_variant(group: int, key_pool: torch.Tensor, value_pool: torch.Tensor,
 
 def launch_shared_prefix(q, key_pool, value_pool, part, m, l, meta, qk_scale: float, cap_log2: float, slot0: int,
                          psplits: int, group: int, softcap: bool, ieee: bool) -> None:
-    """The prefix partials of every group of `meta` (meta.group_start, meta.shared_len) into split
+    """The prefix partials of every group of `meta` (meta.group_start, group_rows, shared_len) into split
     slots slot0 .. slot0 + psplits - 1 of part/m/l. q: [T, H, Dk] (one token per row)."""
     head_dim, head_dim_v = key_pool.shape[-1], value_pool.shape[-1]
     constexprs = _constexprs(group, head_dim, head_dim_v, meta.page_size, softcap, ieee)
     grid = (meta.num_requests * constexprs["CHUNKS"], key_pool.shape[1], psplits)
     _shared_prefix_kernel[grid](
-        q, key_pool, value_pool, part, m, l, meta.block_table, meta.group_start, meta.shared_len,
+        q, key_pool, value_pool, part, m, l, meta.block_table, meta.group_start, meta.group_rows, meta.shared_len,
         qk_scale, cap_log2, slot0, psplits,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
         *part.stride()[:3], *m.stride()[:2], meta.block_table.stride(0), **constexprs, **LAUNCH,

@@ -40,11 +40,13 @@ class StepMetadata:
     # Eager steps only: the rows of the stream whose K/V are given instead of computed, and what
     # (model/prefix_kv.py: StepPrefixKV, applied by PagedKVCache.update); None: every row computes its own.
     prefix_kv: object = None
-    # Decode steps whose adjacent rows share their first full pages (a prompt repeated, a common
-    # prefix): group_start [B + 1] (group i: rows group_start[i] .. group_start[i + 1] - 1, groups past
-    # the last empty) and shared_len [B] (each row's shared keys, 0 alone). The Triton kernels then read
-    # a group's prefix once (kernels/shared_prefix_attention.py); None: every row reads its own.
+    # Decode steps whose rows share their first full pages (a prompt repeated, a common prefix):
+    # group_rows [B] (the rows in the groups' order), group_start [B + 1] (group i: the rows at
+    # group_start[i] .. group_start[i + 1] - 1 of that order, groups past the last empty) and shared_len
+    # [B] (each row's shared keys, 0 alone). The Triton kernels then read a group's prefix once
+    # (kernels/shared_prefix_attention.py); None: every row reads its own.
     group_start: torch.Tensor | None = None
+    group_rows: torch.Tensor | None = None
     shared_len: torch.Tensor | None = None
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
