@@ -142,7 +142,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (14, 2)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (14, 2)])  # one head per tile row; 7 per KV head: 2 programs
 @pytest.mark.parametrize("splits", [1, 2])
 def test_grouped_decode_matches_reference(name, heads, kv_heads, splits):
     page = 16
