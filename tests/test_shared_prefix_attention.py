@@ -221,8 +221,12 @@ def test_repeated_prompts_read_their_prefix_once_and_give_stock_tokens(monkeypat
     with Engine(model, BatchingConfig(mode="async", attention="triton", cuda_graphs=True, page_size=8,
                                       num_pages=96)) as engine:
         outs = engine.generate(prompts, max_new_tokens=6, eos_token_ids=(2,))
+        stats = engine.prefix_cache_stats()
     assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, (2,))
     assert launches and min(launches) >= 16
+    # Counted: each grouped step's copies skip their prefix (2 of 3 rows per prompt, at most).
+    assert stats["grouped_decode_steps"] > 0 and stats["keys_read_once"] >= 16 * stats["grouped_decode_steps"]
+    assert stats["keys_read_once"] <= stats["grouped_decode_steps"] * 4 * max(map(len, prompts))
 
 
 def test_prefix_kernel_compiles_for_sm90_and_fits_an_h200():

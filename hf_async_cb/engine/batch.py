@@ -84,6 +84,10 @@ class BatchBuilder:
         self.attention_backend = attention_backend
         self.trash_page = trash_slot // page_size
         self.page_table = page_table
+        # Decode steps built with shared-prefix groups, and the keys per layer their rows did not read
+        # again (a group's prefix once, not once per row): Engine.prefix_cache_stats() reports them.
+        self.grouped_steps = 0
+        self.keys_read_once = 0
 
     @staticmethod
     def _token_ids(plan: StepPlan, carry_rows: dict[int, int]) -> tuple[list[int], list[int], list[int]]:
@@ -230,6 +234,11 @@ class BatchBuilder:
         groups = None
         if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)
+            if groups is not None:
+                group_start, group_rows, shared = groups
+                leads = group_rows[group_start[:-1][group_start[:-1] < group_start[1:]]]
+                self.grouped_steps += 1
+                self.keys_read_once += int(shared.sum() - shared[leads].sum())
         ints = [input_ids, carry, positions, slot_mapping, logits_rows, table, query_start, context_lens,
                 *(groups or ()), *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)

@@ -358,10 +358,12 @@ class Engine:
 
     def prefix_cache_stats(self) -> dict | None:
         """Cached tokens hit, tokens prefilled, evictions, deferrals, clears, hit rate and pages held
-        by the cache (cumulative since the engine was built); None with prefix caching off."""
+        by the cache, and the decode steps that read shared prefixes once per group with the keys
+        per layer that saved (cumulative since the engine was built); None with prefix caching off."""
         if self.prefix_cache is None:
             return None
-        return dict(self.prefix_cache.stats.as_dict(), cached_pages=len(self.prefix_cache))
+        return dict(self.prefix_cache.stats.as_dict(), cached_pages=len(self.prefix_cache),
+                    grouped_decode_steps=self.builder.grouped_steps, keys_read_once=self.builder.keys_read_once)
 
     def _mode(self, mode: str | None) -> str:
         """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its

@@ -66,10 +66,11 @@ def run_ours(model, prompts, warm_prompts, new: int, caching: bool) -> dict:
     stats = hf_async_cb.prefix_cache_stats(model) or {}
     second_s, _ = timed(lambda: call(prompts), device)
     hf_async_cb.release(model)
-    hits = stats.get("hit_tokens", 0) - before.get("hit_tokens", 0)
-    prefilled = stats.get("prefilled_tokens", 0) - before.get("prefilled_tokens", 0)
+    hits, prefilled, grouped, once = (stats.get(k, 0) - before.get(k, 0) for k in (
+        "hit_tokens", "prefilled_tokens", "grouped_decode_steps", "keys_read_once"))
     return dict(seconds=seconds, first_call_s=first_s, second_call_s=second_s, hit_tokens=hits,
-                prefilled_tokens=prefilled, tokens=out[:, len(prompts[0]):].tolist())
+                prefilled_tokens=prefilled, grouped_decode_steps=grouped, keys_read_once=once,
+                tokens=out[:, len(prompts[0]):].tolist())
 
 
 def run(shape: str, kinds, paths=PATHS, device=None, scale: float = 1.0) -> dict:
@@ -110,7 +111,8 @@ def run(shape: str, kinds, paths=PATHS, device=None, scale: float = 1.0) -> dict
             print(f"[shared-prefix] {kind:<8} {path:<10} {result['seconds']:8.3f} s "
                   f"{result['tokens_per_s']:10,.0f} tok/s" + "".join(
                       f"  {k} {result[k]:.3f}" if isinstance(result[k], float) else f"  {k} {result[k]}"
-                      for k in ("first_call_s", "second_call_s", "hit_tokens", "prefilled_tokens") if k in result),
+                      for k in ("first_call_s", "second_call_s", "hit_tokens", "prefilled_tokens",
+                                "grouped_decode_steps") if k in result),
                   flush=True)
         if "cache-on" in rows and "cache-off" in rows:
             on, off = rows["cache-on"].pop("tokens"), rows["cache-off"].pop("tokens")
