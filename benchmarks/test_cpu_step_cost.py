@@ -139,4 +139,5 @@ def test_find_shared_prefix_groups_of_a_256_row_decode_step(benchmark, shared):
     groups = benchmark(shared_prefix_groups, table, lens, 256, 16)
     assert (groups is not None) == shared
     if shared:
-        assert groups[0][:33].tolist() == list(range(0, 257, 8)) and set(groups[2].tolist()) == {1024}
+        assert groups.group_start[:33].tolist() == list(range(0, 257, 8)) and set(groups.shared_len.tolist()) == {1024}
+        assert groups.keys_saved == 32 * 7 * 1024

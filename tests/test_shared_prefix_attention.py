@@ -63,7 +63,7 @@ def decode_step(lists, lens, page, total, heads, kv_heads, head_dim, dtype=torch
 def grouped(meta: StepMetadata, table: np.ndarray) -> StepMetadata:
     groups = shared_prefix_groups(table, meta.context_lens.cpu().numpy(), len(table), meta.page_size)
     assert groups is not None
-    meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+    meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups[:3])
     return meta
 
 
@@ -78,10 +78,11 @@ def test_adjacent_rows_with_the_same_first_pages_form_groups():
     page = 16
     lists, lens, _ = pages_of([(0, 2), (0, 3), (0, 1), (-1, 9), (1, 2), (1, 2)], page)
     table = block_table(lists, lens, page, 16)
-    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens), 6, page)
+    group_start, group_rows, shared, saved = shared_prefix_groups(table, np.array(lens), 6, page)
     groups = [sorted(group_rows[a:b].tolist()) for a, b in zip(group_start[:-1], group_start[1:]) if b > a]
     assert sorted(groups) == [[0, 1, 2], [3], [4, 5]]
     assert shared.tolist() == [MIN_SHARED_TOKENS] * 3 + [0] + [MIN_SHARED_TOKENS + page] * 2
+    assert saved == 2 * MIN_SHARED_TOKENS + (MIN_SHARED_TOKENS + page)  # each group's rows after its first
     assert_groups_read_their_first_rows_pages(table, lens, page, group_start, group_rows, shared)
 
 
@@ -104,7 +105,7 @@ def test_rows_of_one_prompt_apart_in_the_batch_are_grouped_together():
     page = 16
     lists, lens, _ = pages_of([(0, 1), (1, 1), (0, 2), (0, 1), (1, 2), (-1, 9), (1, 1)], page)
     table = block_table(lists, lens, page, 16)
-    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens), 7, page)
+    group_start, group_rows, shared, _ = shared_prefix_groups(table, np.array(lens), 7, page)
     groups = [sorted(group_rows[a:b].tolist()) for a, b in zip(group_start[:-1], group_start[1:]) if b > a]
     assert sorted(groups) == [[0, 2, 3], [1, 4, 6], [5]]
     assert_groups_read_their_first_rows_pages(table, lens, page, group_start, group_rows, shared)
@@ -115,7 +116,7 @@ def test_padding_rows_stand_alone_and_groups_stop_at_the_row_limit():
     rows = MAX_GROUP_ROWS + 3
     lists, lens, _ = pages_of([(0, 1)] * rows, page)
     table = block_table(lists + [[0]] * 2, lens + [1, 1], page, 16)  # two padding rows on one page
-    group_start, group_rows, shared = shared_prefix_groups(table, np.array(lens + [1, 1]), rows, page)
+    group_start, group_rows, shared, _ = shared_prefix_groups(table, np.array(lens + [1, 1]), rows, page)
     assert group_start.tolist()[:5] == [0, MAX_GROUP_ROWS, rows, rows + 1, rows + 2]
     assert group_rows.tolist() == list(range(rows + 2)) and shared[rows:].tolist() == [0, 0]
 
@@ -193,7 +194,7 @@ def test_random_groups_match_reference(data, page):
     query, keys, values, meta, table = decode_step(lists, lens, page, total, 8, 2, 16)
     groups = shared_prefix_groups(table, np.array(lens), rows, page)
     if groups is not None:
-        meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups)
+        meta.group_start, meta.group_rows, meta.shared_len = (torch.from_numpy(a).to(DEVICE) for a in groups[:3])
     expected = paged_attention_reference(query, keys, values, meta, None)
     got = triton_paged.paged_attention_triton(query, keys, values, meta, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

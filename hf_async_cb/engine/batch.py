@@ -235,12 +235,10 @@ class BatchBuilder:
         if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)
             if groups is not None:
-                group_start, group_rows, shared = groups
-                leads = group_rows[group_start[:-1][group_start[:-1] < group_start[1:]]]
                 self.grouped_steps += 1
-                self.keys_read_once += int(shared.sum() - shared[leads].sum())
+                self.keys_read_once += groups.keys_saved
         ints = [input_ids, carry, positions, slot_mapping, logits_rows, table, query_start, context_lens,
-                *(groups or ()), *sampling_ints]
+                *(groups[:3] if groups is not None else ()), *sampling_ints]
         processors = HostProcessors.build(history_rows, pad_rows=len(logits_rows) if pad_to is not None else None)
         processor_ints, processor_floats = (processors.ints, processors.floats) if processors else ([], [])
         block_ints = TokenBlock.host_parts(blocked, padded=pad_to is not None)

@@ -14,6 +14,8 @@ cost about what they save.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from hf_async_cb.kernels.shared_prefix_attention import MAX_GROUP_ROWS, MIN_SHARED_TOKENS
@@ -21,9 +23,18 @@ from hf_async_cb.kernels.shared_prefix_attention import MAX_GROUP_ROWS, MIN_SHAR
 MIN_SAVED_FRACTION = 1 / 8
 
 
+class SharedPrefixGroups(NamedTuple):
+    """A decode step's groups (int64 arrays, as StepMetadata takes them) and what they save."""
+
+    group_start: np.ndarray  # [R + 1]
+    group_rows: np.ndarray  # [R]
+    shared_len: np.ndarray  # [R]
+    keys_saved: int  # keys per layer the step's rows do not read again
+
+
 def shared_prefix_groups(table: np.ndarray, context_lens: np.ndarray, real_rows: int,
-                         page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(group_start [R + 1], group_rows [R], shared_len [R]) int64 for a decode step's block table
+                         page_size: int) -> SharedPrefixGroups | None:
+    """(group_start [R + 1], group_rows [R], shared_len [R], keys saved) for a decode step's block table
     [R, W] and context lengths [R] (rows past `real_rows`: padding, each alone), or None when no
     group pays. group_rows: the rows in the groups' order (by first page, then as they came);
     group i holds the rows group_rows[group_start[i]] .. group_rows[group_start[i + 1] - 1] (entries
@@ -71,4 +82,4 @@ def shared_prefix_groups(table: np.ndarray, context_lens: np.ndarray, real_rows:
     group_start[:len(starts)] = starts
     padding = np.arange(real_rows, rows + 1)  # the end of the last group, then each padding row alone
     group_start[len(starts):len(starts) + len(padding)] = padding
-    return group_start, group_rows, shared
+    return SharedPrefixGroups(group_start, group_rows, shared, saved)
