@@ -157,6 +157,22 @@ def test_large_prefill_steps_run_eagerly():
     assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS + 1)) is None
 
 
+def test_a_token_cap_keeps_larger_steps_eager():
+    """max_tokens (an LLM.int8() model: its linears run their own forward, which no graph may hold,
+    over 256 rows): decode and prefill buckets over it get no graph, those within it do."""
+    graphs = DecodeGraphs(None, 512, is_cuda=False, prefill=True, max_tokens=256)
+
+    def plan(*sizes):
+        return StepPlan([ScheduledChunk(Request([3] * 40, SamplingParams()), 0 if n > 1 else 39, n, True)
+                         for n in sizes], [])
+
+    assert graphs.key_for(plan(*[1] * 256)).batch == 256
+    assert graphs.key_for(plan(*[1] * 257)) is None  # a bucket of 512 rows
+    assert graphs.key_for(plan(40, 40, 40)).tokens == 128
+    assert graphs.key_for(plan(*[40] * 7)) is None  # 280 tokens: a bucket of 512
+    assert DecodeGraphs(None, 512, is_cuda=False, prefill=True).key_for(plan(*[40] * 7)) is not None
+
+
 def test_tall_query_steps_get_buckets_of_their_own():
     """The Triton attention's tile height follows the step's longest query, and a graph keeps the
     tile of its capture: a step with a long prefill chunk must not share a bucket with one of short

@@ -254,7 +254,7 @@ class BatchBuilder:
             slot_mapping=slot_mapping_d, block_table=table_d, query_start=query_start_d,
             context_lens=context_lens_d, page_size=ps, max_query_len=int(query_lens.max()),
             max_context=max_ctx, backend=self.attention_backend, group_start=group_start_d,
-            group_rows=group_rows_d, shared_len=shared_len_d,
+            group_rows=group_rows_d, shared_len=shared_len_d, pool_slots=self.trash_page * ps,
         )
         embeds = visible = prefix_kv = deepstack = None
         if plan.embedded:

@@ -171,7 +171,7 @@ class _Graph:
             # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
             max_query_len=inputs.meta.max_query_len if decode else max(2, inputs.meta.max_query_len),
             max_context=inputs.meta.max_context,
-            backend=inputs.meta.backend,
+            backend=inputs.meta.backend, pool_slots=inputs.meta.pool_slots,
         )
         self.meta = meta
         static = StepInputs(
@@ -235,8 +235,10 @@ def release_generators_after_failed_capture() -> None:
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, is_cuda: bool, prefill: bool = False,
-                 max_prefill_graphs: int = 16, tall_query_len: int | None = None) -> None:
-        """prefill: also replay prefill and mixed steps from graphs (at most `max_prefill_graphs`
+                 max_prefill_graphs: int = 16, tall_query_len: int | None = None,
+                 max_tokens: int | None = None) -> None:
+        """max_tokens: the most tokens (padding included) a captured step may hold; larger steps
+        run eagerly (None: no limit but the buckets'). prefill: also replay prefill and mixed steps from graphs (at most `max_prefill_graphs`
         buckets; a later step of a new bucket replays a larger captured one that holds it, or runs
         eagerly). tall_query_len: prefill/mixed steps whose longest
         query has at least this many tokens get buckets of their own. The Triton attention takes
@@ -245,6 +247,7 @@ class DecodeGraphs:
         replay its long ones at half speed, and one first captured on long chunks its decodes."""
         self.runner = runner
         self.max_batch = _pow2(max_batch)
+        self.max_tokens = max_tokens
         self.prefill = prefill
         self.tall_query_len = tall_query_len
         self.max_prefill_graphs = max_prefill_graphs
@@ -297,7 +300,7 @@ class DecodeGraphs:
                        any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised),
                        max(r.params.no_repeat_ngram_size for r in penalised), *sequence_shapes(penalised))
         if decode:
-            if len(chunks) > self.max_batch:
+            if len(chunks) > self.max_batch or (self.max_tokens is not None and _pow2(len(chunks)) > self.max_tokens):
                 return None
             key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
@@ -313,6 +316,8 @@ class DecodeGraphs:
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
             tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
+            if self.max_tokens is not None and bucket > self.max_tokens:
+                return None
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:

@@ -73,6 +73,7 @@ class ModelFacts:
     rotary: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head size) of fused rotaries
     mlps: tuple[tuple[int, bool], ...] = ()  # fused activation-muls: (intermediate width, GELU-tanh)
     gemms: tuple[GemmFacts, ...] = ()
+    llm_int8: tuple[tuple[int, int, bool, bool], ...] = ()  # LLM.int8() products: (N, K, bias, outlier threshold)
     draws: bool = True  # the greedy and sampled draws run as kernels
     extra: tuple[Variant, ...] = field(default=())
 
@@ -83,7 +84,8 @@ def _meta(pool: torch.Tensor) -> torch.Tensor:
 
 def model_variants(facts: ModelFacts) -> list[Variant]:
     """Every variant `facts` implies, each once (a pure function: no GPU, nothing compiled)."""
-    from hf_async_cb.kernels import draw_greedy, draw_sampled, elementwise, paged_attention, skinny_gemm, store_kv
+    from hf_async_cb.kernels import (draw_greedy, draw_sampled, elementwise, llm_int8, paged_attention, skinny_gemm,
+                                     store_kv)
 
     device = torch.device(facts.device_type)
     on_gpu = facts.device_type == "cuda"
@@ -104,6 +106,9 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
     for g in facts.gemms:
         found += skinny_gemm.variants(g.n, g.k, g.dtype or facts.dtype, g.bias, g.bucket, dict(g.config), g.form)
+    for n, k, bias, outliers in facts.llm_int8:  # every rows bucket: decode steps and prefills of up to MAX_M tokens
+        for bucket in (1 << i for i in range(skinny_gemm.MAX_M.bit_length())):
+            found += llm_int8.variants(n, k, facts.dtype, facts.dtype if bias else None, outliers, bucket, on_gpu)
     if facts.draws:
         # The model's logits, or float32 ones once processors (penalties, blocked tokens) touched them.
         for dtype in dict.fromkeys((facts.dtype, torch.float32)):
@@ -152,10 +157,11 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
                 gemms += [GemmFacts(pick.n, pick.k, pick.bias, bucket, tuple(sorted(cfg.items())), pick.form,
                                     pick.dtype if pick.casts and pick.dtype != engine.dtype else None)
                           for bucket, cfg in pick.configs.items()]
+    llm_int8_ = () if prepared.decode_gemms is None else tuple(dict.fromkeys(prepared.decode_gemms.llm_int8_picks()))
     return ModelFacts(
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,
         attention=attention, norms=norms, add_norms=add_norms, rotary=rotary, mlps=mlps,
-        gemms=tuple(dict.fromkeys(gemms)), draws=engine.attention_backend == "triton")
+        gemms=tuple(dict.fromkeys(gemms)), llm_int8=llm_int8_, draws=engine.attention_backend == "triton")
 
 
 def query_heads(text_config, key_heads: int) -> int:

@@ -37,6 +37,12 @@ METADATA_KWARG = "hf_async_cb_step"
 _current_step: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("hf_async_cb_step", default=None)
 
 
+def current_metadata() -> StepMetadata | None:
+    """The step of the forward running in this thread, if any (what modules other than attention
+    read of it: the LLM.int8() projections, StepMetadata.real_tokens)."""
+    return _current_step.get()
+
+
 @contextlib.contextmanager
 def current_step(meta: StepMetadata) -> Iterator[None]:
     token = _current_step.set(meta)

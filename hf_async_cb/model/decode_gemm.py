@@ -18,8 +18,11 @@ weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the libr
 weight before its matmul at every call, the kernel scales each tile as it is read, rounding each
 weight alike. bitsandbytes' nf4 / fp4 Linear4bit (`bnb_4bit`) takes the codebook 4-bit form: half a
 byte per weight read, where bitsandbytes' inference path on the H200 dequantizes the whole weight
-at every call; on CUDA at the rows buckets where it measured faster (BNB_4BIT_CUDA_BUCKETS). The
-pickers are model/quantized_linears.py's. attach()
+at every call; on CUDA at the rows buckets where it measured faster (BNB_4BIT_CUDA_BUCKETS).
+bitsandbytes' LLM.int8() Linear8bitLt (`bnb_int8`) takes kernels/llm_int8.py's two kernels at every
+decode bucket: its forward finds the outlier columns on the host (no CUDA graph can hold it, and
+every call waits for the GPU), the kernels flag them on the device and read the int8 weight once.
+The pickers are model/quantized_linears.py's. attach()
 routes the products through per-weight callables that pick per call by row count: more than 256
 rows (prefill), or a bucket without a recorded win, goes to F.linear (a quantized module: its own
 forward) as before. The pick is a dict lookup; it runs when a CUDA graph is captured, so replays
@@ -41,8 +44,8 @@ from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_li
                                               skinny_linear_codebook_4bit)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
-    Bnb4bit, Hqq4bit, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, hqq_4bit, quanto_bytes,
-    scaled_int8, torchao_float8)
+    Bnb4bit, BnbInt8, Hqq4bit, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8, hqq_4bit,
+    quanto_bytes, scaled_int8, torchao_float8)
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -196,6 +199,38 @@ class _Codebook4bitProjection(_QuantizedProjection):
         return out.to(x.dtype)
 
 
+class _LlmInt8Projection(_QuantizedProjection):
+    """A bitsandbytes LLM.int8() Linear8bitLt (bnb_int8) through kernels/llm_int8.py: its forward's
+    result, with the outlier columns flagged on the device (a CUDA graph holds it) and the int8
+    weight read once. The outlier columns depend on every row: in an engine step only the step's own
+    tokens count (StepMetadata.real_tokens), not a CUDA-graph bucket's padding. Its own forward runs
+    in training mode off CUDA (bitsandbytes then computes another product), while a bias is not in
+    x's dtype yet (the forward converts it in place, once), and once the weight holds another
+    storage."""
+
+    def __init__(self, module: nn.Module, found: BnbInt8) -> None:
+        super().__init__(module, found.weight)
+        self.found = found
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from hf_async_cb.kernels.llm_int8 import llm_int8_linear
+        from hf_async_cb.model.attention import current_metadata
+
+        m, f = self.module, self.found
+        bias = m.bias
+        if ((m.training and x.device.type != "cuda") or m.weight.data_ptr() != f.weight.data_ptr()
+                or (bias is not None and bias.dtype != x.dtype)):
+            return self.own(x)
+        real = None
+        meta = current_metadata()
+        if meta is not None and meta.slot_mapping.numel() == x.numel() // x.shape[-1]:
+            real = meta.real_tokens()
+        threshold = float(getattr(m.state, "threshold", 0.0) or 0.0)
+        if (threshold > 0.0) != (f.threshold > 0.0):
+            return self.own(x)  # (a threshold switched on or off since: not the variants compiled)
+        return llm_int8_linear(x, f.weight, f.scb, threshold, None if bias is None else bias.detach(), real=real)
+
+
 def _codebook_buckets(device: torch.device) -> frozenset[int]:
     """The rows buckets at which a Linear4bit on `device` takes the codebook form."""
     return BNB_4BIT_CUDA_BUCKETS if device.type == "cuda" else frozenset(1 << i for i in range(MAX_M.bit_length()))
@@ -237,6 +272,7 @@ class DecodeGemms:
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
                      and _codebook_buckets(found.packed.device)]
+        self._llm_int8 = [(m, found) for m in model.modules() if (found := bnb_int8(m)) is not None]
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -293,6 +329,17 @@ class DecodeGemms:
                                     compute, casts=True))
         return picks
 
+    def llm_int8_picks(self) -> list[tuple[int, int, bool, bool]]:
+        """(N, K, has a bias, has an outlier threshold) of every LLM.int8() projection attach()
+        routes (kernels/llm_int8.py's variants, listed to compile ahead at every rows bucket)."""
+        return [(f.weight.shape[0], f.weight.shape[1], m.bias is not None, f.threshold > 0.0)
+                for m, f in self._llm_int8]
+
+    def llm_int8_modules(self) -> list[nn.Module]:
+        """The Linear8bitLt modules attach() routes: their steps of up to MAX_M rows run the kernels,
+        which a CUDA graph can hold."""
+        return [m for m, _ in self._llm_int8]
+
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
         return sum(len(self._configs(m.weight)) for m in self._linears) + \
@@ -323,6 +370,9 @@ class DecodeGemms:
         for module, found in self._bnb:
             module.forward = _Codebook4bitProjection(module, found)
             self._attached.append(module)
+        for module, found in self._llm_int8:
+            module.forward = _LlmInt8Projection(module, found)
+            self._attached.append(module)
 
     def detach(self) -> None:
         for item in self._attached:
@@ -346,6 +396,8 @@ class DecodeGemms:
             rows = "" if len(buckets) == MAX_M.bit_length() else \
                 f" (decode steps of {buckets[0] // 2 + 1}-{buckets[-1]} rows)"
             quanto += f"; {len(self._bnb)} bitsandbytes 4-bit projections read as 4-bit{rows}"
+        if self._llm_int8:
+            quanto += f"; {len(self._llm_int8)} bitsandbytes LLM.int8() projections read as int8"
         return f"skinny GEMM kernel chosen for {self.wins()} (projection, rows bucket) pairs{scaled}{grouped}{quanto}"
 
 

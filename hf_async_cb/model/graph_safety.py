@@ -11,11 +11,15 @@ engine runs such a model without CUDA graphs, and says so.
 bitsandbytes' LLM.int8() linears with an outlier threshold (its default) cannot be captured at all:
 each call sizes its outlier tensors on the host. On the H200 an 8B model's first decode capture
 failed, and the failed capture left torch's CUDA generator marked as capturing, so that every later
-random draw of the process raised (engine/cuda_graphs.py now also repairs that). Such models run
+random draw of the process raised (engine/cuda_graphs.py now also repairs that). Where the engine
+routes such linears through kernels/llm_int8.py (their steps of up to 256 rows: model/decode_gemm.py),
+those steps are captured and larger ones run eagerly (`host_split_routed`); other such models run
 without CUDA graphs from the start.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -38,12 +42,21 @@ def splits_outliers_on_host(module: torch.nn.Module) -> bool:
             and float(getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0) > 0.0)
 
 
-def graph_unsafe_weights(model: torch.nn.Module) -> list[str]:
-    """Names of the CUDA weights whose kernels a CUDA graph would not record or cannot capture."""
+def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Module] = ()) -> list[str]:
+    """Names of the CUDA weights whose kernels a CUDA graph would not record or cannot capture;
+    `routed`: modules whose small steps run kernels a graph holds (not counted)."""
     unsafe = [name for name, weight in model.named_parameters()
               if weight.device.type == "cuda" and launches_off_stream(weight)]
+    routed_ids = {id(m) for m in routed}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module):
+        if (isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module)
+                and id(module) not in routed_ids):
             unsafe.append(f"{name}.weight" if name else "weight")
     return unsafe
+
+
+def host_split_routed(routed: Collection[torch.nn.Module]) -> bool:
+    """Whether some of `routed` split outliers on the host in their own forward: their steps over
+    the kernels' rows (kernels/skinny_gemm.MAX_M) run that forward, which no graph may hold."""
+    return any(splits_outliers_on_host(m) for m in routed)

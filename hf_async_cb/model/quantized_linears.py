@@ -6,9 +6,10 @@ library's own forward with, or None where anything differs (its own forward then
 - `hqq_4bit`: HQQ's 4-bit HQQLinear (the grouped 4-bit form);
 - `quanto_bytes`, `torchao_float8`: optimum-quanto's frozen int8/float8 QLinear, torchao's weight-only
   float8 (the pre-scaled form);
-- `bnb_4bit`: bitsandbytes' nf4 / fp4 Linear4bit (the codebook 4-bit form).
+- `bnb_4bit`: bitsandbytes' nf4 / fp4 Linear4bit (the codebook 4-bit form);
+- `bnb_int8`: bitsandbytes' LLM.int8() Linear8bitLt (kernels/llm_int8.py, not a skinny GEMM form).
 
-model/decode_gemm.py routes the modules these pick through the kernel for decode steps.
+model/decode_gemm.py routes the modules these pick through the kernels for decode steps.
 """
 
 from __future__ import annotations
@@ -258,3 +259,43 @@ def bnb_4bit_form(found: Bnb4bit, compute_dtype: torch.dtype) -> WeightForm:
     """The codebook form's record for a picked Linear4bit computing in `compute_dtype`."""
     round_dtype = None if found.round_dtype in (None, compute_dtype) else found.round_dtype
     return WeightForm(torch.uint8, found.blocksize, codebook=True, round_dtype=round_dtype)
+
+
+class BnbInt8(NamedTuple):
+    """What the LLM.int8() kernels read of a bitsandbytes Linear8bitLt (llm_int8_linear's arguments)."""
+
+    weight: torch.Tensor  # int8 [N, K]: the module's CB (its weight's storage)
+    scb: torch.Tensor  # float32 [N]: a scale per output row (SCB)
+    threshold: float  # the outlier threshold (0: none)
+
+
+def bnb_int8(module: nn.Module) -> BnbInt8 | None:
+    """The int8 weight, row scales and threshold of a bitsandbytes Linear8bitLt (0.45 to 0.50) in
+    inference (its weight quantized, `has_fp16_weights` off) that kernels/llm_int8.py reproduces,
+    else None. Taken: the class's own forward, no hooks, an Int8Params weight whose storage is its
+    CB (int8 [N, K], contiguous) with float32 SCB [N], a threshold of 0 or a value fp16 holds exactly
+    (the module compares in fp16). Anything else (fp16 weights being trained, hooks, other layouts)
+    runs its own forward. Training mode off CUDA and a bias not yet in x's dtype are checked per
+    call (DecodeGemms' projection)."""
+    cls = type(module)
+    if cls.__name__ != "Linear8bitLt" or not cls.__module__.startswith("bitsandbytes."):
+        return None
+    if module._forward_pre_hooks or module._forward_hooks:
+        return None
+    w, state = getattr(module, "weight", None), getattr(module, "state", None)
+    if type(w).__name__ != "Int8Params" or state is None or getattr(state, "has_fp16_weights", True):
+        return None
+    cb = state.CB if getattr(state, "CB", None) is not None else getattr(w, "CB", None)
+    scb = state.SCB if getattr(state, "SCB", None) is not None else getattr(w, "SCB", None)
+    threshold = float(getattr(state, "threshold", 0.0) or 0.0)
+    if not (isinstance(cb, torch.Tensor) and isinstance(scb, torch.Tensor) and is_plain(cb) and is_plain(scb)):
+        return None
+    if not (cb.dtype == torch.int8 and cb.dim() == 2 and cb.is_contiguous() and cb.data_ptr() == w.data_ptr()
+            and scb.dtype == torch.float32 and scb.numel() == cb.shape[0] and scb.device == cb.device
+            and runs_on(cb.device) and threshold >= 0.0
+            and float(torch.tensor(threshold, dtype=torch.float16)) == threshold):
+        return None
+    bias = module.bias
+    if bias is not None and not (is_plain(bias) and tuple(bias.shape) == (cb.shape[0],) and bias.device == cb.device):
+        return None
+    return BnbInt8(cb.detach(), scb.detach().reshape(-1), threshold)

@@ -48,6 +48,8 @@ class StepMetadata:
     group_start: torch.Tensor | None = None
     group_rows: torch.Tensor | None = None
     shared_len: torch.Tensor | None = None
+    # The pool's slots: a CUDA-graph bucket's padding rows write past them (the trash page); 0: unknown.
+    pool_slots: int = 0
     attention_calls: int = 0
     kv_gathered: bool = False  # the layer being run got gathered contexts from the cache, not its pools
     # Decode steps on the Triton kernels: each layer's new K/V, which PagedKVCache.update leaves to the
@@ -75,6 +77,16 @@ class StepMetadata:
         self.attention_calls = 0
         self.pending_kv.clear()
         self._derived.clear()
+
+    def real_tokens(self) -> torch.Tensor | None:
+        """[T] int8 on the device: 1 for the step's own tokens, 0 for a CUDA-graph bucket's padding
+        (their slots lie past the pool), computed once per forward; None where the pool is unknown.
+        What a projection needs whose rows depend on each other (LLM.int8()'s outlier columns)."""
+        if not self.pool_slots:
+            return None
+        if "real_tokens" not in self._derived:
+            self._derived["real_tokens"] = (self.slot_mapping < self.pool_slots).to(torch.int8)
+        return self._derived["real_tokens"]
 
     def padded_view(self) -> dict[str, torch.Tensor]:
         """Index tensors of the padded batch, computed on the device (no host sync):

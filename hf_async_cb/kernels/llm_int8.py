@@ -1,0 +1,259 @@
+"""LLM.int8() products for decode steps: bitsandbytes' Linear8bitLt computed as its own forward
+computes it, in two kernels a CUDA graph can record.
+
+Why: bitsandbytes' forward finds the activation columns at or above its outlier threshold (6.0 by
+default) with `argwhere`, which waits for the GPU and sizes tensors by the count: no CUDA graph can
+hold it, and every projection of every step pays a host round trip. On the H200 an 8B model then
+ran slower through the engine than through stock generate (0.82x, docs/benchmarks.md). Here the
+outlier columns are a flag per column on the device, and the weight is read once as int8.
+
+What bitsandbytes computes (0.45 to 0.50, `MatMul8bitLt` in inference), for x [M, K] and the int8
+weight CB [N, K] with a scale SCB per output row:
+1. x is cast to fp16. A column holds an outlier where any row's |x| reaches the threshold.
+2. Each row is quantized on its own: absmax over its values below the threshold, q = round(x * 127
+   / absmax) (round half to even), its values at or above the threshold 0; then (with more than one
+   row) every outlier column is 0 in every row.
+3. The int8 product is summed exactly in int32 and dequantized with the row's absmax and the
+   weight row's SCB, the bias added, in the output dtype.
+4. Outlier columns are added back in x's own dtype: x[:, cols] @ (CB[:, cols] * SCB / 127, rounded
+   to x's dtype).T, added to the product of 3 (one rounding).
+The rounding of 2 and 3 differs between bitsandbytes' CUDA kernels (a fast division for 127 /
+absmax; the product dequantized as fma(acc * absmax * SCB, 1 / 127^2, fp16 bias) rounded to fp16,
+any other bias added in fp16 after, then cast) and its PyTorch implementation on the CPU (127 times
+the rounded 1 / absmax, as torch divides a number by a tensor; (acc * (absmax * SCB)) / 127^2 + bias
+in fp32, then cast): the GEMM's CUDA constexpr picks the device's.
+
+The outlier columns depend on every row of the call. So a CUDA-graph bucket's padding rows must not
+count: `real` flags the rows that do (the step's real tokens; model/decode_gemm.py passes them).
+
+Kernels: `_int8_stats_kernel` (one program per BLOCK_K columns, over all rows) writes each row's
+absmax over its columns' block and the columns' outlier flags; `_llm_int8_kernel` (one program
+per BLOCK_N weight rows, the whole K: the dequantization needs the complete int32 sum) reduces
+the absmax, quantizes x tile by tile as it reads it, multiplies int8 by int8, and adds the outlier
+columns' product only in K tiles that hold any.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from hf_async_cb.kernels.skinny_gemm import MAX_M, block_m, runs_on
+from hf_async_cb.kernels.variant import Variant
+
+STATS_BLOCK_K = 128  # columns per program of the statistics kernel
+STATS_ROWS = 32  # rows it loads at a time
+ABSMAX_BLOCK = 32  # statistics blocks the GEMM reduces at a time
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND rounds |v| < 2^22 half to even in fp32
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The launch options: no fused multiply-adds but those written (tl.fma), so that every rounding is
+# the one bitsandbytes makes (the rounding above would otherwise become fma(x, scale, _ROUND)).
+_OPTIONS = dict(enable_fp_fusion=False)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_stats_kernel(x_ptr, real_ptr, flags_ptr, absmax_ptr, M, K, blocks, stride_xm, threshold,
+                       BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUTLIERS: tl.constexpr, MASKED: tl.constexpr):
+    """Program j, columns [j * BLOCK_K, (j + 1) * BLOCK_K) of x, read as fp16: absmax[m, j] = the
+    largest |x[m, k]| below the threshold (every one without OUTLIERS); flags[k] = 1 where a row
+    (a real one, with MASKED: real[m] != 0) reaches it, else 0."""
+    j = tl.program_id(0)
+    offs_k = j * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    flag = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for m0 in range(0, M, ROWS):
+        rows = m0 + tl.arange(0, ROWS)
+        m_ok = rows < M
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.abs(x.to(tl.float16).to(tl.float32))
+        if OUTLIERS:
+            big = a >= threshold
+            if MASKED:
+                counts = m_ok & (tl.load(real_ptr + rows, mask=m_ok, other=0) != 0)
+            else:
+                counts = m_ok
+            flag = tl.maximum(flag, tl.max((big & counts[:, None]).to(tl.int32), axis=0))
+            a = tl.where(big, 0.0, a)
+        tl.store(absmax_ptr + rows * blocks + j, tl.max(a, axis=1), mask=m_ok)
+    if OUTLIERS:
+        tl.store(flags_ptr + offs_k, flag.to(tl.int8), mask=k_ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_ptr, M, N, K, blocks, stride_xm,
+                     threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BIAS_F16: tl.constexpr, OUTLIERS: tl.constexpr,
+                     CUDA: tl.constexpr, IEEE: tl.constexpr):
+    """Program i: out[:, i * BLOCK_N : (i + 1) * BLOCK_N] of the LLM.int8() product (the module
+    docstring's steps 2-4), from the statistics kernel's absmax blocks and flags. CUDA: bitsandbytes'
+    CUDA rounding, else its PyTorch one."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    dtype = x_ptr.dtype.element_ty
+    absmax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j0 in range(0, blocks, ABSMAX_BLOCK):
+        js = j0 + tl.arange(0, ABSMAX_BLOCK)
+        part = tl.load(absmax_ptr + offs_m[:, None] * blocks + js[None, :], mask=m_ok[:, None] & (js < blocks)[None, :],
+                       other=0.0)
+        absmax = tl.maximum(absmax, tl.max(part, axis=1))
+    some = absmax > 0  # (a row of zeros, or of outliers alone: its product is 0 whatever q holds)
+    if CUDA:
+        scale = libdevice.fast_dividef(tl.full([BLOCK_M], 127.0, tl.float32), tl.where(some, absmax, 1.0))
+    else:
+        # torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings
+        scale = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(some, absmax, 1.0)) * 127.0
+    scale = tl.where(some, scale, 0.0)
+    scb = tl.load(scb_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+    outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        else:
+            k_ok = (k + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        x16 = x.to(tl.float16).to(tl.float32)
+        q = (x16 * scale[:, None] + _ROUND) - _ROUND
+        if OUTLIERS:
+            if EVEN_K:
+                flag = tl.load(flags_ptr + k + offs_k) != 0
+            else:
+                flag = tl.load(flags_ptr + k + offs_k, mask=k_ok, other=0) != 0
+            q = tl.where((tl.abs(x16) < threshold) & (flag == 0)[None, :], q, 0.0)
+            if tl.max(flag.to(tl.int32), axis=0) > 0:  # the outlier columns, in x's dtype (step 4)
+                kept = tl.where(flag[None, :], x, 0.0).to(dtype)
+                w_x = ((w.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
+                if IEEE:
+                    outliers += tl.dot(w_x, tl.trans(kept), input_precision="ieee")
+                else:
+                    outliers += tl.dot(w_x, tl.trans(kept))
+        acc += tl.dot(w, tl.trans(q.to(tl.int8)), out_dtype=tl.int32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    total = acc.to(tl.float32)
+    if CUDA:
+        product = (total * absmax[None, :]) * scb[:, None]
+        if HAS_BIAS and BIAS_F16:
+            bias = tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+            y16 = tl.fma(product, 6.200012e-05, bias[:, None]).to(tl.float16)
+        else:
+            y16 = (product * 6.200012e-05).to(tl.float16)
+            if HAS_BIAS:  # added to the fp16 product, in fp32 (torch's promotion), rounded to fp16
+                bias = tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+                y16 = (y16.to(tl.float32) + bias[:, None]).to(tl.float16)
+        y = y16.to(dtype)
+    else:
+        y = (total * (absmax[None, :] * scb[:, None])) * 6.200124e-05
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y = y.to(dtype)
+    if OUTLIERS:
+        y = (y.to(tl.float32) + outliers).to(dtype)
+    tl.store(out_ptr + offs_m[None, :] * N + cols[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def _gemm_config(bucket: int, N: int) -> dict:
+    """The GEMM's tiles for rows bucket `bucket` (every M of it launches one variant) and N weight
+    rows: BLOCK_N 32 where that still gives 128 programs (an H200 wave), else 16; BLOCK_K 128 up to
+    64 rows, 64 above (x's tile is quantized in registers)."""
+    bm = block_m(bucket)
+    bn = 32 if triton.cdiv(N, 32) >= 128 else 16
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if bm <= 64 else 64, num_warps=4 if bm <= 64 else 8,
+                num_stages=3 if bm <= 64 else 2)
+
+
+def _plan(bucket: int, N: int, K: int, dtype: torch.dtype, bias: torch.dtype | None, outliers: bool, cuda: bool,
+          masked: bool) -> tuple[dict, dict, dict, dict]:
+    """(the statistics kernel's constexprs, its options, the GEMM's constexprs, its options): one
+    derivation for a launch and for variants()."""
+    cfg = _gemm_config(bucket, N)
+    stats = dict(BLOCK_K=STATS_BLOCK_K, ROWS=STATS_ROWS, OUTLIERS=outliers, MASKED=masked and outliers)
+    gemm = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ABSMAX_BLOCK=ABSMAX_BLOCK,
+                EVEN_K=K % cfg["BLOCK_K"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0, HAS_BIAS=bias is not None,
+                BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda, IEEE=dtype == torch.float32)
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_OPTIONS)
+    return stats, dict(num_warps=4, **_OPTIONS), gemm, options
+
+
+def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor, threshold: float,
+                    bias: torch.Tensor | None = None, *, real: torch.Tensor | None = None) -> torch.Tensor:
+    """bitsandbytes' Linear8bitLt product (inference, `MatMul8bitLt`) of x [..., K] (bf16, fp16 or
+    fp32; at most MAX_M rows once flattened) with its int8 weight [N, K] (`CB`) and row scales `scb`
+    (float32 [N], `SCB`), the outlier threshold (0: none; else a value fp16 holds exactly, as the
+    module's comparisons in fp16 need), bias [N] in any float dtype or None: the result its forward
+    gives, in x's dtype, rounded as on x's device (module docstring). `real` (bool or integer [M]):
+    the rows whose outliers count (the others' results are computed but meaningless to them); None:
+    every row. Raises ValueError for what it does not take."""
+    K = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 2 or weight.dtype != torch.int8 or weight.shape[1] != K or not weight.is_contiguous():
+        raise ValueError(f"llm_int8_linear takes x [..., K] and a contiguous int8 weight [N, K], got x "
+                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"llm_int8_linear takes x in one of {_DTYPES}, got {x.dtype}")
+    if scb.dtype != torch.float32 or scb.numel() != N:
+        raise ValueError(f"llm_int8_linear takes {N} float32 row scales, got {scb.numel()} in {scb.dtype}")
+    if not (threshold >= 0.0 and float(torch.tensor(threshold, dtype=torch.float16)) == threshold):
+        raise ValueError(f"llm_int8_linear takes a threshold >= 0 that fp16 holds exactly, got {threshold!r}")
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype not in _DTYPES):
+        raise ValueError(f"llm_int8_linear takes a float bias of shape ({N},), got {bias.dtype} {tuple(bias.shape)}")
+    tensors = [weight, scb] + [t for t in (bias, real) if t is not None]
+    if any(t.device != x.device for t in tensors) or not runs_on(x.device):
+        raise ValueError(f"llm_int8_linear runs on CUDA (or in Triton's interpreter), all tensors on x's device, "
+                         f"not {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > MAX_M or K == 0 or N == 0:
+        raise ValueError(f"llm_int8_linear takes 1 to {MAX_M} rows and K, N > 0, got {M} rows of {K}, N = {N}")
+    if real is not None and real.numel() != M:
+        raise ValueError(f"llm_int8_linear: `real` flags {real.numel()} rows, x has {M}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    outliers = threshold > 0.0
+    stats, stats_options, gemm, options = _plan(M, N, K, x.dtype, None if bias is None else bias.dtype, outliers,
+                                                x.device.type == "cuda", real is not None)
+    blocks = triton.cdiv(K, STATS_BLOCK_K)
+    flags = torch.empty(K if outliers else 1, dtype=torch.int8, device=x.device)
+    absmax = torch.empty(M, blocks, dtype=torch.float32, device=x.device)
+    stride = x2.stride(0) if M > 1 else K  # (one row's stride is never read: K keeps it from specialising)
+    real = flags if real is None else real.reshape(-1).to(torch.int8)
+    _int8_stats_kernel[(blocks,)](x2, real, flags, absmax, M, K, blocks, stride, float(threshold), **stats,
+                                  **stats_options)
+    _llm_int8_kernel[(triton.cdiv(N, gemm["BLOCK_N"]),)](
+        x2, weight, scb, bias.contiguous() if bias is not None else scb, flags, absmax, out, M, N, K, blocks, stride,
+        float(threshold), **gemm, **options)
+    return out.reshape(*lead, N)
+
+
+def variants(N: int, K: int, dtype: torch.dtype, bias: torch.dtype | None, outliers: bool, bucket: int,
+             cuda: bool = True, masked: bool = True) -> list[Variant]:
+    """The compiled variants an [M, K] x [N, K].T LLM.int8() product in `dtype` launches at the rows
+    bucket `bucket` (M is not specialised), with a bias of dtype `bias` or none, an outlier threshold
+    or not, the real rows flagged (`masked`, what the engine's steps pass) or not."""
+    stats, stats_options, gemm, options = _plan(bucket, N, K, dtype, bias, outliers, cuda, masked)
+    threshold = 6.0 if outliers else 0.0  # (a float either way: never specialised)
+    blocks = triton.cdiv(K, STATS_BLOCK_K)
+    return [
+        Variant(_int8_stats_kernel, (dtype, torch.int8, torch.int8, torch.float32, 2, K, blocks, K, threshold),
+                stats, stats_options),
+        Variant(_llm_int8_kernel, (dtype, torch.int8, torch.float32, bias or torch.float32, torch.int8, torch.float32,
+                                   dtype, 2, N, K, blocks, K, threshold), gemm, options),
+    ]
