@@ -96,12 +96,15 @@ def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_pt
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     dtype = x_ptr.dtype.element_ty
-    absmax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # (the blocks' maxima taken element-wise, reduced once after the loop: a reduction accumulated
+    # inside the loop crashed Triton 3.6's thread-locality pass for sm_90)
+    widest = tl.zeros([BLOCK_M, ABSMAX_BLOCK], dtype=tl.float32)
     for j0 in range(0, blocks, ABSMAX_BLOCK):
         js = j0 + tl.arange(0, ABSMAX_BLOCK)
         part = tl.load(absmax_ptr + offs_m[:, None] * blocks + js[None, :], mask=m_ok[:, None] & (js < blocks)[None, :],
                        other=0.0)
-        absmax = tl.maximum(absmax, tl.max(part, axis=1))
+        widest = tl.maximum(widest, part)
+    absmax = tl.max(widest, axis=1)
     some = absmax > 0  # (a row of zeros, or of outliers alone: its product is 0 whatever q holds)
     if CUDA:
         scale = libdevice.fast_dividef(tl.full([BLOCK_M], 127.0, tl.float32), tl.where(some, absmax, 1.0))
