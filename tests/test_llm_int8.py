@@ -241,18 +241,21 @@ def test_padded_graph_steps_count_only_their_real_rows(saved_llama, int8_calls):
     assert (4, 3) in padded  # 3 decode rows in a bucket of 4 (prefill steps are padded to theirs too)
 
 
+KERNELS = (llm_int8._int8_stats_kernel, llm_int8._int8_gemm_kernel, llm_int8._int8_finish_kernel)
+
+
 def test_an_engine_lists_every_launch(monkeypatch, saved_llama):
-    """What an engine on an LLM.int8() model hands the precompile covers every launch of the two
+    """What an engine on an LLM.int8() model hands the precompile covers every launch of the three
     kernels, at several batch sizes."""
     model = _int8_model(saved_llama)
     seen, launched, listed = engine_launches_and_listing(
-        monkeypatch, model, (llm_int8._int8_stats_kernel, llm_int8._llm_int8_kernel))
-    assert {kernel for kernel, _, _ in seen} == {llm_int8._int8_stats_kernel, llm_int8._llm_int8_kernel}
+        monkeypatch, model, KERNELS)
+    assert {kernel for kernel, _, _ in seen} == set(KERNELS)
     assert launched <= listed
 
 
 def test_the_kernels_compile_for_sm90_and_fit_an_h200():
-    """Both kernels' launches for Llama-3-8B's projections in bf16 (at the rows buckets 32 and 256, with
+    """The three kernels' launches for Llama-3-8B's projections in bf16 (at the rows buckets 32 and 256, with
     an outlier threshold, with a bias and without) build for an H200 without a GPU (int8 dots, the
     fast division), within its 227 KB of shared memory per block."""
     from sm90 import assert_compiles_for_sm90
@@ -278,7 +281,8 @@ def test_the_kernels_compile_for_sm90_and_fit_an_h200():
 
 
 def _pointer(dtype: torch.dtype) -> str:
-    return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8"}[dtype]
+    return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
+                  torch.int32: "i32"}[dtype]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on CUDA alone (the CPU runs their stand-in)")

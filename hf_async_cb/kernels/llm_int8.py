@@ -26,11 +26,17 @@ in fp32, then cast): the GEMM's CUDA constexpr picks the device's.
 The outlier columns depend on every row of the call. So a CUDA-graph bucket's padding rows must not
 count: `real` flags the rows that do (the step's real tokens; model/decode_gemm.py passes them).
 
-Kernels: `_int8_stats_kernel` (one program per BLOCK_K columns, over all rows) writes each row's
-absmax over its columns' block and the columns' outlier flags; `_llm_int8_kernel` (one program
-per BLOCK_N weight rows, the whole K: the dequantization needs the complete int32 sum) reduces
-the absmax, quantizes x tile by tile as it reads it, multiplies int8 by int8, and adds the outlier
-columns' product only in K tiles that hold any.
+Kernels, three a call (each a CUDA graph holds; none branches per K tile, so loads pipeline):
+- `_int8_stats_kernel`, one program per 128 columns over all rows: each row's absmax over those
+  columns, the columns' outlier flags, and whether the block holds any;
+- `_int8_gemm_kernel`, one program per (BLOCK_N weight rows, K split): reduces the absmax, quantizes
+  x tile by tile as it reads it, and sums int8 x int8 in int32 (exact: the splits' partial sums add
+  up to the very integers bitsandbytes' cuBLASLt product gives);
+- `_int8_finish_kernel`, one program per BLOCK_N columns: adds the splits, dequantizes, adds the
+  bias, then the outlier columns' product over the blocks that hold any (found without a host
+  round trip: their positions from a prefix sum of the blocks' flags).
+On the H200 a first version with the outlier product inside the GEMM's K loop (a branch per tile)
+and no split streamed the 8B projections at 0.1-1 TB/s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,12 +46,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from hf_async_cb.devices import num_sms
 from hf_async_cb.kernels.skinny_gemm import MAX_M, block_m, runs_on
 from hf_async_cb.kernels.variant import Variant
 
 STATS_BLOCK_K = 128  # columns per program of the statistics kernel
 STATS_ROWS = 32  # rows it loads at a time
 ABSMAX_BLOCK = 32  # statistics blocks the GEMM reduces at a time
+FINISH_BLOCK_N = 64  # output columns per program of the finish kernel
+H200_SMS = 132  # the SM count assumed off CUDA
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND rounds |v| < 2^22 half to even in fp32
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The launch options: no fused multiply-adds but those written (tl.fma), so that every rounding is
@@ -54,11 +63,11 @@ _OPTIONS = dict(enable_fp_fusion=False)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_stats_kernel(x_ptr, real_ptr, flags_ptr, absmax_ptr, M, K, blocks, stride_xm, threshold,
+def _int8_stats_kernel(x_ptr, real_ptr, flags_ptr, chunks_ptr, absmax_ptr, M, K, blocks, stride_xm, threshold,
                        BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUTLIERS: tl.constexpr, MASKED: tl.constexpr):
     """Program j, columns [j * BLOCK_K, (j + 1) * BLOCK_K) of x, read as fp16: absmax[m, j] = the
     largest |x[m, k]| below the threshold (every one without OUTLIERS); flags[k] = 1 where a row
-    (a real one, with MASKED: real[m] != 0) reaches it, else 0."""
+    (a real one, with MASKED: real[m] != 0) reaches it, else 0; chunks[j] = 1 where any flag is."""
     j = tl.program_id(0)
     offs_k = j * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -79,25 +88,16 @@ def _int8_stats_kernel(x_ptr, real_ptr, flags_ptr, absmax_ptr, M, K, blocks, str
         tl.store(absmax_ptr + rows * blocks + j, tl.max(a, axis=1), mask=m_ok)
     if OUTLIERS:
         tl.store(flags_ptr + offs_k, flag.to(tl.int8), mask=k_ok)
+        tl.store(chunks_ptr + j, tl.max(flag, axis=0).to(tl.int8))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_ptr, M, N, K, blocks, stride_xm,
-                     threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BIAS_F16: tl.constexpr, OUTLIERS: tl.constexpr,
-                     CUDA: tl.constexpr, IEEE: tl.constexpr):
-    """Program i: out[:, i * BLOCK_N : (i + 1) * BLOCK_N] of the LLM.int8() product (the module
-    docstring's steps 2-4), from the statistics kernel's absmax blocks and flags. CUDA: bitsandbytes'
-    CUDA rounding, else its PyTorch one."""
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    dtype = x_ptr.dtype.element_ty
-    # (the blocks' maxima taken element-wise, reduced once after the loop: a reduction accumulated
-    # inside the loop crashed Triton 3.6's thread-locality pass for sm_90)
+@triton.jit
+def _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M: tl.constexpr, ABSMAX_BLOCK: tl.constexpr,
+                CUDA: tl.constexpr):
+    """(absmax, 127 / absmax as bitsandbytes computes it; 0 for a row without values) of each row,
+    from the statistics kernel's blocks. (The blocks' maxima are taken element-wise and reduced
+    once after the loop: a reduction accumulated inside it crashed Triton 3.6's thread-locality pass
+    for sm_90.)"""
     widest = tl.zeros([BLOCK_M, ABSMAX_BLOCK], dtype=tl.float32)
     for j0 in range(0, blocks, ABSMAX_BLOCK):
         js = j0 + tl.arange(0, ABSMAX_BLOCK)
@@ -111,14 +111,29 @@ def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_pt
     else:
         # torch's `127.0 / row_stats` is `row_stats.reciprocal() * 127.0`: two roundings
         scale = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(some, absmax, 1.0)) * 127.0
-    scale = tl.where(some, scale, 0.0)
-    scb = tl.load(scb_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
+    return absmax, tl.where(some, scale, 0.0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, absmax_ptr, part_ptr, M, N, K, blocks, k_per_split, stride_xm,
+                      threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                      OUTLIERS: tl.constexpr, CUDA: tl.constexpr):
+    """Program (i, s): part[s, :, i * BLOCK_N : (i + 1) * BLOCK_N] = the int32 sum over split s's K range
+    of q(x) x CB (the module docstring's step 2, and 3 before its dequantization)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    _, scale = _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M, ABSMAX_BLOCK, CUDA)
+    k0 = pid_k * k_per_split
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-    outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(0, k_per_split, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
@@ -126,27 +141,47 @@ def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_pt
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
         else:
-            k_ok = (k + offs_k) < K
+            k_ok = (offs_k + k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
         x16 = x.to(tl.float16).to(tl.float32)
         q = (x16 * scale[:, None] + _ROUND) - _ROUND
-        if OUTLIERS:
+        if OUTLIERS:  # values at or above the threshold, and every value of an outlier column, are 0
             if EVEN_K:
-                flag = tl.load(flags_ptr + k + offs_k) != 0
+                flag = tl.load(flags_ptr + offs_k + k)
             else:
-                flag = tl.load(flags_ptr + k + offs_k, mask=k_ok, other=0) != 0
+                flag = tl.load(flags_ptr + offs_k + k, mask=k_ok, other=0)
             q = tl.where((tl.abs(x16) < threshold) & (flag == 0)[None, :], q, 0.0)
-            if tl.max(flag.to(tl.int32), axis=0) > 0:  # the outlier columns, in x's dtype (step 4)
-                kept = tl.where(flag[None, :], x, 0.0).to(dtype)
-                w_x = ((w.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
-                if IEEE:
-                    outliers += tl.dot(w_x, tl.trans(kept), input_precision="ieee")
-                else:
-                    outliers += tl.dot(w_x, tl.trans(kept))
         acc += tl.dot(w, tl.trans(q.to(tl.int8)), out_dtype=tl.int32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    part = part_ptr + (pid_k * M).to(tl.int64) * N
+    tl.store(part + offs_m[None, :] * N + cols[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_finish_kernel(part_ptr, absmax_ptr, scb_ptr, b_ptr, x_ptr, w_ptr, flags_ptr, chunks_ptr, out_ptr, M, N, K,
+                        blocks, stride_xm, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ABSMAX_BLOCK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BIAS_F16: tl.constexpr, OUTLIERS: tl.constexpr,
+                        CUDA: tl.constexpr, IEEE: tl.constexpr):
+    """Program i: out[:, i * BLOCK_N : (i + 1) * BLOCK_N] from the GEMM's partial sums (added in
+    int32: exact), dequantized and the bias added as bitsandbytes does on x's device (CUDA or its
+    PyTorch path), then the outlier columns' product in x's dtype (step 4) over the statistics'
+    blocks of CHUNK columns that hold any."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    mask = n_ok[:, None] & m_ok[None, :]
+    dtype = x_ptr.dtype.element_ty
+    absmax, _ = _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M, ABSMAX_BLOCK, CUDA)
+    offs = offs_m[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M]
+    acc = tl.load(part_ptr + offs, mask=mask, other=0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * (M * N).to(tl.int64) + offs, mask=mask, other=0)
+    scb = tl.load(scb_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
     total = acc.to(tl.float32)
     if CUDA:
         product = (total * absmax[None, :]) * scb[:, None]
@@ -165,31 +200,63 @@ def _llm_int8_kernel(x_ptr, w_ptr, scb_ptr, b_ptr, flags_ptr, absmax_ptr, out_pt
             y += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y = y.to(dtype)
     if OUTLIERS:
+        chunk = tl.arange(0, CHUNKS)
+        held = tl.load(chunks_ptr + chunk, mask=chunk < blocks, other=0).to(tl.int32)
+        order = tl.cumsum(held, axis=0)
+        outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in range(0, tl.sum(held, axis=0)):
+            j = tl.sum(tl.where((order == i + 1) & (held != 0), chunk, 0), axis=0)  # the (i + 1)-th block that holds any
+            kk = j * CHUNK + tl.arange(0, CHUNK)
+            k_ok = kk < K
+            flag = tl.load(flags_ptr + kk, mask=k_ok, other=0) != 0
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & flag[None, :], other=0.0)
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None] & flag[None, :], other=0)
+            w_x = ((w.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
+            if IEEE:
+                outliers += tl.dot(w_x, tl.trans(x.to(dtype)), input_precision="ieee")
+            else:
+                outliers += tl.dot(w_x, tl.trans(x.to(dtype)))
         y = (y.to(tl.float32) + outliers).to(dtype)
-    tl.store(out_ptr + offs_m[None, :] * N + cols[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
+    tl.store(out_ptr + offs, y, mask=mask)
 
 
-def _gemm_config(bucket: int, N: int) -> dict:
-    """The GEMM's tiles for rows bucket `bucket` (every M of it launches one variant) and N weight
-    rows: BLOCK_N 32 where that still gives 128 programs (an H200 wave), else 16; BLOCK_K 128 up to
-    64 rows, 64 above (x's tile is quantized in registers)."""
+def _gemm_config(bucket: int, N: int, K: int, sms: int | None = None) -> dict:
+    """The GEMM's launch for rows bucket `bucket` (every M of it launches one variant), N weight rows
+    and K columns. BLOCK_N 64; BLOCK_K 256 up to 32 rows, 128 up to 64, 64 above (x's tile is
+    quantized in registers); SPLIT_K the smallest power of two giving two waves of programs over the
+    SMs (132 assumed off CUDA), each split at least two K tiles, at most 16, and the int32 partials
+    (SPLIT_K x M x N x 4 bytes) at most a quarter of the weight's bytes (so they stay in L2)."""
     bm = block_m(bucket)
-    bn = 32 if triton.cdiv(N, 32) >= 128 else 16
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if bm <= 64 else 64, num_warps=4 if bm <= 64 else 8,
+    bn = 64
+    bk = 256 if bm <= 32 else 128 if bm <= 64 else 64
+    bk = min(bk, max(32, triton.next_power_of_2(K)))
+    tiles = triton.cdiv(N, bn)
+    cap = min(16, max(1, K // (2 * bk)), max(1, K // (16 * bm)))
+    split = 1
+    while tiles * split < 2 * (sms or H200_SMS) and split * 2 <= cap:
+        split *= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=4 if bm <= 64 else 8,
                 num_stages=3 if bm <= 64 else 2)
 
 
 def _plan(bucket: int, N: int, K: int, dtype: torch.dtype, bias: torch.dtype | None, outliers: bool, cuda: bool,
-          masked: bool) -> tuple[dict, dict, dict, dict]:
-    """(the statistics kernel's constexprs, its options, the GEMM's constexprs, its options): one
-    derivation for a launch and for variants()."""
-    cfg = _gemm_config(bucket, N)
+          masked: bool, sms: int | None = None) -> tuple[tuple, tuple, tuple, int]:
+    """((constexprs, options) of the statistics kernel, of the GEMM, of the finish, the GEMM's K per
+    split): one derivation for a launch and for variants()."""
+    cfg = _gemm_config(bucket, N, K, sms)
+    split, bk = cfg["SPLIT_K"], cfg["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K tiles
     stats = dict(BLOCK_K=STATS_BLOCK_K, ROWS=STATS_ROWS, OUTLIERS=outliers, MASKED=masked and outliers)
-    gemm = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], ABSMAX_BLOCK=ABSMAX_BLOCK,
-                EVEN_K=K % cfg["BLOCK_K"] == 0, EVEN_N=N % cfg["BLOCK_N"] == 0, HAS_BIAS=bias is not None,
-                BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda, IEEE=dtype == torch.float32)
-    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_OPTIONS)
-    return stats, dict(num_warps=4, **_OPTIONS), gemm, options
+    gemm = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ABSMAX_BLOCK=ABSMAX_BLOCK,
+                EVEN_K=split * k_per_split == K, EVEN_N=N % cfg["BLOCK_N"] == 0, OUTLIERS=outliers, CUDA=cuda)
+    finish = dict(SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=FINISH_BLOCK_N, ABSMAX_BLOCK=ABSMAX_BLOCK,
+                  CHUNK=STATS_BLOCK_K, CHUNKS=max(16, triton.next_power_of_2(triton.cdiv(K, STATS_BLOCK_K))),
+                  HAS_BIAS=bias is not None, BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda,
+                  IEEE=dtype == torch.float32)
+    small = dict(num_warps=4 if cfg["BLOCK_M"] <= 64 else 8, **_OPTIONS)
+    return ((stats, dict(num_warps=4, **_OPTIONS)), (gemm, dict(num_warps=cfg["num_warps"],
+                                                              num_stages=cfg["num_stages"], **_OPTIONS)),
+            (finish, small), k_per_split)
 
 
 def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor, threshold: float,
@@ -231,18 +298,25 @@ def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor, th
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     outliers = threshold > 0.0
-    stats, stats_options, gemm, options = _plan(M, N, K, x.dtype, None if bias is None else bias.dtype, outliers,
-                                                x.device.type == "cuda", real is not None)
+    (stats, stats_options), (gemm, gemm_options), (finish, finish_options), k_per_split = _plan(
+        M, N, K, x.dtype, None if bias is None else bias.dtype, outliers, x.device.type == "cuda", real is not None,
+        num_sms(x.device))
     blocks = triton.cdiv(K, STATS_BLOCK_K)
     flags = torch.empty(K if outliers else 1, dtype=torch.int8, device=x.device)
+    chunks = torch.empty(blocks if outliers else 1, dtype=torch.int8, device=x.device)
     absmax = torch.empty(M, blocks, dtype=torch.float32, device=x.device)
+    split = finish["SPLIT_K"]
+    part = torch.empty(split, M, N, dtype=torch.int32, device=x.device)
     stride = x2.stride(0) if M > 1 else K  # (one row's stride is never read: K keeps it from specialising)
     real = flags if real is None else real.reshape(-1).to(torch.int8)
-    _int8_stats_kernel[(blocks,)](x2, real, flags, absmax, M, K, blocks, stride, float(threshold), **stats,
+    threshold = float(threshold)
+    _int8_stats_kernel[(blocks,)](x2, real, flags, chunks, absmax, M, K, blocks, stride, threshold, **stats,
                                   **stats_options)
-    _llm_int8_kernel[(triton.cdiv(N, gemm["BLOCK_N"]),)](
-        x2, weight, scb, bias.contiguous() if bias is not None else scb, flags, absmax, out, M, N, K, blocks, stride,
-        float(threshold), **gemm, **options)
+    _int8_gemm_kernel[(triton.cdiv(N, gemm["BLOCK_N"]), split)](
+        x2, weight, flags, absmax, part, M, N, K, blocks, k_per_split, stride, threshold, **gemm, **gemm_options)
+    _int8_finish_kernel[(triton.cdiv(N, FINISH_BLOCK_N),)](
+        part, absmax, scb, bias.contiguous() if bias is not None else scb, x2, weight, flags, chunks, out, M, N, K,
+        blocks, stride, **finish, **finish_options)
     return out.reshape(*lead, N)
 
 
@@ -251,12 +325,15 @@ def variants(N: int, K: int, dtype: torch.dtype, bias: torch.dtype | None, outli
     """The compiled variants an [M, K] x [N, K].T LLM.int8() product in `dtype` launches at the rows
     bucket `bucket` (M is not specialised), with a bias of dtype `bias` or none, an outlier threshold
     or not, the real rows flagged (`masked`, what the engine's steps pass) or not."""
-    stats, stats_options, gemm, options = _plan(bucket, N, K, dtype, bias, outliers, cuda, masked)
+    (stats, stats_options), (gemm, gemm_options), (finish, finish_options), k_per_split = _plan(
+        bucket, N, K, dtype, bias, outliers, cuda, masked)
     threshold = 6.0 if outliers else 0.0  # (a float either way: never specialised)
     blocks = triton.cdiv(K, STATS_BLOCK_K)
+    i8, f32 = torch.int8, torch.float32
     return [
-        Variant(_int8_stats_kernel, (dtype, torch.int8, torch.int8, torch.float32, 2, K, blocks, K, threshold),
-                stats, stats_options),
-        Variant(_llm_int8_kernel, (dtype, torch.int8, torch.float32, bias or torch.float32, torch.int8, torch.float32,
-                                   dtype, 2, N, K, blocks, K, threshold), gemm, options),
+        Variant(_int8_stats_kernel, (dtype, i8, i8, i8, f32, 2, K, blocks, K, threshold), stats, stats_options),
+        Variant(_int8_gemm_kernel, (dtype, i8, i8, f32, torch.int32, 2, N, K, blocks, k_per_split, K, threshold),
+                gemm, gemm_options),
+        Variant(_int8_finish_kernel, (torch.int32, f32, f32, bias or f32, dtype, i8, i8, i8, dtype, 2, N, K, blocks, K),
+                finish, finish_options),
     ]
