@@ -1,5 +1,5 @@
 """LLM.int8() products for decode steps: bitsandbytes' Linear8bitLt computed as its own forward
-computes it, in two kernels a CUDA graph can record.
+computes it, in kernels a CUDA graph can record.
 
 Why: bitsandbytes' forward finds the activation columns at or above its outlier threshold (6.0 by
 default) with `argwhere`, which waits for the GPU and sizes tensors by the count: no CUDA graph can
@@ -21,7 +21,7 @@ The rounding of 2 and 3 differs between bitsandbytes' CUDA kernels (a fast divis
 absmax; the product dequantized as fma(acc * absmax * SCB, 1 / 127^2, fp16 bias) rounded to fp16,
 any other bias added in fp16 after, then cast) and its PyTorch implementation on the CPU (127 times
 the rounded 1 / absmax, as torch divides a number by a tensor; (acc * (absmax * SCB)) / 127^2 + bias
-in fp32, then cast): the GEMM's CUDA constexpr picks the device's.
+in fp32, then cast): the kernels' CUDA constexpr picks the device's.
 
 The outlier columns depend on every row of the call. So a CUDA-graph bucket's padding rows must not
 count: `real` flags the rows that do (the step's real tokens; model/decode_gemm.py passes them).
@@ -47,14 +47,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from hf_async_cb.devices import num_sms
-from hf_async_cb.kernels.skinny_gemm import MAX_M, block_m, runs_on
+from hf_async_cb.kernels.skinny_gemm import H200_SMS, MAX_M, block_m, runs_on
 from hf_async_cb.kernels.variant import Variant
 
 STATS_BLOCK_K = 128  # columns per program of the statistics kernel
 STATS_ROWS = 32  # rows it loads at a time
 ABSMAX_BLOCK = 32  # statistics blocks the GEMM reduces at a time
 FINISH_BLOCK_N = 64  # output columns per program of the finish kernel
-H200_SMS = 132  # the SM count assumed off CUDA
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND rounds |v| < 2^22 half to even in fp32
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The launch options: no fused multiply-adds but those written (tl.fma), so that every rounding is
