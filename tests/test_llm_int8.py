@@ -149,6 +149,17 @@ def test_which_linear8bit_modules_are_taken():
     assert bnb_int8(torch.nn.Linear(64, 16)) is None
 
 
+def test_routed_int8_linears_cap_the_captured_steps():
+    """An engine routing LLM.int8() linears with a threshold captures steps of up to 256 tokens (over
+    them the module's own forward runs, which splits its outliers on the host); without a threshold,
+    or with no such linears, nothing caps them."""
+    from hf_async_cb.model.graph_safety import graph_token_cap
+
+    assert graph_token_cap([_linear8bit(16, 64)]) == 256
+    assert graph_token_cap([_linear8bit(16, 64, threshold=0.0)]) is None
+    assert graph_token_cap([]) is None
+
+
 @pytest.fixture
 def int8_calls(monkeypatch):
     """Every call of llm_int8_linear from a routed projection: (rows, weight shape, real rows or None)."""

@@ -42,7 +42,7 @@ from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import text_config_of
-from hf_async_cb.model.graph_safety import graph_unsafe_weights, host_split_routed
+from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
@@ -177,7 +177,7 @@ class Engine:
             self.runner, self.config.max_running_requests, is_cuda=self.device.type == "cuda",
             prefill=self.config.prefill_graphs and (self.attention_backend == "triton" or self.device.type != "cuda"),
             tall_query_len=tall_query_len,
-            max_tokens=self._graph_max_tokens(routed),
+            max_tokens=graph_token_cap(routed),  # (LLM.int8() linears: model/graph_safety.py)
         ) if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
@@ -185,16 +185,6 @@ class Engine:
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
-
-    @staticmethod
-    def _graph_max_tokens(routed: list) -> int | None:
-        """The most tokens a captured step may hold: LLM.int8() linears routed through their kernels
-        run their own forward, which no graph may hold, above the kernels' rows (model/graph_safety.py)."""
-        if not host_split_routed(routed):
-            return None
-        from hf_async_cb.kernels.skinny_gemm import MAX_M
-
-        return MAX_M
 
     def _activation_bytes(self) -> int:
         """A bound on a step's transient memory beyond the KV pool: the widest step's hidden states,

@@ -13,7 +13,7 @@ each call sizes its outlier tensors on the host. On the H200 an 8B model's first
 failed, and the failed capture left torch's CUDA generator marked as capturing, so that every later
 random draw of the process raised (engine/cuda_graphs.py now also repairs that). Where the engine
 routes such linears through kernels/llm_int8.py (their steps of up to 256 rows: model/decode_gemm.py),
-those steps are captured and larger ones run eagerly (`host_split_routed`); other such models run
+those steps are captured and larger ones run eagerly (`graph_token_cap`); other such models run
 without CUDA graphs from the start.
 """
 
@@ -56,7 +56,12 @@ def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Mod
     return unsafe
 
 
-def host_split_routed(routed: Collection[torch.nn.Module]) -> bool:
-    """Whether some of `routed` split outliers on the host in their own forward: their steps over
-    the kernels' rows (kernels/skinny_gemm.MAX_M) run that forward, which no graph may hold."""
-    return any(splits_outliers_on_host(m) for m in routed)
+def graph_token_cap(routed: Collection[torch.nn.Module]) -> int | None:
+    """The most tokens a captured step may hold: where some of `routed` split outliers on the host in
+    their own forward, which they run over the kernels' rows (kernels/skinny_gemm.MAX_M) and no graph
+    may hold, that many; else None (no cap)."""
+    if not any(splits_outliers_on_host(m) for m in routed):
+        return None
+    from hf_async_cb.kernels.skinny_gemm import MAX_M  # (imports Triton: only for such models)
+
+    return MAX_M
