@@ -129,11 +129,9 @@ def _time_us(fn, calls: int = 50) -> float:
         graph.replay()
         end.record()
     except Exception:  # noqa: BLE001 - not capturable: eager, host time included
-        torch.cuda.synchronize()
-        start.record()
-        for i in range(calls):
-            fn(i)
-        end.record()
+        from hf_async_cb.kernels.graph_timing import eager_ms
+
+        return eager_ms(fn, calls) * 1000
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / calls
 

@@ -23,23 +23,10 @@ import torch
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
 
 
-def _eager_ms(fn, calls: int = 20) -> float:
-    for i in range(3):
-        fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for i in range(calls):
-        fn(i)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
-
-
 def main(argv=None) -> int:
     import bitsandbytes as bnb
 
-    from hf_async_cb.kernels.graph_timing import cold_copies, graph_ms
+    from hf_async_cb.kernels.graph_timing import cold_copies, eager_ms, graph_ms
     from hf_async_cb.kernels.llm_int8 import llm_int8_linear
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,7 +51,7 @@ def main(argv=None) -> int:
             ours = graph_ms(lambda i: llm_int8_linear(x, *states[i % copies], 6.0, real=real))
             cublas = graph_ms(lambda i: torch.nn.functional.linear(x, plain[i % len(plain)]))
             with torch.no_grad():
-                own = _eager_ms(lambda i: modules[i % copies](x))
+                own = eager_ms(lambda i: modules[i % copies](x))
                 exact = torch.equal(llm_int8_linear(x, *states[0], 6.0), modules[0](x))
             row = dict(projection=name, n=n, k=k, rows=rows, ours_us=round(ours * 1e3, 1),
                        bnb_own_us=round(own * 1e3, 1), cublas_bf16_us=round(cublas * 1e3, 1),

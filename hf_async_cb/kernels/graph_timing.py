@@ -54,3 +54,18 @@ def graph_ms(fn: Callable[[int], object], calls: int = 20, replays: int = 7,
         times.append(start.elapsed_time(end) / calls)
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def eager_ms(fn: Callable[[int], object], calls: int = 20, device: torch.device | None = None) -> float:
+    """Milliseconds per call of fn(i) launched eagerly, host time included (after 3 warm-up calls):
+    what a step pays for work a CUDA graph cannot hold (e.g. bitsandbytes' LLM.int8() forward)."""
+    for i in range(3):
+        fn(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for i in range(calls):
+        fn(i)
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / calls

@@ -39,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_async_cb.kernels import llm_int8
 from hf_async_cb.kernels.gemm_choice import GemmChoice
 from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit,
                                               skinny_linear_codebook_4bit)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
+from hf_async_cb.model.attention import current_metadata
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
     Bnb4bit, BnbInt8, Hqq4bit, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8, hqq_4bit,
     quanto_bytes, scaled_int8, torchao_float8)
@@ -213,9 +215,6 @@ class _LlmInt8Projection(_QuantizedProjection):
         self.found = found
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        from hf_async_cb.kernels.llm_int8 import llm_int8_linear
-        from hf_async_cb.model.attention import current_metadata
-
         m, f = self.module, self.found
         bias = m.bias
         if ((m.training and x.device.type != "cuda") or m.weight.data_ptr() != f.weight.data_ptr()
@@ -228,7 +227,8 @@ class _LlmInt8Projection(_QuantizedProjection):
         threshold = float(getattr(m.state, "threshold", 0.0) or 0.0)
         if (threshold > 0.0) != (f.threshold > 0.0):
             return self.own(x)  # (a threshold switched on or off since: not the variants compiled)
-        return llm_int8_linear(x, f.weight, f.scb, threshold, None if bias is None else bias.detach(), real=real)
+        return llm_int8.llm_int8_linear(x, f.weight, f.scb, threshold, None if bias is None else bias.detach(),
+                                        real=real)
 
 
 def _codebook_buckets(device: torch.device) -> frozenset[int]:
