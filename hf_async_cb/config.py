@@ -69,6 +69,10 @@ class BatchingConfig:
         adapter is switched, enabled or disabled, or a step fails; `Engine.clear_prefix_cache()` /
         `hf_async_cb.clear_prefix_cache(model)` empty it by hand (after writing weights through
         `.data`, which no version counter sees). Counters: `Engine.prefix_cache_stats()`.
+    image_cache_bytes: with prefix_caching, a vision-language model's tower outputs per image are
+        kept up to this many bytes on the model's device (least recently used evicted first), so an
+        image a later call or request sends again (a chat's next turn, an RL epoch) is not encoded
+        again; emptied with the prefix cache. 0 turns it off.
     """
 
     mode: str = "async"
@@ -85,6 +89,7 @@ class BatchingConfig:
     cuda_graphs: bool | None = None
     prefill_graphs: bool = True
     prefix_caching: bool = True
+    image_cache_bytes: int = 256 * 1024**2
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
     skinny_gemm: bool | None = None
@@ -104,6 +109,9 @@ class BatchingConfig:
         for name in ("num_pages", "max_batch_tokens", "mixed_prefill_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, _positive_int(name, getattr(self, name)))
+        if not _is_int(self.image_cache_bytes) or self.image_cache_bytes < 0:
+            raise ValueError(f"BatchingConfig.image_cache_bytes must be an integer >= 0, got {self.image_cache_bytes!r}.")
+        self.image_cache_bytes = int(self.image_cache_bytes)
         fraction = self.kv_memory_fraction
         if fraction is not None:
             if not _is_real(fraction) or not 0.0 < fraction <= 1.0:

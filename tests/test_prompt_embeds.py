@@ -199,3 +199,19 @@ def test_online_requests_take_embeddings(mode):
     finally:
         engine.shutdown()
         engine.close()
+
+
+def test_a_content_key_does_not_depend_on_what_it_is_named_with():
+    """The same embeddings keep their key whatever else a call names beside them (a longer or wider
+    row), so a later call's image finds the pages and tower outputs of an earlier one."""
+    from hf_async_cb.engine.prompt_embeds import content_keys
+
+    g = torch.Generator().manual_seed(0)
+    image = torch.randn(5, 8, generator=g)
+    alone = content_keys([image])[0]
+    assert content_keys([torch.randn(3000, 1500, generator=g), image])[1] == alone
+    assert content_keys([image.clone()])[0] == alone
+    changed = image.clone()
+    changed[4, 7] += 1e-6
+    others = {content_keys([x])[0] for x in (changed, image.half(), image.reshape(8, 5), image[:4])}
+    assert alone not in others and len(others) == 4

@@ -1,11 +1,13 @@
-"""The merge's packed-patch vision towers encode each distinct image of a call once
-(model/vision_dedupe.py), and their outputs are the full forward's, whatever the images."""
+"""The merge's vision towers encode each distinct image of a call once (model/vision_dedupe.py), and
+none an earlier call encoded (model/vision_feature_cache.py); their outputs are the full forward's,
+whatever the images."""
 
 import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from hf_async_cb.model.vision_dedupe import distinct_images
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 
 class Tower(torch.nn.Module):
@@ -149,3 +151,63 @@ def test_per_patch_inputs_of_the_callers_own_leave_the_images_as_they_are():
     with torch.no_grad(), distinct_images(model):
         model.visual(pixels, grid, position_ids=torch.arange(8))
     assert model.visual.calls == [2]
+
+
+# --- across calls: an engine's TowerOutputCache (model/vision_feature_cache.py) ------------------------------
+
+def test_images_an_earlier_call_encoded_come_from_the_cache():
+    """A later call's images seen before are taken from the cache: the tower encodes only the new
+    ones, and every output is the full forward's."""
+    model = Model()
+    cache = TowerOutputCache(1 << 20)
+    first, first_grid = _images(((1, 2, 4), 0), ((1, 4, 2), 1))
+    later, later_grid = _images(((1, 4, 2), 1), ((1, 2, 2), 2), ((1, 2, 4), 0), ((1, 4, 2), 1))
+    with torch.no_grad():
+        expected = model.visual(later, later_grid)
+        with distinct_images(model, cache):
+            model.visual(first, first_grid)
+        with distinct_images(model, cache):
+            got = model.visual(later, later_grid)
+        with distinct_images(model, cache):
+            again = model.visual(later, later_grid)
+    assert model.visual.calls == [4, 2, 1]  # (the third call: every image cached, the tower not run)
+    assert _equal(got, expected) and _equal(again, expected)
+    assert (cache.hits, cache.misses, len(cache)) == (2 + 3, 2 + 1, 3)
+
+
+def test_a_call_with_other_arguments_is_not_served_from_the_cache():
+    model = Model("batched")
+    cache = TowerOutputCache(1 << 20)
+    pixels = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with distinct_images(model, cache):
+            model.visual(pixels)
+        with distinct_images(model, cache):
+            got = model.visual(pixels, output_hidden_states=True)  # another call: its own entries
+        assert _equal(got, model.visual(pixels, output_hidden_states=True))
+    assert model.visual.calls == [2, 2, 2]
+
+
+def test_the_cache_keeps_its_bound_and_empties_when_the_weights_change():
+    model = Model("batched")
+    per_image = 16 * 5 * 4 + 5 * 4  # tokens and pooled, fp32
+    cache = TowerOutputCache(2 * per_image)
+    pixels = torch.randn(3, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache.check(model)
+        with distinct_images(model, cache):
+            model.visual(pixels)
+        assert (len(cache), cache.bytes, cache.evictions) == (2, 2 * per_image, 1)
+        with distinct_images(model, cache):
+            model.visual(pixels[1:])  # the two kept (least recently used first out)
+        assert model.visual.calls == [3]
+        model.visual.proj.weight.mul_(2)  # in place: its version counter moves
+        cache.check(model)
+        assert len(cache) == 0
+        with distinct_images(model, cache):
+            got = model.visual(pixels[1:])
+        assert _equal(got, model.visual(pixels[1:]))
+    assert model.visual.calls == [3, 2, 2]
+    tiny = TowerOutputCache(per_image - 1)  # smaller than one image: nothing kept, nothing wrong
+    with torch.no_grad(), distinct_images(model, tiny):
+        assert _equal(model.visual(pixels), model.visual(pixels)) and len(tiny) == 0

@@ -210,6 +210,57 @@ def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
     hf_async_cb.release(model)
 
 
+def _counting_tower(model, monkeypatch) -> list[int]:
+    """How many images each forward of the model's vision tower is given, from now on."""
+    import functools
+
+    tower = _outermost_tower(model)
+    seen: list[int] = []
+    forward = type(tower).forward
+
+    @functools.wraps(forward)
+    def counting(self, *args, **kwargs):
+        seen.append(_images_in(forward, self, args, kwargs))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tower), "forward", counting)
+    return seen
+
+
+@pytest.mark.parametrize("name, mode", [(name, MODES[i % 2]) for i, name in enumerate(ONCE)])
+def test_images_an_earlier_call_sent_are_not_encoded_again(name, mode, monkeypatch):
+    """A later call that sends the same images again (an RL epoch, an evaluation rerun) takes the
+    tower's outputs from the engine's cache (model/vision_feature_cache.py): stock's tokens, the
+    tower not run. Other pixels are encoded; a tower weight written in place empties the cache."""
+    model = _model(name)
+    inputs = V.build_inputs(name, "one_each")
+    other = dict(inputs, pixel_values=inputs["pixel_values"].flip(-1))
+    seen = _counting_tower(model, monkeypatch)
+    expected, expected_other = _stock(model, inputs), _stock(model, other)
+    every = seen[0]
+    hf_async_cb.release(model)
+    weight = next(_outermost_tower(model).parameters())
+    kept = weight.detach().clone()
+    try:
+        for call, (given, want, encoded) in enumerate([(inputs, expected, [every]), (inputs, expected, []),
+                                                       (other, expected_other, [every]), (inputs, expected, [])]):
+            seen.clear()
+            assert torch.equal(_stock(model, given, batching=mode), want), call
+            assert seen == encoded, (call, seen)
+        assert hf_async_cb.prefix_cache_stats(model)["image_hits"] == 2 * every
+        with torch.no_grad():
+            weight.mul_(1.5)  # in place: the cache must not serve the old outputs
+        seen.clear()
+        changed = _stock(model, inputs)
+        seen.clear()
+        assert torch.equal(_stock(model, inputs, batching=mode), changed)
+        assert seen == [every], seen
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+        hf_async_cb.release(model)
+
+
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl", "qwen3_vl", "gemma3", "idefics3"])
 @pytest.mark.parametrize("mode", MODES)
 def test_served_requests_with_images_give_stock_tokens(name, mode):

@@ -21,6 +21,7 @@ from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.prefix_cache import PrefixCache
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
@@ -147,6 +148,7 @@ class Engine:
         self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(page_size) if self.config.prefix_caching else None
+        self.tower_outputs = TowerOutputCache(self.config.image_cache_bytes if self.prefix_cache is not None else 0)
         self._kv_fingerprint: tuple | None = None  # the model's, when the cache was last checked
         self.scheduler = Scheduler(self.allocator, page_size, self.config.max_batch_tokens,
                                    self.config.max_running_requests, self.config.mixed_prefill_tokens,
@@ -357,15 +359,19 @@ class Engine:
         version counter sees). Requests running now keep their pages."""
         if self.prefix_cache is not None:
             self.scheduler.clear_prefix_cache()
+        self.tower_outputs.clear()
 
     def prefix_cache_stats(self) -> dict | None:
         """Cached tokens hit, tokens prefilled, evictions, deferrals, clears, hit rate and pages held
         by the cache, and the decode steps that read shared prefixes once per group with the keys
-        per layer that saved (cumulative since the engine was built); None with prefix caching off."""
+        per layer that saved, the vision towers' images kept, taken and encoded
+        (model/vision_feature_cache.py); cumulative since the engine was built. None with prefix caching off."""
         if self.prefix_cache is None:
             return None
+        towers = self.tower_outputs
         return dict(self.prefix_cache.stats.as_dict(), cached_pages=len(self.prefix_cache),
-                    grouped_decode_steps=self.builder.grouped_steps, keys_read_once=self.builder.keys_read_once)
+                    grouped_decode_steps=self.builder.grouped_steps, keys_read_once=self.builder.keys_read_once,
+                    cached_images=len(towers), image_hits=towers.hits, image_misses=towers.misses)
 
     def _mode(self, mode: str | None) -> str:
         """The loop a call runs: its `mode`, else the config's. An Engine always runs one of its
@@ -436,7 +442,8 @@ class Engine:
         handle = RequestHandle(request)
         if media is not None:
             handle._before_admission = functools.partial(
-                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal, cache=self.cache)
+                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal, cache=self.cache,
+                towers=self.tower_outputs)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
         self._background.submit(handle)
         return handle

@@ -28,6 +28,7 @@ identical rows of one call), under a number of its own (the cache never holds th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from dataclasses import dataclass, field
@@ -214,6 +215,24 @@ def checked_embeds(embeds: PromptEmbeds, prompt_length: int, embedding: torch.nn
 
 
 _KEY_WORDS = 2  # two independent 64-bit sums: a 128-bit key
+_CHUNK = 1024
+
+
+def _multipliers(kind: str, count: int, device: torch.device) -> torch.Tensor:
+    """[_KEY_WORDS, >= count] random 64-bit multipliers, the same at each index whatever `count`:
+    drawn in chunks of _CHUNK, each from a generator seeded by its kind and index."""
+    return _multiplier_chunks(kind, -(-count // _CHUNK), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _multiplier_chunks(kind: str, chunks: int, device: str) -> torch.Tensor:
+    return torch.cat([_chunk(kind, index, device) for index in range(chunks)], dim=1)
+
+
+def _chunk(kind: str, index: int, device: str) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.blake2b(f"{kind}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**62, 2**62, (_KEY_WORDS, _CHUNK), generator=g).to(device)
 
 
 def content_keys(rows: list[torch.Tensor]) -> list[bytes]:
@@ -222,15 +241,13 @@ def content_keys(rows: list[torch.Tensor]) -> list[bytes]:
     transfer for all: two sums over the values' bits (as integers) times random 64-bit multipliers
     per column and per position, wrapping modulo 2**64. Two tensors of other contents share a key
     only if both sums of their difference vanish: for multipliers drawn at random, about one chance
-    in 2**64 each. Shapes and dtypes are part of the key."""
+    in 2**64 each. Shapes and dtypes are part of the key. A tensor's key does not depend on the
+    others it is named with, so the same image keeps its key from call to call."""
     if not rows:
         return []
     device = rows[0].device
-    width = max(r.shape[1] for r in rows)
-    length = max(r.shape[0] for r in rows)
-    g = torch.Generator().manual_seed(0x5EED)
-    columns = torch.randint(-2**62, 2**62, (_KEY_WORDS, width), generator=g).to(device)
-    positions = torch.randint(-2**62, 2**62, (_KEY_WORDS, length), generator=g).to(device)
+    columns = _multipliers("columns", max(r.shape[1] for r in rows), device)
+    positions = _multipliers("positions", max(r.shape[0] for r in rows), device)
     sums = []
     for r in rows:
         bits = r.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[r.element_size()])

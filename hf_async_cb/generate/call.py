@@ -78,17 +78,18 @@ def _start_clocks(criteria, own) -> None:
             c.initial_timestamp = time.time()
 
 
-def fed_prompts(model, call: GenerateCall) -> tuple[list[list[int]], list[PromptEmbeds | None]]:
+def fed_prompts(model, call: GenerateCall, towers=None) -> tuple[list[list[int]], list[PromptEmbeds | None]]:
     """Per row of the call: the tokens its prompt feeds and what it feeds beyond their embeddings
-    (the call's inputs_embeds, a vision-language model's merged images: model/vision.py, a PEFT
-    prompt-tuning adapter's virtual tokens: generate/prompt_learning.py), or None."""
+    (the call's inputs_embeds, a vision-language model's merged images: model/vision.py, with the
+    engine's TowerOutputCache `towers`; a PEFT prompt-tuning adapter's virtual tokens:
+    generate/prompt_learning.py), or None."""
     sources = [name for name, value in (("inputs_embeds", call.inputs_embeds), ("images", call.media),
                                         ("a PEFT prompt-tuning adapter", call.virtual)) if value is not None]
     if len(sources) > 1:
         raise ValueError(f"generate(batching=...) takes one of {' and '.join(sources)} per call, not both.")
     prompts = call.prompts
     if call.media is not None:
-        return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media)
+        return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media, towers)
     if call.virtual is not None:
         check_window(model, call.virtual, call)
         rows = [call.virtual.prompt(p, len(prefix)) for p, prefix in zip(prompts, call.prefixes)]
@@ -105,7 +106,7 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     input ids they answer (rows repeated per copy) and the streamer fed from them, if any."""
     gc, params, processor = call.gc, options.params, options.processor
     input_ids, prefixes, attention_mask = call.input_ids, call.prefixes, call.attention_mask
-    prompts, embeds = fed_prompts(engine.model, call)
+    prompts, embeds = fed_prompts(engine.model, call, engine.tower_outputs)
     copies = call.copies
     if copies > 1:  # (parse_call refused greedy copies)
         input_ids = input_ids.repeat_interleave(copies, dim=0)

@@ -29,6 +29,7 @@ import torch
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, checked_embeds, content_keys
 from hf_async_cb.model.vision_attention import packed_vision_attention
 from hf_async_cb.model.vision_dedupe import distinct_images
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 # What the language model may receive besides the embeddings and positions without changing them.
 _PLAIN_KWARGS = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache",
@@ -59,11 +60,14 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   media: dict) -> list[PromptEmbeds | None]:
+                   media: dict, towers: TowerOutputCache | None = None) -> list[PromptEmbeds | None]:
     """Per row of the left-padded batch: the embeddings (and rotary positions) its prompt feeds
     beyond its tokens', or None for a row that feeds its tokens alone. Identical rows (the same
-    tokens and the same image features) share one object, so that they share their pages."""
-    received = _language_model_inputs(model, input_ids, attention_mask, media)
+    tokens and the same image features) share one object, so that they share their pages.
+    `towers`: an engine's cache of the vision towers' outputs for images seen by earlier calls."""
+    if towers is not None:
+        towers.check(model)
+    received = _language_model_inputs(model, input_ids, attention_mask, media, towers)
     name = type(model).__name__
     extra = sorted(k for k, v in received.items() if k not in _PLAIN_KWARGS | _DEEPSTACK and v is not None)
     if extra:
@@ -110,14 +114,16 @@ def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 @torch.no_grad()
-def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str | None, cache) -> None:
+def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str | None, cache,
+                 towers: TowerOutputCache | None = None) -> None:
     """A served request's images, merged on the loop thread before it is taken in
     (Engine.add_request(media=...)): its embeds are the model's own merge of this one prompt, as
-    generate() merges each row of a batch (`refusal`, `cache`: as checked_embeds takes them)."""
+    generate() merges each row of a batch (`refusal`, `cache`: as checked_embeds takes them;
+    `towers`: as merged_prompts takes it)."""
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([request.prompt_token_ids], device=device)
     given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in media.items()}
-    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given)
+    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers)
     if row is not None:
         request.embeds = checked_embeds(row, ids.shape[1], model.get_input_embeddings(), refusal, cache)
 
@@ -182,7 +188,7 @@ def deepstack_inputs(model: torch.nn.Module, deepstack, input_ids: torch.Tensor)
         handle.remove()
 
 
-def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
+def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> dict:
     received: dict = {}
 
     def stop(module, args, kwargs):
@@ -194,7 +200,7 @@ def _language_model_inputs(model, input_ids, attention_mask, media) -> dict:
     handle = language_model(model).register_forward_pre_hook(stop, with_kwargs=True)
     try:
         # One attention call per window length, not per window; each distinct image encoded once.
-        with packed_vision_attention(model), distinct_images(model):
+        with packed_vision_attention(model), distinct_images(model, towers):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
     except _Entered:
         pass

@@ -14,7 +14,8 @@ outputs are laid out again for every copy. Two kinds are recognised by their for
 
 Images are compared by content key (as the prefix cache names image embeddings), together with
 whatever else the tower is given per image; an output laid out otherwise (Pixtral packs its images into one
-sequence) has the tower run on every image, as before.
+sequence) has the tower run on every image, as before. Given an engine's TowerOutputCache
+(model/vision_feature_cache.py), images encoded by an earlier call are taken from it and not encoded again.
 """
 
 from __future__ import annotations
@@ -22,26 +23,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from hf_async_cb.engine.prompt_embeds import content_keys
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
+
 
 class _NotPerImage(Exception):
     """An output of the tower that is not laid out per patch or per merged token."""
 
 
 @contextlib.contextmanager
-def distinct_images(model: torch.nn.Module) -> Iterator[None]:
-    """While the block runs, the model's vision towers encode each distinct image of a call once."""
+def distinct_images(model: torch.nn.Module, cache: TowerOutputCache | None = None) -> Iterator[None]:
+    """While the block runs, the model's vision towers encode each distinct image of a call once,
+    and none that `cache` holds from an earlier call."""
     wrapped: list[tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():
         if any(name.startswith(outer + ".") for outer, _ in wrapped) or "forward" in vars(module):
             continue  # (a tower's own parts run on what the tower gives them)
         kind = _tower_kind(module)
         if kind is not None:
-            module.forward = kind(module, type(module).forward.__get__(module))
+            module.forward = kind(module, type(module).forward.__get__(module), _Images(module, name, cache))
             wrapped.append((name, module))
     try:
         yield
@@ -73,7 +77,7 @@ def _leading_parameters(cls: type) -> tuple[str, ...]:
         return ()
 
 
-def _packed(tower: torch.nn.Module, forward):
+def _packed(tower: torch.nn.Module, forward, images: "_Images"):
     def run(hidden_states, grid_thw=None, *args, **kwargs):
         if (args or grid_thw is None or not isinstance(hidden_states, torch.Tensor)
                 or any(isinstance(v, torch.Tensor) for v in kwargs.values())):  # (per-patch inputs of its own)
@@ -84,33 +88,29 @@ def _packed(tower: torch.nn.Module, forward):
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        images = [hidden_states[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
-        first = _first_copies(images, [repr(g).encode() for g in grid_thw.tolist()])
-        distinct = sorted(set(first))
-        if len(distinct) == len(first):
-            return forward(hidden_states, grid_thw, *args, **kwargs)
-        out = forward(torch.cat([images[i] for i in distinct]), grid_thw[distinct], *args, **kwargs)
+        patches = [hidden_states[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+        keys = [g + c for g, c in zip((repr(g).encode() for g in grid_thw.tolist()), content_keys(patches))]
         merge = tower.spatial_merge_size ** 2
-        order = _order(first, distinct)
 
-        def expand(value: torch.Tensor) -> torch.Tensor:
+        def encode(indices: list[int]):
+            if indices == list(range(len(sizes))):
+                return forward(hidden_states, grid_thw, *args, **kwargs)
+            return forward(torch.cat([patches[i] for i in indices]), grid_thw[indices], *args, **kwargs)
+
+        def split(value: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
             for per in (1, merge):  # per patch, or per merged token
-                counts = [sizes[i] // per for i in distinct]
-                if value.dim() and value.shape[0] == sum(counts) and all(sizes[i] % per == 0 for i in distinct):
-                    parts = torch.split(value, counts)
-                    return torch.cat([parts[j] for j in order])
+                counts = [sizes[i] // per for i in indices]
+                if value.dim() and value.shape[0] == sum(counts) and all(sizes[i] % per == 0 for i in indices):
+                    return list(torch.split(value, counts))
             raise _NotPerImage
 
-        try:
-            return _laid_out(out, expand)
-        except _NotPerImage:
-            _NOT_PER_IMAGE.add(type(tower))
-            return forward(hidden_states, grid_thw, *args, **kwargs)
+        return images.encode(keys, repr(sorted(kwargs.items())), encode, split,
+                             lambda: forward(hidden_states, grid_thw, *args, **kwargs))
 
     return run
 
 
-def _batched(tower: torch.nn.Module, forward):
+def _batched(tower: torch.nn.Module, forward, images: "_Images"):
     def run(pixel_values, *args, **kwargs):
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() < 2:
             return forward(pixel_values, *args, **kwargs)
@@ -119,60 +119,101 @@ def _batched(tower: torch.nn.Module, forward):
         if any(v.dim() == 0 or v.shape[0] != n for v in tensors):  # (not per image: left as they are)
             return forward(pixel_values, *args, **kwargs)
         given = [content_keys([t[i].reshape(1, -1) for i in range(n)]) for t in tensors]  # (what comes with each)
-        first = _first_copies([pixel_values[i].reshape(1, -1) for i in range(n)],
-                              [b"".join(keys) for keys in zip(*given)] if given else [b""] * n)
-        distinct = sorted(set(first))
-        if len(distinct) == n:
-            return forward(pixel_values, *args, **kwargs)
-        index = torch.tensor(distinct, device=pixel_values.device)
+        keys = [b"".join(parts) for parts in zip(content_keys([pixel_values[i].reshape(1, -1) for i in range(n)]),
+                                                   *given)]
+        # The call's other arguments name the entries too, tensors by their place (their content is in the keys).
+        others = repr([(k, "tensor" if isinstance(v, torch.Tensor) else v)
+                       for k, v in (*enumerate(args), *sorted(kwargs.items()))])
 
-        def pick(v):
-            return v.index_select(0, index) if isinstance(v, torch.Tensor) else v
+        def encode(indices: list[int]):
+            if indices == list(range(n)):
+                return forward(pixel_values, *args, **kwargs)
+            index = torch.tensor(indices, device=pixel_values.device)
 
-        out = forward(pick(pixel_values), *map(pick, args), **{k: pick(v) for k, v in kwargs.items()})
-        order = torch.tensor(_order(first, distinct), device=pixel_values.device)
+            def pick(v):
+                return v.index_select(0, index.to(v.device)) if isinstance(v, torch.Tensor) else v
 
-        def expand(value: torch.Tensor) -> torch.Tensor:
-            if value.dim() and value.shape[0] == len(distinct):
-                return value.index_select(0, order.to(value.device))
+            return forward(pick(pixel_values), *map(pick, args), **{k: pick(v) for k, v in kwargs.items()})
+
+        def split(value: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
+            if value.dim() and value.shape[0] == len(indices):
+                return list(value.split(1))
             raise _NotPerImage
 
-        try:
-            return _laid_out(out, expand)
-        except _NotPerImage:
-            _NOT_PER_IMAGE.add(type(tower))
-            return forward(pixel_values, *args, **kwargs)
+        return images.encode(keys, others, encode, split, lambda: forward(pixel_values, *args, **kwargs))
 
     return run
 
 
-def _order(first: list[int], distinct: list[int]) -> list[int]:
-    """Per image, the place of its first copy among the distinct ones."""
-    slot = {image: k for k, image in enumerate(distinct)}
-    return [slot[i] for i in first]
+class _Images:
+    """One tower's way through a call's images: each distinct one encoded once, those an earlier
+    call encoded taken from the cache."""
+
+    def __init__(self, tower: torch.nn.Module, name: str, cache: TowerOutputCache | None) -> None:
+        self.tower, self.name = tower, name
+        self.cache = cache if cache is not None and cache.max_bytes else None
+
+    def encode(self, keys: list[bytes], others: str, encode: Callable[[list[int]], object],
+               split: Callable[[torch.Tensor, list[int]], list[torch.Tensor]], every: Callable[[], object]):
+        """The tower's output for images named by `keys`: `encode(indices)` runs it on some of them,
+        `split(tensor, indices)` gives an output tensor's share of each (or raises _NotPerImage);
+        `every()` is the plain forward over all of them."""
+        n = len(keys)
+        seen: dict[bytes, int] = {}
+        first = [seen.setdefault(key, i) for i, key in enumerate(keys)]  # per image, its first copy
+        distinct = sorted(set(first))
+        cache = self.cache
+        held = {}
+        if cache is not None:
+            for i in distinct:
+                entry = cache.get((self.name, others, keys[i]))
+                if entry is not None:
+                    held[i] = entry
+        todo = [i for i in distinct if i not in held]
+        everything = todo == list(range(n))
+        if everything and cache is None:
+            return every()
+        out = encode(todo) if todo else None
+        try:
+            fresh, rebuild = {}, None
+            if out is not None:
+                leaves, rebuild = _flatten(out)
+                shares = [split(leaf, todo) for leaf in leaves]
+                fresh = {i: [share[k] for share in shares] for k, i in enumerate(todo)}
+                if cache is not None:
+                    for i, parts in fresh.items():
+                        cache.put((self.name, others, keys[i]), rebuild, parts)
+            if everything:
+                return out
+            parts = {**{i: list(entry.parts) for i, entry in held.items()}, **fresh}
+            rebuild = rebuild or held[distinct[0]].rebuild
+            width = {len(p) for p in parts.values()}
+            if len(width) != 1:
+                raise _NotPerImage
+            return rebuild([torch.cat([parts[first[i]][leaf] for i in range(n)]) for leaf in range(width.pop())])
+        except _NotPerImage:
+            _NOT_PER_IMAGE.add(type(self.tower))
+            return out if everything else every()
 
 
-def _first_copies(images: list[torch.Tensor], keys: list[bytes]) -> list[int]:
-    """Per image ([rows, columns]), the index of the first image with the same key (its grid) and
-    the same content key: engine/prompt_embeds.py's content_keys, which names the prefix cache's
-    image embeddings too (one transfer for all)."""
-    first: list[int] = []
-    seen: dict[bytes, int] = {}
-    for i, content in enumerate(content_keys(images)):
-        first.append(seen.setdefault(keys[i] + content, i))
-    return first
+def _flatten(value) -> tuple[list[torch.Tensor], Callable[[list], object]]:
+    """The tensors of a tower's output (through lists, tuples and model outputs; raising _NotPerImage
+    at anything else) and the function that lays other tensors out the same way."""
+    leaves: list[torch.Tensor] = []
 
+    def walk(v):
+        if v is None:
+            return lambda got: None
+        if isinstance(v, torch.Tensor):
+            leaves.append(v)
+            k = len(leaves) - 1
+            return lambda got: got[k]
+        if isinstance(v, dict):  # (transformers' ModelOutput is one)
+            kind, parts = type(v), {key: walk(x) for key, x in v.items()}
+            return lambda got: kind(**{key: part(got) for key, part in parts.items()})
+        if isinstance(v, (list, tuple)):
+            kind, items = type(v), [walk(x) for x in v]
+            return lambda got: kind(item(got) for item in items)
+        raise _NotPerImage
 
-def _laid_out(value, expand):
-    """The tower's output for the distinct images laid out for every image of the call: `expand` on
-    each tensor (raising _NotPerImage where it is not per image), through lists, tuples and model
-    outputs."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return expand(value)
-    if isinstance(value, dict):  # (transformers' ModelOutput is one)
-        return type(value)(**{k: _laid_out(v, expand) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return type(value)(_laid_out(v, expand) for v in value)
-    raise _NotPerImage
+    return leaves, walk(value)
