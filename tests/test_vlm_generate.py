@@ -266,8 +266,8 @@ def test_images_an_earlier_call_sent_are_not_encoded_again(name, mode, monkeypat
 def test_served_requests_with_images_give_stock_tokens(name, mode):
     """Engine.add_request(prompt, media=...) while the loop serves: each request's images are merged
     on the loop thread before it is taken in; its tokens are stock generate's for that prompt alone,
-    whatever else runs beside it (a text-only request, the same image twice). A merge that fails ends
-    that request alone, with its error."""
+    whatever else runs beside it (a text-only request, the same image twice: the second time from the
+    engine's tower cache). A merge that fails ends that request alone, with its error."""
     model = _model(name)
     hf_async_cb.release(model)
     rows = [V.build_inputs(name, "mixed", only_row=r) for r in (0, 2)]  # a row with an image, alone
@@ -292,6 +292,7 @@ def test_served_requests_with_images_give_stock_tokens(name, mode):
         after = engine.add_request(rows[2]["input_ids"][0].tolist(), max_new_tokens=NEW,
                                    media={k: v for k, v in rows[2].items() if k not in ("input_ids", "attention_mask")})
         assert after.result(timeout=120).output_token_ids == expected[2]  # the loop serves on
+        assert engine.prefix_cache_stats()["image_hits"] >= 1  # (row 0's image again: not encoded again)
     finally:
         engine.shutdown(timeout=60)
         engine.close()
