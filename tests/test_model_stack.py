@@ -104,6 +104,33 @@ def test_lora_added_after_a_fused_engine_existed_is_exact():
     hf_async_cb.release(model)
 
 
+def _embedding_adapter(kind: str):
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    if kind == "lora":
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens"], init_lora_weights=False)
+    if kind == "lora+tokens":
+        return _lora(trainable_token_indices=[27, 95, 187])  # (tokens of the prompts)
+    return peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[27, 95, 187])
+
+
+@pytest.mark.parametrize("kind", ["lora", "lora+tokens", "tokens"])
+def test_adapters_on_the_input_embeddings_are_exact(kind):
+    """PEFT wraps the input embeddings (a LoRA on them, trainable tokens): the wrapper has no
+    num_embeddings of its own, and its forward is what the prompt's and each step's tokens go
+    through."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    base = _llama()
+    base_tokens = _greedy(base, "off")
+    torch.manual_seed(4)
+    model = peft.get_peft_model(base, _embedding_adapter(kind)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "trainable_tokens" in name:  # (they start as the base rows: moved, they change the tokens)
+                p.add_(torch.randn_like(p))
+    assert not torch.equal(_greedy(model, "off"), base_tokens)
+    _assert_exact(model, EVERY_RUN if kind != "lora+tokens" else UNFUSABLE_RUNS)
+
+
 def test_qlora_on_bitsandbytes_4bit_is_exact(saved_llama):
     peft = pytest.importorskip("peft", reason="peft is not installed")
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")

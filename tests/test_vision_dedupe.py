@@ -122,8 +122,9 @@ def test_an_output_not_laid_out_per_image_runs_every_image():
             got = model.visual(pixels, grid)
         with distinct_images(model):
             again = model.visual(pixels, grid)
-    # The distinct one, then every image again; in a later call the class is not tried again.
-    assert model.visual.calls == [2, 1, 2, 2]
+    # Copies of one image: every image runs (one image cannot show per-image outputs), and the output
+    # is found not per image, so in a later call the class is not tried again.
+    assert model.visual.calls == [2, 2, 2]
     assert torch.equal(got, expected) and torch.equal(again, expected)
 
 
@@ -211,3 +212,42 @@ def test_the_cache_keeps_its_bound_and_empties_when_the_weights_change():
     tiny = TowerOutputCache(per_image - 1)  # smaller than one image: nothing kept, nothing wrong
     with torch.no_grad(), distinct_images(model, tiny):
         assert _equal(model.visual(pixels), model.visual(pixels)) and len(tiny) == 0
+
+
+class PackingTower(torch.nn.Module):
+    """Its images packed into one sequence ([1, patches of every image, 5], as Pixtral's): one
+    image's output has one row, as a per-image output would."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 5)
+        self.calls: list[int] = []
+
+    def forward(self, pixel_values, image_sizes=None):
+        self.calls.append(int(pixel_values.shape[0]))
+        return BaseModelOutputWithPooling(last_hidden_state=self.proj(pixel_values.flatten(2).transpose(1, 2)).reshape(
+            1, -1, 5))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_one_image_never_passes_for_an_output_laid_out_per_image(cached):
+    """Copies of one image, or one image beside a cached one, before the tower showed per-image
+    outputs over two images: every image runs, as stock. A packing tower is then found out and left
+    alone; the outputs are always the full forward's."""
+    model = torch.nn.Module()
+    model.visual = PackingTower()
+    cache = TowerOutputCache(1 << 20) if cached else None
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, 4, generator=g), torch.randn(3, 4, 4, generator=g)
+    sizes = torch.tensor([[4, 4]] * 2)
+    with torch.no_grad():
+        with distinct_images(model, cache):
+            alone = model.visual(a[None], sizes[:1])
+            twice = model.visual(torch.stack([a, a]), sizes)
+        with distinct_images(model, cache):
+            pair = model.visual(torch.stack([a, b]), sizes)
+        assert _equal(alone, model.visual(a[None], sizes[:1]))
+        assert _equal(twice, model.visual(torch.stack([a, a]), sizes))
+        assert _equal(pair, model.visual(torch.stack([a, b]), sizes))
+    assert model.visual.calls[:3] == [1, 2, 2]
+    assert cache is None or len(cache) == 0

@@ -210,6 +210,22 @@ def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
     hf_async_cb.release(model)
 
 
+@pytest.mark.parametrize("name, mode", [(name, MODES[i % 2]) for i, name in enumerate(EVERY_COPY + ONCE)])
+def test_a_group_of_one_prompt_and_image_gives_stock_tokens(name, mode):
+    """One prompt with its image repeated as every row (a GRPO group of one prompt): the tower's
+    output for one image cannot show whether it is laid out per image (Pixtral packs its images into
+    one sequence), so nothing is laid out from one image's output; stock's tokens in any order of
+    calls (the same group again, from the engine's caches)."""
+    model = _model(name)
+    one = V.build_inputs(name, "one_each", only_row=0)
+    group = {k: torch.cat([v] * 3) if isinstance(v, torch.Tensor) else v for k, v in one.items()}
+    expected = _stock(model, group)
+    hf_async_cb.release(model)
+    for _ in range(2):
+        assert torch.equal(_stock(model, group, batching=mode), expected)
+    hf_async_cb.release(model)
+
+
 def _counting_tower(model, monkeypatch) -> list[int]:
     """How many images each forward of the model's vision tower is given, from now on."""
     import functools

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_async_cb.model.embeddings_path import input_vocab_size
 from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length
 
 
@@ -24,7 +25,7 @@ class PromptLimits:
 
     @classmethod
     def of(cls, model: torch.nn.Module, text_config) -> "PromptLimits":
-        return cls(model.get_input_embeddings().num_embeddings, max_positions(text_config),
+        return cls(input_vocab_size(model), max_positions(text_config),
                    has_learned_positions(model), rope_switch_length(model))
 
 

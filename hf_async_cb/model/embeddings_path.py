@@ -6,11 +6,36 @@ vision-language model's merged image features) by embedding the step's token ids
 with `inputs_embeds`. That is exact only if the forward does nothing more with `input_ids` than
 embed them; a few models do more (per-layer inputs read from the ids, a scale applied to one input
 and not the other). Checked once per preparation, on the stock model, with a short forward each way.
+
+The input embedding module is not always an `nn.Embedding`: PEFT wraps it (a LoRA on the embeddings,
+trainable tokens, `modules_to_save`), so its vocabulary and weight are read through the wrapper
+(`input_vocab_size`, `input_embedding_weight`).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def input_embedding_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The [vocab, hidden] weight of the model's input embeddings, through a wrapper's base layer."""
+    module = model.get_input_embeddings()
+    for candidate in (module, getattr(module, "base_layer", None), getattr(module, "original_module", None)):
+        weight = getattr(candidate, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return weight
+    raise ValueError(f"{type(model).__name__}'s input embeddings ({type(module).__name__}) have no [vocab, hidden] "
+                     "weight the engine can read.")
+
+
+def input_vocab_size(model: torch.nn.Module) -> int:
+    """The number of token ids the model's input embeddings take."""
+    module = model.get_input_embeddings()
+    for candidate in (module, getattr(module, "base_layer", None), getattr(module, "original_module", None)):
+        count = getattr(candidate, "num_embeddings", None)
+        if isinstance(count, int):
+            return count
+    return input_embedding_weight(model).shape[0]
 
 
 @torch.no_grad()
@@ -22,8 +47,8 @@ def embeddings_refusal(model: torch.nn.Module) -> str | None:
         embedding = None
     if not isinstance(embedding, torch.nn.Module):
         return f"{type(model).__name__} has no input embedding module (get_input_embeddings())"
-    vocab = getattr(embedding, "num_embeddings", None) or 2
-    device = next(model.parameters()).device
+    vocab = input_vocab_size(model)
+    device = input_embedding_weight(model).device
     ids = (torch.arange(1, 7, device=device) % vocab)[None]
     positions = torch.arange(6, device=device)[None]  # as the engine passes them (multimodal models need them)
     try:

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import torch
 
+from hf_async_cb.model.embeddings_path import input_vocab_size
+
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -110,7 +112,7 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
         recorder = ShapeRecorder(config=text_config_of(model.config))
     except TypeError:  # an older DynamicCache without config=
         recorder = ShapeRecorder()
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = input_vocab_size(model)
     ids = torch.tensor([[min(1, vocab - 1), min(2, vocab - 1)]], device=device)
     try:
         with _attention(model, recording_attention):

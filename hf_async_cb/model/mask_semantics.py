@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_async_cb.model.embeddings_path import input_embedding_weight, input_vocab_size
+
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 12
@@ -100,8 +102,8 @@ def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
     windows = [(c, c.sliding_window) for c in _configs_with_windows(model.config)]
     AttentionInterface.register(name, recording_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, eager_mask)
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(PROBE_TOKENS, device=model.get_input_embeddings().weight.device)[None] % vocab
+    vocab = input_vocab_size(model)
+    ids = torch.arange(PROBE_TOKENS, device=input_embedding_weight(model).device)[None] % vocab
     try:
         for c, _ in windows:
             c.sliding_window = PROBE_WINDOW

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, checked_embeds, content_keys
+from hf_async_cb.model.embeddings_path import input_embedding_weight
 from hf_async_cb.model.vision_attention import packed_vision_attention
 from hf_async_cb.model.vision_dedupe import distinct_images
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
@@ -120,7 +121,7 @@ def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str |
     (Engine.add_request(media=...)): its embeds are the model's own merge of this one prompt, as
     generate() merges each row of a batch (`refusal`, `cache`: as checked_embeds takes them;
     `towers`: as merged_prompts takes it)."""
-    device = model.get_input_embeddings().weight.device
+    device = input_embedding_weight(model).device
     ids = torch.tensor([request.prompt_token_ids], device=device)
     given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in media.items()}
     (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers)

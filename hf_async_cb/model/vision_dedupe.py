@@ -55,6 +55,7 @@ def distinct_images(model: torch.nn.Module, cache: TowerOutputCache | None = Non
 
 
 _NOT_PER_IMAGE: set[type] = set()  # tower classes whose output was laid out otherwise: not tried again
+_PER_IMAGE: set[type] = set()  # tower classes whose outputs of two or more images split per image
 
 
 def _tower_kind(module: torch.nn.Module):
@@ -162,16 +163,21 @@ class _Images:
         seen: dict[bytes, int] = {}
         first = [seen.setdefault(key, i) for i, key in enumerate(keys)]  # per image, its first copy
         distinct = sorted(set(first))
+        shown = type(self.tower) in _PER_IMAGE
         cache = self.cache
         held = {}
-        if cache is not None:
+        if cache is not None and shown:
             for i in distinct:
                 entry = cache.get((self.name, others, keys[i]))
                 if entry is not None:
                     held[i] = entry
         todo = [i for i in distinct if i not in held]
+        if not shown and len(todo) < 2:
+            # One image's output cannot show that it is laid out per image (a tower that packs its
+            # images into one sequence, as Pixtral's, gives one row either way): every image, as stock.
+            todo, held = list(range(n)), {}
         everything = todo == list(range(n))
-        if everything and cache is None:
+        if everything and (cache is None or not shown and n < 2):
             return every()
         out = encode(todo) if todo else None
         try:
@@ -180,6 +186,7 @@ class _Images:
                 leaves, rebuild = _flatten(out)
                 shares = [split(leaf, todo) for leaf in leaves]
                 fresh = {i: [share[k] for share in shares] for k, i in enumerate(todo)}
+                _PER_IMAGE.add(type(self.tower))  # (at least two images, each with its share of every output)
                 if cache is not None:
                     for i, parts in fresh.items():
                         cache.put((self.name, others, keys[i]), rebuild, parts)
@@ -193,6 +200,7 @@ class _Images:
             return rebuild([torch.cat([parts[first[i]][leaf] for i in range(n)]) for leaf in range(width.pop())])
         except _NotPerImage:
             _NOT_PER_IMAGE.add(type(self.tower))
+            _PER_IMAGE.discard(type(self.tower))
             return out if everything else every()
 
 
