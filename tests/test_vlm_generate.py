@@ -145,6 +145,39 @@ def test_the_same_images_in_a_later_call_come_from_the_cache(name):
     hf_async_cb.release(model)
 
 
+def _one_image_prompts(name, texts, seed=1):
+    """A batch of `texts` ("{img}" where the image goes), each with the same image."""
+    fam = V.FAMILIES[name]
+    image = V.make_image(seed, fam.image_size or (48, 64))
+    images = [[image]] * len(texts) if fam.nested_images else [image] * len(texts)
+    out = dict(V._processor(name)(text=[t.replace("{img}", fam.image_marker) for t in texts], images=images,
+                                  padding=True, padding_side="left", return_tensors="pt", **fam.processor_kwargs))
+    out.pop("labels", None)
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("name, calls", [
+    ("paligemma2", [["{img}w1 w2 w3 w4 w5"], ["{img}w1 w2 w3 w4 w6"]]),  # the whole prompt one block
+    ("paligemma2", [["{img}w1 w2 w3 w4 w5", "{img}w1 w2 w3 w4 w6"]]),
+    ("paligemma2", [["{img}w1 w2 w3 w4"], ["{img}w1 w2 w3 w4"]]),
+    ("gemma3", [["w1 w2 {img}"], ["w1 w2 {img}"]]),  # the image's block ends the prompt
+    ("gemma3", [["w1 {img} w2 w3", "w1 {img} w2 w4"], ["w1 {img} w2 w3"]]),
+])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_a_cached_prefix_never_ends_inside_a_bidirectional_block(name, calls, page_size):
+    """A token of a bidirectional block sees the block's later tokens, so a page's K/V there depend on
+    tokens past the page: the cache gives a prefix only where it holds whole blocks (PaliGemma's
+    prompt, Gemma 3's image), and a chunk never starts inside a block. Stock's tokens, within a call
+    and across calls."""
+    model = _model(name)
+    hf_async_cb.release(model)
+    config = BatchingConfig(page_size=page_size)
+    for i, texts in enumerate(calls):
+        inputs = _one_image_prompts(name, texts)
+        assert torch.equal(_stock(model, inputs, batching=MODES[i % 2], batching_config=config), _stock(model, inputs))
+    hf_async_cb.release(model)
+
+
 def _image_token(model):
     config = model.config
     return getattr(config, "image_token_id", None) or getattr(config, "image_token_index")

@@ -142,6 +142,15 @@ class PromptEmbeds:
             return int(cuts[i - 1])
         return int(cuts[i]) if i < len(cuts) else len(self.visible)
 
+    def ends_cleanly(self, length: int) -> bool:
+        """Whether the prompt's first `length` tokens hold whole blocks only: none of them sees past
+        them, so their K/V do not depend on later tokens (a cached prefix may end there)."""
+        cuts = self._cuts
+        if cuts is None or length <= self.sees_ahead[0] or length >= len(self.visible):
+            return True
+        i = int(np.searchsorted(cuts, length))
+        return i < len(cuts) and int(cuts[i]) == length
+
     def slice(self, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor]:
         """The embedded positions in [start, stop) (relative to `start`) and their embeddings."""
         a, b = np.searchsorted(self.positions, (start, stop))

@@ -291,6 +291,9 @@ class Scheduler:
         tokens = req.token_ids(0, req.num_known_tokens)
         max_pages = (req.num_known_tokens - 1) // self.page_size
         found = cache.match(tokens, max_pages, req.embeds)
+        if req.embeds is not None:  # a bidirectional block's K/V depend on its later tokens: whole blocks only
+            while found and not req.embeds.ends_cleanly(len(found) * self.page_size):
+                found.pop()
         chain = [e.id for e in found]
         index = len(found)
         if index < max_pages:
