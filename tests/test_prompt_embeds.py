@@ -215,3 +215,32 @@ def test_a_content_key_does_not_depend_on_what_it_is_named_with():
     changed[4, 7] += 1e-6
     others = {content_keys([x])[0] for x in (changed, image.half(), image.reshape(8, 5), image[:4])}
     assert alone not in others and len(others) == 4
+
+
+def test_the_embeddings_check_runs_at_the_first_call_that_feeds_embeddings(monkeypatch):
+    """Its two forwards are not part of a text-only first call; a call with inputs_embeds checks
+    once, and an Engine about to serve checks before its loop holds the model."""
+    from hf_async_cb.model import prepared
+
+    checked = []
+    check = prepared.embeddings_refusal
+    monkeypatch.setattr(prepared, "embeddings_refusal", lambda model: checked.append(1) or check(model))
+    model = _model()
+    ids, mask = left_pad([[5, 6, 7], [8, 9]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    model.generate(ids, batching="sync", **kwargs)
+    assert checked == []
+    for _ in range(2):
+        got = model.generate(inputs_embeds=_embeds(model, ids), batching="async", **kwargs)
+        assert torch.equal(got, model.generate(inputs_embeds=_embeds(model, ids), **kwargs))
+    assert checked == [1]
+    hf_async_cb.release(model)
+    engine = Engine(model, BatchingConfig())
+    engine.start()
+    try:
+        assert checked == [1, 1]
+        handle = engine.add_request([5, 6, 7], max_new_tokens=2, embeds=PromptEmbeds(_embeds(model, ids)[0, 1:2], [1]))
+        assert len(handle.result(timeout=60).output_token_ids) == 2
+    finally:
+        engine.shutdown(timeout=60)
+        engine.close()

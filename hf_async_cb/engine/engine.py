@@ -21,7 +21,6 @@ from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.prefix_cache import PrefixCache
-from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
@@ -50,6 +49,7 @@ from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.prepared import PreparedModel, model_guard
 from hf_async_cb.model.vision import media_embeds
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class Engine:
         check_prompt(ids, params, self.prompt_limits)
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
-                                    self.prepared_model.embeddings_refusal, self.cache)
+                                    self.prepared_model.embeddings_refusal(), self.cache)
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                           history_prefix=[int(t) for t in history_prefix], on_token=on_token, embeds=embeds)
         self.scheduler.check_fits(request)
@@ -362,10 +362,9 @@ class Engine:
         self.tower_outputs.clear()
 
     def prefix_cache_stats(self) -> dict | None:
-        """Cached tokens hit, tokens prefilled, evictions, deferrals, clears, hit rate and pages held
-        by the cache, and the decode steps that read shared prefixes once per group with the keys
-        per layer that saved, the vision towers' images kept, taken and encoded
-        (model/vision_feature_cache.py); cumulative since the engine was built. None with prefix caching off."""
+        """Cached tokens hit, tokens prefilled, evictions, deferrals, clears, hit rate, pages held, decode
+        steps that read shared prefixes once per group and the keys per layer that saved, and the
+        towers' images kept, taken and encoded (cumulative). None with prefix caching off."""
         if self.prefix_cache is None:
             return None
         towers = self.tower_outputs
@@ -405,6 +404,8 @@ class Engine:
         if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
             self.runner.check_model_unchanged()
         self._check_prefix_cache()
+        if not model_guard(self.model).serving_elsewhere():  # (else refused below, by the loop's own message)
+            self.prepared_model.embeddings_refusal()  # checked now: the serving loop holds the model from here on
         background = BackgroundLoop(self, self._mode(mode))
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
@@ -442,7 +443,7 @@ class Engine:
         handle = RequestHandle(request)
         if media is not None:
             handle._before_admission = functools.partial(
-                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal, cache=self.cache,
+                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal(), cache=self.cache,
                 towers=self.tower_outputs)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
         self._background.submit(handle)

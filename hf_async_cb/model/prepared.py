@@ -120,6 +120,7 @@ class ModelGuard:
             self._serving = False
 
 
+_UNCHECKED = object()
 _GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.WeakKeyDictionary()
 _GUARDS_LOCK = threading.Lock()
 
@@ -196,7 +197,8 @@ class PreparedModel:
             checks = _compile_check_kernels(model, self.device)  # in workers, during the forwards below
         with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
             apply_masks(model)
-            self.embeddings_refusal = embeddings_refusal(model)  # None: prompt embeddings run exactly
+        self._model = weakref.ref(model)
+        self._embeddings_refusal: str | None | object = _UNCHECKED
         self.fusion: FusedProjections | None = None
         self.elementwise = None
         self.decode_gemms = None
@@ -225,6 +227,17 @@ class PreparedModel:
             self.restore()
             raise
         self.signature = signature(model)
+
+    def embeddings_refusal(self) -> str | None:
+        """Why prompt embeddings cannot run on the model, or None when they run exactly. Checked on
+        first use (two short forwards of the stock model, under its guard), not when the model is
+        prepared: most calls feed tokens alone, and a first call should not pay for it."""
+        if self._embeddings_refusal is _UNCHECKED:
+            model = self._model()
+            with model_guard(model).held("checking prompt embeddings"), uncompiled(model):
+                if self._embeddings_refusal is _UNCHECKED:  # (another thread may have checked meanwhile)
+                    self._embeddings_refusal = embeddings_refusal(model)
+        return self._embeddings_refusal
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether `model` is still what was prepared (same parameters, storages, dtype, config)."""
