@@ -131,6 +131,39 @@ def test_adapters_on_the_input_embeddings_are_exact(kind):
     _assert_exact(model, EVERY_RUN if kind != "lora+tokens" else UNFUSABLE_RUNS)
 
 
+_TUNERS = {  # PEFT's other weight tuners, each on some of the projections
+    "dora": lambda peft: _lora(use_dora=True),
+    "rslora+bias": lambda peft: _lora(use_rslora=True, lora_bias=True),
+    "ia3": lambda peft: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                       feedforward_modules=["down_proj"]),
+    "loha": lambda peft: peft.LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    "lokr": lambda peft: peft.LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "up_proj"]),
+    "adalora": lambda peft: peft.AdaLoraConfig(r=4, target_modules=["q_proj", "v_proj"], total_step=10),
+    "vera": lambda peft: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "oft": lambda peft: peft.OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj", "v_proj"]),
+    "boft": lambda peft: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"]),
+    "ln_tuning": lambda peft: peft.LNTuningConfig(target_modules=["input_layernorm", "post_attention_layernorm"]),
+    "adaption_prompt": lambda peft: peft.AdaptionPromptConfig(adapter_len=4, adapter_layers=2, task_type="CAUSAL_LM"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_TUNERS))
+def test_other_peft_tuners_are_exact(kind):
+    """PEFT's other tuners run their own layers' forward (AdaptionPrompt wraps the attention modules
+    and attends to its own prompt beside the cache), with adapter weights that change the tokens."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    base = _llama()
+    base_tokens = _greedy(base, "off")
+    torch.manual_seed(6)
+    model = peft.get_peft_model(base, _TUNERS[kind](peft)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # (many start as the identity; AdaptionPrompt's gate at 0)
+                p.add_(torch.randn_like(p))
+    assert not torch.equal(_greedy(model, "off"), base_tokens)
+    _assert_exact(model, EVERY_RUN)
+
+
 def test_qlora_on_bitsandbytes_4bit_is_exact(saved_llama):
     peft = pytest.importorskip("peft", reason="peft is not installed")
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
@@ -143,15 +176,24 @@ def test_qlora_on_bitsandbytes_4bit_is_exact(saved_llama):
 
 
 def test_a_mixed_adapter_batch_is_refused():
-    """adapter_names= (one adapter per row) rides on forward hooks that index the batch's rows, which
-    the engine packs into one: refused, before any tokens, naming the hooks."""
+    """adapter_names= (one adapter per row), Poly's task_ids= ride on forward pre-hooks that index the
+    batch's rows, which the engine packs into one: refused, before any tokens, naming the hooks."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     model = peft.get_peft_model(_llama(), _lora())
     model.add_adapter("other", _lora(r=2))
     model.eval()
     for mode in MODES:
-        with pytest.raises(ValueError, match=r"adapter_names.*forward hooks"):
+        with pytest.raises(ValueError, match=r"adapter_names.*forward pre-hooks of PEFT's lora"):
             _greedy(model, mode, adapter_names=["default", "other", "default", "other"])
+    torch.manual_seed(5)
+    poly = peft.get_peft_model(_llama(), peft.PolyConfig(target_modules=["q_proj", "v_proj"], n_tasks=3, n_skills=2,
+                                                         r=4, task_type="CAUSAL_LM")).eval()
+    for rows in (1, 4):  # (Poly's task ids per row: one row crashed the parity probe, four its K/V measurement)
+        ids, mask = left_pad(random_prompts(rows, 5, 12, seed=3))
+        for mode in MODES:
+            with pytest.raises(ValueError, match=r"task_ids.*forward pre-hooks of PEFT's poly"):
+                poly.generate(input_ids=ids, attention_mask=mask, task_ids=torch.arange(rows) % 3, max_new_tokens=3,
+                              do_sample=False, pad_token_id=0, batching=mode)
 
 
 def _prompt_learning(method):

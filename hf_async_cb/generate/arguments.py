@@ -15,6 +15,7 @@ import torch
 
 from hf_async_cb.generate.cache_options import check_cache_implementation
 from hf_async_cb.generate.media import media_inputs
+from hf_async_cb.generate.peft_routing import check_no_row_routing
 from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class GenerateCall:
 def parse_call(model, mode: str, generation_config, arguments: dict) -> GenerateCall:
     """Check the call and read it; raise ValueError for anything the engine does not run."""
     virtual = check_inputs_not_rewritten(model, mode)  # PEFT prompt learning
+    check_no_row_routing(model, mode)  # PEFT's adapter_names=, task_ids=, ...
     for name in _UNSUPPORTED_ARGUMENTS:
         if arguments.get(name) is not None:
             raise ValueError(f"generate(batching={mode!r}) does not support `{name}` yet; drop it or use batching='off'.")
