@@ -178,6 +178,20 @@ def test_a_cached_prefix_never_ends_inside_a_bidirectional_block(name, calls, pa
     hf_async_cb.release(model)
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_copies_never_share_a_page_inside_a_bidirectional_block(prefix_caching):
+    """num_return_sequences copies take their leader's prompt pages: not where the page ends inside a
+    block (PaliGemma's prompt), whose last tokens, fed alone, would not see the whole block."""
+    model = _model("paligemma2")
+    hf_async_cb.release(model)
+    inputs = _one_image_prompts("paligemma2", ["{img}" + " ".join(f"w{i}" for i in range(1, 17))])  # 33 tokens
+    kwargs = dict(max_new_tokens=NEW, do_sample=True, top_k=1, num_return_sequences=3)  # (top-k 1: stock's tokens)
+    expected = model.generate(**inputs, **kwargs)
+    got = model.generate(**inputs, **kwargs, batching="sync", batching_config=BatchingConfig(prefix_caching=prefix_caching))
+    assert torch.equal(got, expected)
+    hf_async_cb.release(model)
+
+
 def _image_token(model):
     config = model.config
     return getattr(config, "image_token_id", None) or getattr(config, "image_token_index")

@@ -251,8 +251,12 @@ class Scheduler:
     # -- prompt sharing (num_return_sequences) --------------------------------------------------
     def _shared_length(self, req: Request) -> int:
         """Tokens of the prompt a copy can take from its leader: its full pages, the last token excluded
-        (each copy feeds that one itself, to sample its own first token)."""
-        return (len(req.prompt_token_ids) - 1) // self.page_size * self.page_size
+        (each copy feeds that one itself, to sample its own first token), and never ending inside a
+        bidirectional block (its tokens see the block's later ones: the copy computes the block)."""
+        length = (len(req.prompt_token_ids) - 1) // self.page_size * self.page_size
+        while length and req.embeds is not None and not req.embeds.ends_cleanly(length):
+            length -= self.page_size
+        return length
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = req.share_from
