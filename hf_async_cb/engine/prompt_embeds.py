@@ -95,17 +95,18 @@ class PromptEmbeds:
         self._salt = next(_SALTS)
         self._rope_digest = None
         self._rope_from = 0  # the first position whose rotary rows are not the plain position
-        self.sees_ahead = (0, 0)  # the span of prompt positions that see past themselves
+        self.sees_ahead = (0, 0)  # the span of prompt positions in blocks (seeing past themselves, or seen)
         self.visible_from: np.ndarray | None = None
         self._cuts: np.ndarray | None = None  # chunk ends that leave no token seeing past them
         if self.visible is not None:
             self.visible = np.asarray(self.visible, dtype=np.int64)
-            ahead = np.flatnonzero(self.visible > np.arange(len(self.visible)))
-            if len(ahead):
-                self.sees_ahead = (int(ahead[0]), int(ahead[-1]) + 1)
-                seen = np.maximum.accumulate(self.visible)  # seen[i]: the furthest any token <= i sees
-                self._cuts = np.flatnonzero(seen < np.arange(len(seen)) + 1) + 1  # ends e with seen[e-1] < e
+            here = np.arange(len(self.visible))
+            if (self.visible > here).any():
                 self.visible_from = block_starts(self.visible)
+                blocks = np.flatnonzero((self.visible > here) | (self.visible_from < here))
+                self.sees_ahead = (int(blocks[0]), int(blocks[-1]) + 1)
+                seen = np.maximum.accumulate(self.visible)  # seen[i]: the furthest any token <= i sees
+                self._cuts = np.flatnonzero(seen < here + 1) + 1  # ends e with seen[e-1] < e
             else:
                 self.visible = None
         if self.rope is not None:
