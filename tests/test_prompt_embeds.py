@@ -176,10 +176,11 @@ def test_chunks_never_end_inside_a_bidirectional_block():
     visible = np.arange(12)
     visible[3:7], visible[9:11] = 6, 10
     e = PromptEmbeds(torch.zeros(4, 2), [3, 4, 5, 6], visible=visible)
-    assert e.sees_ahead == (3, 10) and e.visible_from[3:7].tolist() == [3] * 4 and e.visible_from[7] == 7
+    assert e.sees_ahead == (3, 11) and e.visible_from[3:7].tolist() == [3] * 4 and e.visible_from[7] == 7
     ends = {(0, 5): 3, (0, 3): 3, (0, 7): 7, (4, 5): 7, (0, 10): 9, (8, 10): 9, (0, 12): 12, (10, 11): 11}
     assert {k: e.chunk_end(*k) for k in ends} == ends
     assert e.feeds(7, 10) and not e.feeds(11, 12)  # (the second block sees ahead too: an eager chunk)
+    assert e.feeds(10, 11)  # (a block's last token alone still sees its whole block, whatever the window)
 
 
 @pytest.mark.parametrize("mode", MODES)
