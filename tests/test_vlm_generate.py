@@ -408,3 +408,25 @@ def test_the_merge_cost_benchmark_runs_on_the_cpu(tmp_path):
     assert len(report["merge_ms"]) == 2 and all(ms > 0 for ms in report["merge_ms"])
     assert "media_embeds" in report["profile"]
     assert engine_module.media_embeds is real
+
+
+@pytest.mark.parametrize("name", ["gemma3", "paligemma2", "llava"])
+def test_inputs_embeds_run_where_stock_takes_them_and_are_refused_where_it_does_not(name):
+    """Gemma 3's and PaliGemma's generate take no inputs_embeds (their masks come from the ids):
+    stock refuses them, and so does the engine, by name; LLaVA's run, with stock's tokens."""
+    model = _model(name)
+    inputs = V.build_inputs(name, "one_each")
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(inputs["input_ids"])
+    kwargs = dict(inputs_embeds=embeds, attention_mask=inputs["attention_mask"], max_new_tokens=NEW, do_sample=False)
+    try:
+        expected = model.generate(**kwargs)
+    except ValueError:
+        for mode in MODES:
+            with pytest.raises(ValueError, match="takes no inputs_embeds in generate"):
+                model.generate(**kwargs, batching=mode)
+        assert name != "llava"
+        return
+    for mode in MODES:
+        assert torch.equal(model.generate(**kwargs, batching=mode), expected)
+    hf_async_cb.release(model)

@@ -7,6 +7,7 @@ into prompts: everything the engine needs, in one GenerateCall.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
                          "inputs_embeds ([batch, length, hidden]).")
     embeds_only = inputs is None
     if embeds is not None:
-        inputs = check_inputs_embeds(embeds, inputs)
+        inputs = check_inputs_embeds(embeds, inputs, model)
     tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     media = media_inputs(model, model_kwargs, mode)  # a vision-language model's images and their kin
@@ -188,9 +189,14 @@ def _whole(name: str, value):
     raise ValueError(f"{name} must be an integer, got {value!r}.")
 
 
-def check_inputs_embeds(embeds, input_ids) -> torch.Tensor:
-    """Check inputs_embeds ([batch, length, hidden], floating point, matching input_ids when given);
-    returns the token ids of the prompts: input_ids, or placeholders (0) for a call without them."""
+def check_inputs_embeds(embeds, input_ids, model) -> torch.Tensor:
+    """Check inputs_embeds ([batch, length, hidden], floating point, matching input_ids when given,
+    a model whose generate takes them); returns the token ids of the prompts: input_ids, or
+    placeholders (0) for a call without them."""
+    if "inputs_embeds" not in inspect.signature(model.prepare_inputs_for_generation).parameters:
+        # (stock refuses them alike: such a model, e.g. Gemma 3's or PaliGemma's, builds its masks from ids)
+        raise ValueError(f"{type(model).__name__} takes no inputs_embeds in generate: its "
+                         "prepare_inputs_for_generation does not forward them (stock generate refuses them too).")
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or not embeds.dtype.is_floating_point:
         what = f"{embeds.dtype} tensor of shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) \
             else type(embeds).__name__
