@@ -194,6 +194,26 @@ def test_online_requests_arriving_later_reuse_the_prefix(mode):
     assert engine.prefix_cache_stats()["hit_tokens"] >= 2 * 40
 
 
+@modes
+def test_weights_written_in_place_while_a_loop_serves_are_never_served_stale(mode):
+    """An optimizer step between rollouts while the background loop serves (idle or not): the next
+    requests take no page of the old weights' K/V."""
+    model, oracle = fresh_model(seed=3), fresh_model(seed=3)  # (stock cannot run the served model meanwhile)
+    prompt = shared_prompts(groups=1, rows=1, prefix=40, own=3, seed=15)[0]
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=4))
+    engine.start()
+    try:
+        for _ in range(2):
+            got = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=(2,)).result(timeout=60)
+            assert got.output_token_ids == expected(oracle, [prompt], 6)[0]
+            with torch.no_grad():
+                for m in (model, oracle):  # (the served one under the loop: it serves on)
+                    m.model.layers[0].self_attn.k_proj.weight.mul_(-1.0)
+    finally:
+        engine.shutdown()
+    assert engine.prefix_cache_stats()["clears"] >= 1
+
+
 def test_peft_adapter_switch_empties_the_cache():
     peft = pytest.importorskip("peft")
     model = fresh_model("llama", seed=15)

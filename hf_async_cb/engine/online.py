@@ -35,7 +35,9 @@ from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, Re
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.errors import explain_out_of_memory
+from hf_async_cb.model.kv_fingerprint import WeightVersions
 from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
 
@@ -209,11 +211,12 @@ class _Worker:
     so that an engine dropped without shutdown() can be collected; its finalizer then stops this."""
 
     def __init__(self, pipeline: Pipeline, scheduler: Scheduler, runner: ModelRunner,
-                 config: BatchingConfig) -> None:
+                 config: BatchingConfig, tower_outputs: TowerOutputCache) -> None:
         self.pipeline = pipeline
         self.scheduler = scheduler
         self.runner = runner
         self.config = config
+        self.tower_outputs = tower_outputs
         self.intake: queue.Queue[RequestHandle] = queue.Queue()
         self.active: dict[int, RequestHandle] = {}
         self.aborts: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()  # asked by abort(), not yet applied
@@ -259,8 +262,17 @@ class _Worker:
         with self.runner.prepared("the background loop", serving=True):
             if self.stopping:  # asked to stop before it held the model: it must not serve then
                 model_guard(self.runner.model).stop_serving(self.thread_id)
+            weights = WeightVersions(self.runner.model) if scheduler.prefix_cache is not None else None
+            seen = weights.read() if weights is not None else None
             while True:
-                self._admit()
+                if self._admit() and weights is not None:
+                    # Weights written in place since (an optimizer step between rollouts): the new
+                    # requests must not take pages of the old weights' K/V, nor tower outputs.
+                    now = weights.read()
+                    if now is None or now != seen:
+                        scheduler.clear_prefix_cache()
+                        self.tower_outputs.clear()
+                        seen = now
                 self._apply_aborts(cancel_all=self.cancel)
                 busy = scheduler.has_work or bool(pipeline.in_flight)
                 if not busy:
@@ -280,12 +292,15 @@ class _Worker:
                     if handle is not None:
                         handle._finish(req.error)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Take the submitted requests in; whether there were any."""
+        taken = False
         while True:
             try:
                 handle = self.intake.get_nowait()
             except queue.Empty:
-                return
+                return taken
+            taken = True
             self.active[id(handle.request)] = handle
             try:
                 if handle._before_admission is not None:  # its images merged (Engine.add_request(media=...))
@@ -381,7 +396,7 @@ class BackgroundLoop:
         # No reference to the engine (it holds this): an engine dropped without shutdown() is then
         # collected at once, and its finalizer below stops the loop.
         self.pipeline = engine.pipeline(mode)
-        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config)
+        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs)
         self.thread = threading.Thread(target=self._worker.run, name="hf_async_cb-loop", daemon=True)
         # The engine collected while the loop runs: cancel what it holds and end the thread.
         self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)

@@ -34,10 +34,28 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
 
 
 def _adapter_state(model: torch.nn.Module) -> tuple:
-    state = []
-    for module in model.modules():
-        attrs = module.__dict__
-        if "_active_adapter" in attrs:  # a PEFT tuner layer
-            state.append((id(module), str(attrs["_active_adapter"]), attrs.get("_disable_adapters"),
-                          tuple(attrs.get("merged_adapters", ()))))
-    return tuple(state)
+    return _states(m for m in model.modules() if "_active_adapter" in m.__dict__)  # (PEFT tuner layers)
+
+
+def _states(adapters) -> tuple:
+    return tuple((id(m), str(m.__dict__["_active_adapter"]), m.__dict__.get("_disable_adapters"),
+                  tuple(m.__dict__.get("merged_adapters", ()))) for m in adapters)
+
+
+class WeightVersions:
+    """The weights' version counters and the adapter layers' states of a model whose modules stay
+    as they are (a serving loop's): the tensors and adapter layers listed once, so that a read costs
+    one attribute per tensor (about 25 us for an 8B model), cheap enough for every admission. Views
+    share their base's counter, so writes through the user's parameters are seen while fused
+    modules are attached. None: inference tensors, which keep no counter."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._tensors = [*model.parameters(), *model.buffers()]
+        self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
+
+    def read(self) -> tuple | None:
+        try:
+            versions = sum(t._version for t in self._tensors)
+        except RuntimeError:
+            return None
+        return versions, _states(self._adapters)
