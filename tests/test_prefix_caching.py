@@ -123,6 +123,50 @@ def test_weights_written_in_place_are_never_served_stale(mode, update):
     hf_async_cb.release(model)
 
 
+class _Scaled(torch.nn.Module):
+    """A parametrization whose factor is a plain attribute."""
+
+    factor = 1.0
+
+    def forward(self, weight):
+        return weight * self.factor
+
+
+@pytest.mark.parametrize("change", ["lora scaling", "steering hook", "parametrization"])
+def test_what_changes_outputs_beside_the_weights_is_never_served_stale(change):
+    """Between calls, a change no weight's version counter sees: a LoRA layer's scaling (PEFT's
+    rescale_adapter_scale), a tensor a forward hook adds (activation steering), a parametrization's
+    attribute. The next call's tokens are stock's for the model as it is now."""
+    import torch.nn.utils.parametrize as parametrize
+
+    model = fresh_model("llama", seed=16)
+    layer = model.model.layers[0]
+    steer = torch.zeros(model.config.hidden_size)
+    if change == "lora scaling":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"],
+                                                          init_lora_weights=False)).eval()
+    elif change == "steering hook":
+        layer.register_forward_hook(lambda module, args, out: (out[0] + steer,) + tuple(out[1:])
+                                    if isinstance(out, tuple) else out + steer)
+    else:
+        parametrize.register_parametrization(layer.self_attn.k_proj, "weight", _Scaled())
+    prompts = shared_prompts(groups=1, rows=2, prefix=32, own=4, seed=9)
+    for call in range(2):
+        if call:
+            if change == "lora scaling":
+                for module in model.modules():
+                    if isinstance(getattr(module, "scaling", None), dict):
+                        module.scaling["default"] *= 3
+            elif change == "steering hook":
+                steer.add_(3.0)  # (in place: the hook's own tensor)
+            else:
+                layer.self_attn.k_proj.parametrizations.weight[0].factor = -2.0
+        want = expected(model, prompts, 6)
+        assert generate_rows(model, prompts, 6, "sync") == want, f"call {call}"
+    hf_async_cb.release(model)
+
+
 def test_weights_written_through_data_need_a_clear():
     """`.data` writes bump no version counter: clear_prefix_cache() is the documented remedy."""
     model = fresh_model("llama", seed=13)

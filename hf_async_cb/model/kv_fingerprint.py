@@ -8,9 +8,13 @@ compute. A call compares this fingerprint with the last one and empties the cach
   attribute per tensor). Writes through `.data` bump nothing: `clear_prefix_cache()` is for those;
 - the storages (a reassigned `.data`, `.to()`); the runtime rebuilds on those anyway;
 - each adapter layer's state (PEFT: the active adapters, disabled, merged), which switches without
-  touching a weight.
+  touching a weight;
+- every module's own settings, as the parity verdict's key reads them (model/numerics_key.py): a
+  LoRA layer's scaling (PEFT's `rescale_adapter_scale`, `set_scale`), a parametrization's or a
+  custom module's attributes (a few ms for an 8B model).
 
-Tensors made under `torch.inference_mode()` keep no version counter: for such a model the
+Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
+user's may hold anything (a steering vector changed in place between calls): for such a model the
 fingerprint is None, "unknown", and the cache lives for one call only.
 """
 
@@ -18,19 +22,34 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.fusion import user_hooks
+from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.weight_kinds import storage_key
 
 
 def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     """A value that changes whenever the K/V `model` computes for given tokens may have; None when
-    that cannot be told (inference tensors)."""
+    that cannot be told (inference tensors, forward hooks of the user's)."""
+    if any(map(_hooked, model.modules())):
+        return None
     try:
         tensors = [*model.parameters(), *model.buffers()]
         versions = sum(t._version for t in tensors)
+        settings = hash(numerics_key(model))
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
+    except Exception:  # noqa: BLE001 - settings it cannot read: unknown
+        return None
     storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
-    return versions, hash(storages), _adapter_state(model)
+    return versions, hash(storages), _adapter_state(model), settings
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether the module runs forward hooks of the user's (those that only mark outputs as needing
+    gradients, for gradient checkpointing with frozen embeddings, change no value)."""
+    keys = user_hooks(module)
+    hooks = (module._forward_hooks, module._forward_pre_hooks)
+    return any(getattr(hooks[i][k], "__name__", "") != "make_inputs_require_grad" for i in (0, 1) for k in keys[i])
 
 
 def _adapter_state(model: torch.nn.Module) -> tuple:
