@@ -123,6 +123,25 @@ def test_weights_written_in_place_are_never_served_stale(mode, update):
     hf_async_cb.release(model)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_weight_replaced_while_a_loop_serves_is_refused(prefix_caching):
+    """A new nn.Parameter (or load_state_dict(assign=True)) while the loop serves: the engine no
+    longer runs the model it was built on; the next requests fail with what to do, never with
+    pages of the old weights' K/V."""
+    model = fresh_model(seed=4)
+    prompt = shared_prompts(groups=1, rows=1, prefix=40, own=3, seed=16)[0]
+    engine = Engine(model, BatchingConfig(mode="sync", page_size=4, prefix_caching=prefix_caching))
+    engine.start()
+    try:
+        engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(2,)).result(timeout=60)
+        proj = model.model.layers[0].self_attn.k_proj
+        proj.weight = torch.nn.Parameter(-proj.weight.detach().clone())
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(2,)).result(timeout=60)
+    finally:
+        engine.shutdown()
+
+
 class _Scaled(torch.nn.Module):
     """A parametrization whose factor is a plain attribute."""
 

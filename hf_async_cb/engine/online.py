@@ -262,14 +262,17 @@ class _Worker:
         with self.runner.prepared("the background loop", serving=True):
             if self.stopping:  # asked to stop before it held the model: it must not serve then
                 model_guard(self.runner.model).stop_serving(self.thread_id)
-            weights = WeightVersions(self.runner.model) if scheduler.prefix_cache is not None else None
-            seen = weights.read() if weights is not None else None
+            weights = WeightVersions(self.runner.model)
+            caching = scheduler.prefix_cache is not None
+            seen = weights.read() if caching else None
             while True:
-                if self._admit() and weights is not None:
+                if self._admit():
+                    if weights.replaced():  # a weight given another tensor: refused, with what to do, to every caller
+                        self.runner.check_model_unchanged()
                     # Weights written in place since (an optimizer step between rollouts): the new
                     # requests must not take pages of the old weights' K/V, nor tower outputs.
-                    now = weights.read()
-                    if now is None or now != seen:
+                    now = weights.read() if caching else None
+                    if caching and (now is None or now != seen):
                         scheduler.clear_prefix_cache()
                         self.tower_outputs.clear()
                         seen = now

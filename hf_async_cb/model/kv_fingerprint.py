@@ -71,6 +71,13 @@ class WeightVersions:
     def __init__(self, model: torch.nn.Module) -> None:
         self._tensors = [*model.parameters(), *model.buffers()]
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
+        self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
+                       for name, t in table.items() if t is not None]
+
+    def replaced(self) -> bool:
+        """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
+        `load_state_dict(..., assign=True)`): a model this loop can no longer run as it was built."""
+        return any(table.get(name) is not t for table, name, t in self._slots)
 
     def read(self) -> tuple | None:
         try:
