@@ -142,6 +142,55 @@ def test_a_weight_replaced_while_a_loop_serves_is_refused(prefix_caching):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("change", ["lora scaling", "steering hook"])
+def test_what_changes_outputs_while_a_loop_serves_is_never_served_stale(change):
+    """While the loop serves: a LoRA layer's scaling set (PEFT's set_scale), a tensor a forward hook
+    adds changed in place. The next request's tokens are stock's for the model as it is now."""
+    peft = pytest.importorskip("peft")
+    model, oracle = fresh_model(seed=5), fresh_model(seed=5)
+    steer = {id(model): torch.zeros(model.config.hidden_size), id(oracle): torch.zeros(model.config.hidden_size)}
+    if change == "lora scaling":
+        config = dict(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"], init_lora_weights=False)
+        torch.manual_seed(7)
+        model = peft.get_peft_model(model, peft.LoraConfig(**config)).eval()
+        torch.manual_seed(7)
+        oracle = peft.get_peft_model(oracle, peft.LoraConfig(**config)).eval()
+    else:
+        for m in (model, oracle):
+            vector = steer[id(m)]
+            m.model.layers[0].register_forward_hook(
+                lambda module, args, out, vector=vector: (out[0] + vector,) + tuple(out[1:])
+                if isinstance(out, tuple) else out + vector)
+    prompt = shared_prompts(groups=1, rows=1, prefix=40, own=3, seed=17)[0]
+    served = model.get_base_model() if hasattr(model, "get_base_model") else model  # (an Engine takes the model)
+    engine = Engine(served, BatchingConfig(mode="sync", page_size=4))
+    engine.start()
+    try:
+        for _ in range(2):
+            got = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=(2,)).result(timeout=60)
+            assert got.output_token_ids == expected(oracle, [prompt], 6)[0]
+            for m in (model, oracle):
+                if change == "lora scaling":
+                    for module in m.modules():
+                        if isinstance(getattr(module, "scaling", None), dict):
+                            module.scaling["default"] *= 3
+                else:
+                    for vector in steer.values():
+                        vector.add_(1.5)
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_made_under_inference_mode_runs_and_caches_within_a_call():
+    """Inference tensors keep no version counter: the parity check and the cache do without."""
+    with torch.inference_mode():
+        model = fresh_model(seed=6)
+    prompts = shared_prompts(groups=1, rows=3, prefix=32, own=4, seed=10)
+    for _ in range(2):
+        assert generate_rows(model, prompts, 6, "sync") == expected(model, prompts, 6)
+    hf_async_cb.release(model)
+
+
 class _Scaled(torch.nn.Module):
     """A parametrization whose factor is a plain attribute."""
 

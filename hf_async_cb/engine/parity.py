@@ -131,9 +131,13 @@ def _uncompiled_held(model: torch.nn.Module):
         yield
 
 
-def _versions(model: torch.nn.Module) -> list[int]:
-    """The parameters' version counters: an in-place update (an optimizer step) bumps them."""
-    return [p._version for p in model.parameters()]
+def _versions(model: torch.nn.Module) -> list[int] | None:
+    """The parameters' version counters: an in-place update (an optimizer step) bumps them (None:
+    inference tensors keep none)."""
+    try:
+        return [p._version for p in model.parameters()]
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 @contextlib.contextmanager

@@ -57,22 +57,30 @@ def _adapter_state(model: torch.nn.Module) -> tuple:
 
 
 def _states(adapters) -> tuple:
+    """Each adapter layer's active, disabled and merged adapters, and its scaling (LoRA's)."""
     return tuple((id(m), str(m.__dict__["_active_adapter"]), m.__dict__.get("_disable_adapters"),
-                  tuple(m.__dict__.get("merged_adapters", ()))) for m in adapters)
+                  tuple(m.__dict__.get("merged_adapters", ())), _scaling(m.__dict__.get("scaling")))
+                 for m in adapters)
+
+
+def _scaling(scaling) -> tuple | None:
+    return tuple(sorted((str(k), float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else None
 
 
 class WeightVersions:
-    """The weights' version counters and the adapter layers' states of a model whose modules stay
-    as they are (a serving loop's): the tensors and adapter layers listed once, so that a read costs
-    one attribute per tensor (about 25 us for an 8B model), cheap enough for every admission. Views
-    share their base's counter, so writes through the user's parameters are seen while fused
-    modules are attached. None: inference tensors, which keep no counter."""
+    """The weights' version counters and the adapter layers' states (scaling included) of a model
+    whose modules stay as they are (a serving loop's): the tensors and adapter layers listed once, so
+    that a read costs one attribute per tensor (about 25 us for an 8B model), cheap enough for every
+    admission. Views share their base's counter, so writes through the user's parameters are seen
+    while fused modules are attached. None: inference tensors, which keep no counter, and forward
+    hooks of the user's. Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._tensors = [*model.parameters(), *model.buffers()]
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
+        self._hooked = any(map(_hooked, model.modules()))  # (hooks added later change the model: refused)
 
     def replaced(self) -> bool:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
@@ -80,6 +88,8 @@ class WeightVersions:
         return any(table.get(name) is not t for table, name, t in self._slots)
 
     def read(self) -> tuple | None:
+        if self._hooked:  # forward hooks of the user's may hold anything: unknown
+            return None
         try:
             versions = sum(t._version for t in self._tensors)
         except RuntimeError:
