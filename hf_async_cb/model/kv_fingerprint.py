@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_async_cb.model.fusion import user_hooks
+from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.weight_kinds import storage_key
 
@@ -30,7 +30,7 @@ from hf_async_cb.model.weight_kinds import storage_key
 def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     """A value that changes whenever the K/V `model` computes for given tokens may have; None when
     that cannot be told (inference tensors, forward hooks of the user's)."""
-    if any(map(_hooked, model.modules())):
+    if any(global_hooks()) or any(map(_hooked, model.modules())):
         return None
     try:
         tensors = [*model.parameters(), *model.buffers()]
@@ -80,7 +80,7 @@ class WeightVersions:
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
-        self._hooked = any(map(_hooked, model.modules()))  # (hooks added later change the model: refused)
+        self._hooked = any(global_hooks()) or any(map(_hooked, model.modules()))  # (added later: refused)
 
     def replaced(self) -> bool:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
