@@ -175,8 +175,9 @@ def test_what_changes_outputs_while_a_loop_serves_is_never_served_stale(change):
                         if isinstance(getattr(module, "scaling", None), dict):
                             module.scaling["default"] *= 3
                 else:
+                    delta = 3 * torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(8))
                     for vector in steer.values():
-                        vector.add_(1.5)
+                        vector.add_(delta)
     finally:
         engine.shutdown()
 
