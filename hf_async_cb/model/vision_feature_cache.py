@@ -53,6 +53,8 @@ class TowerOutputCache:
     def check(self, model: torch.nn.Module) -> None:
         """Before a merge: empty the cache if the model may compute other outputs than when it was
         filled (or when that cannot be told: inference tensors keep no version counter)."""
+        if not self.max_bytes:  # (off: nothing to check)
+            return
         fingerprint = kv_fingerprint(model)
         if fingerprint is None or fingerprint != self._fingerprint:
             self.clear()
