@@ -223,18 +223,12 @@ ONCE = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwe
 EVERY_COPY = ("mistral3",)
 
 
-@pytest.mark.parametrize("name", ONCE + EVERY_COPY)
-@pytest.mark.parametrize("mode", MODES)
-def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
-    """Every row of the call twice, image included (a GRPO group of two): stock's tokens, and the
-    engine's merge hands the vision tower each distinct image once, where stock encodes every copy."""
+def _counting_tower(model, monkeypatch) -> list[int]:
+    """How many images each forward of the model's vision tower is given, from now on."""
     import functools
 
-    model = _model(name)
-    inputs = V.build_inputs(name, "one_each")
-    doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     tower = _outermost_tower(model)
-    seen = []
+    seen: list[int] = []
     forward = type(tower).forward
 
     @functools.wraps(forward)
@@ -243,6 +237,18 @@ def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(tower), "forward", counting)
+    return seen
+
+
+@pytest.mark.parametrize("name", ONCE + EVERY_COPY)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_repeated_image_is_encoded_once(name, mode, monkeypatch):
+    """Every row of the call twice, image included (a GRPO group of two): stock's tokens, and the
+    engine's merge hands the vision tower each distinct image once, where stock encodes every copy."""
+    model = _model(name)
+    inputs = V.build_inputs(name, "one_each")
+    doubled = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    seen = _counting_tower(model, monkeypatch)
     expected = _stock(model, doubled)
     (every,) = seen  # stock: every copy, in one call
     for call in range(2):
@@ -271,23 +277,6 @@ def test_a_group_of_one_prompt_and_image_gives_stock_tokens(name, mode):
     for _ in range(2):
         assert torch.equal(_stock(model, group, batching=mode), expected)
     hf_async_cb.release(model)
-
-
-def _counting_tower(model, monkeypatch) -> list[int]:
-    """How many images each forward of the model's vision tower is given, from now on."""
-    import functools
-
-    tower = _outermost_tower(model)
-    seen: list[int] = []
-    forward = type(tower).forward
-
-    @functools.wraps(forward)
-    def counting(self, *args, **kwargs):
-        seen.append(_images_in(forward, self, args, kwargs))
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(tower), "forward", counting)
-    return seen
 
 
 @pytest.mark.parametrize("name, mode", [(name, MODES[i % 2]) for i, name in enumerate(ONCE)])

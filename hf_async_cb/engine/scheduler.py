@@ -253,10 +253,14 @@ class Scheduler:
         """Tokens of the prompt a copy can take from its leader: its full pages, the last token excluded
         (each copy feeds that one itself, to sample its own first token), and never ending inside a
         bidirectional block (its tokens see the block's later ones: the copy computes the block)."""
-        length = (len(req.prompt_token_ids) - 1) // self.page_size * self.page_size
-        while length and req.embeds is not None and not req.embeds.ends_cleanly(length):
-            length -= self.page_size
-        return length
+        return self._whole_blocks(req, (len(req.prompt_token_ids) - 1) // self.page_size) * self.page_size
+
+    def _whole_blocks(self, req: Request, pages: int) -> int:
+        """The most of the prompt's first `pages` pages another request's K/V can stand for: up to a
+        page end that holds whole bidirectional blocks (a block's K/V depend on its later tokens)."""
+        while pages and req.embeds is not None and not req.embeds.ends_cleanly(pages * self.page_size):
+            pages -= 1
+        return pages
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = req.share_from
@@ -295,9 +299,7 @@ class Scheduler:
         tokens = req.token_ids(0, req.num_known_tokens)
         max_pages = (req.num_known_tokens - 1) // self.page_size
         found = cache.match(tokens, max_pages, req.embeds)
-        if req.embeds is not None:  # a bidirectional block's K/V depend on its later tokens: whole blocks only
-            while found and not req.embeds.ends_cleanly(len(found) * self.page_size):
-                found.pop()
+        found = found[:self._whole_blocks(req, len(found))]
         chain = [e.id for e in found]
         index = len(found)
         if index < max_pages:

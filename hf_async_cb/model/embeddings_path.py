@@ -17,21 +17,26 @@ from __future__ import annotations
 import torch
 
 
+def _embedding_and_bases(model: torch.nn.Module) -> tuple:
+    """The input embedding module, and the module a PEFT wrapper of it holds (None where none)."""
+    module = model.get_input_embeddings()
+    return module, getattr(module, "base_layer", None), getattr(module, "original_module", None)
+
+
 def input_embedding_weight(model: torch.nn.Module) -> torch.Tensor:
     """The [vocab, hidden] weight of the model's input embeddings, through a wrapper's base layer."""
-    module = model.get_input_embeddings()
-    for candidate in (module, getattr(module, "base_layer", None), getattr(module, "original_module", None)):
+    candidates = _embedding_and_bases(model)
+    for candidate in candidates:
         weight = getattr(candidate, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
             return weight
-    raise ValueError(f"{type(model).__name__}'s input embeddings ({type(module).__name__}) have no [vocab, hidden] "
-                     "weight the engine can read.")
+    raise ValueError(f"{type(model).__name__}'s input embeddings ({type(candidates[0]).__name__}) have no "
+                     "[vocab, hidden] weight the engine can read.")
 
 
 def input_vocab_size(model: torch.nn.Module) -> int:
     """The number of token ids the model's input embeddings take."""
-    module = model.get_input_embeddings()
-    for candidate in (module, getattr(module, "base_layer", None), getattr(module, "original_module", None)):
+    for candidate in _embedding_and_bases(model):
         count = getattr(candidate, "num_embeddings", None)
         if isinstance(count, int):
             return count
