@@ -160,7 +160,11 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
 
     engine = getattr(runtime._RUNTIMES.get(model), "engine", None)
     if engine is not None:  # how it ran: CUDA graphs, and the projections the int8 and HQQ 4-bit GEMMs took
-        row["cuda_graphs"] = engine.graphs is not None
+        graphs = engine.graphs
+        row["cuda_graphs"] = graphs is not None
+        if graphs is not None:  # (a capture that fails runs that shape eagerly: counted, not just enabled)
+            row.update(graphs_captured=graphs.num_captured, graph_replays=graphs.num_replays,
+                       graphs_failed=len(graphs.failed))
         gemms = engine.prepared_model.decode_gemms
         row["decode_gemms"] = gemms.summary() if gemms is not None else None
     hf_async_cb.release(model)

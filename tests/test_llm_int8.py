@@ -167,7 +167,10 @@ def int8_calls(monkeypatch):
     real_linear = llm_int8.llm_int8_linear
 
     def counted(x, weight, scb, threshold, bias=None, *, real=None):
-        calls.append((x.numel() // x.shape[-1], tuple(weight.shape), None if real is None else int(real.sum())))
+        # (inside a CUDA-graph capture the real rows cannot be read back: that would end the capture)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        calls.append((x.numel() // x.shape[-1], tuple(weight.shape),
+                      None if real is None else "captured" if capturing else int(real.sum())))
         return real_linear(x, weight, scb, threshold, bias, real=real)
 
     monkeypatch.setattr(llm_int8, "llm_int8_linear", counted)
@@ -249,8 +252,10 @@ def test_padded_graph_steps_count_only_their_real_rows(saved_llama, int8_calls):
     config = BatchingConfig(page_size=16, max_batch_tokens=64, skinny_gemm=True, cuda_graphs=True)
     got = model.generate(ids, attention_mask=mask, batching="sync", batching_config=config, max_new_tokens=5)
     assert torch.equal(got.cpu(), expected.cpu())
-    padded = [(rows, real) for rows, _, real in int8_calls if real is not None and real < rows]
-    assert (4, 3) in padded  # 3 decode rows in a bucket of 4 (prefill steps are padded to theirs too)
+    padded = [(rows, real) for rows, _, real in int8_calls if real is not None and (real == "captured" or real < rows)]
+    # 3 decode rows in a bucket of 4 (prefill steps are padded to theirs too); on CUDA that bucket's first
+    # step is captured, where the mask is passed but cannot be read back (the tokens above check it)
+    assert (4, 3) in padded or (DEVICE == "cuda" and (4, "captured") in padded)
 
 
 KERNELS = (llm_int8._int8_stats_kernel, llm_int8._int8_gemm_kernel, llm_int8._int8_finish_kernel)
