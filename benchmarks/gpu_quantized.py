@@ -156,6 +156,8 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
         timing.timed(lambda: model.generate(ids, batching="sync", **options), device, unseen=model)
         sync_s, sync = timing.timed(lambda: model.generate(ids, batching="sync", **options), device, unseen=model)
         row.update(sync_s=round(sync_s, 3), sync_rows_equal=int((stock == sync).all(dim=1).sum()))
+    if "kernels" in paths:  # where a step's device time goes: one more async call, profiled
+        row["kernels"] = top_kernels(lambda: model.generate(ids, batching="async", **options), device, new)
     from hf_async_cb.generate import runtime
 
     engine = getattr(runtime._RUNTIMES.get(model), "engine", None)
@@ -179,6 +181,28 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
     return row
 
 
+def top_kernels(call, device: torch.device, steps: int, top: int = 12) -> list[dict]:
+    """The `top` kernels by device time over one profiled `call` of about `steps` steps: name, calls
+    and microseconds per step (CUDA graph replays show their kernels too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = totals.setdefault(event.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(kernel=name, calls_per_step=round(n / steps, 1), us_per_step=round(us / steps, 1))
+            for name, (n, us) in ranked]
+
+
 def _first_difference(a: torch.Tensor, b: torch.Tensor):
     """The median position of the first differing new token over rows that differ (None: none)."""
     differ = (a != b)
@@ -197,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
-    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb (comma-separated)")
+    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, kernels (a profiled call: top kernels per step)")
     p.add_argument("--bnb-4bit-buckets", default=None,
                    help="rows buckets at which bitsandbytes' Linear4bit takes the codebook form (e.g. 2,4,8; "
                         "default: decode_gemm.BNB_4BIT_CUDA_BUCKETS)")
