@@ -19,6 +19,7 @@ from triton.runtime.jit import JITFunction
 
 import hf_async_cb
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model
+from hf_async_cb.tools.phases import PHASE_SECONDS, time_phases
 
 COMPILES: list[dict] = []
 _original = JITFunction._do_compile
@@ -36,58 +37,6 @@ def _timed_compile(self, key, signature, device, constexprs, options, attrs, war
 
 
 JITFunction._do_compile = _timed_compile
-
-# Where a first call's time goes: seconds inside each of these (module, attribute path), summed per
-# call (nested phases count in both). A name imported into another module is patched there too.
-PHASES = [
-    ("hf_async_cb.model.prepared", "PreparedModel.__init__"),
-    ("hf_async_cb.model.mask_semantics", "apply_masks"),
-    ("hf_async_cb.model.prepared", "apply_masks"),
-    ("hf_async_cb.model.prepared", "embeddings_refusal"),
-    ("hf_async_cb.model.prepared", "fuse_projections"),
-    ("hf_async_cb.model.elementwise_fusion", "fuse_elementwise"),
-    ("hf_async_cb.model.decode_gemm", "DecodeGemms.__init__"),
-    ("hf_async_cb.model.decode_gemm", "DecodeGemms.tune"),
-    ("hf_async_cb.engine.engine", "Engine._build"),
-    ("hf_async_cb.engine.engine", "measured_layout"),
-    ("hf_async_cb.engine.engine", "PagedKVCache"),
-    ("hf_async_cb.engine.engine", "precompile"),
-    ("hf_async_cb.kernels.precompile", "Precompile.wait"),
-    ("hf_async_cb.engine.engine", "check_parity"),
-    ("hf_async_cb.engine.parity", "_reference_logits"),  # the stock forward inside the parity check
-    ("hf_async_cb.engine.cuda_graphs", "_Graph._capture"),
-]
-PHASE_SECONDS: dict[str, float] = {}
-
-
-def _time_phases() -> None:
-    import functools
-    import importlib
-
-    for module_name, path in PHASES:
-        try:
-            owner = importlib.import_module(module_name)
-            *parents, attr = path.split(".")
-            for p in parents:
-                owner = getattr(owner, p)
-            original = getattr(owner, attr)
-        except (ImportError, AttributeError):
-            continue
-        label = path
-
-        def wrap(fn, label=label):
-            @functools.wraps(fn)
-            def timed(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    PHASE_SECONDS[label] = PHASE_SECONDS.get(label, 0.0) + time.perf_counter() - start
-            return timed
-        if isinstance(original, type):  # a class called by name: time its construction
-            continue
-        setattr(owner, attr, wrap(original))
-
 
 def cache_entries(folder: str) -> dict[str, list[dict]]:
     """Triton's disk cache, per kernel: each compiled entry's folder and metadata (what differs
@@ -156,7 +105,7 @@ def main() -> None:
                         help="rows:prompt:new:(s)ampled|(g)reedy, comma-separated")
     parser.add_argument("--json")
     args = parser.parse_args()
-    _time_phases()
+    time_phases()
     t0 = time.perf_counter()
     model = build_model(args.shape, torch.device("cuda"), torch.bfloat16)
     report = dict(shape=args.shape, build_s=round(time.perf_counter() - t0, 2), calls=[])

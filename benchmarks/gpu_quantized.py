@@ -11,6 +11,8 @@ timed call on prompts it has not cached), the rows whose tokens equal stock's, a
 the bandwidth floor: the quantized weights' bytes as stored (inner tensors of subclasses, scales and
 zero points included) plus the K/V a step reads, at the measured copy bandwidth. Each form's row is
 written to --json as soon as it is done; forms left when --budget seconds have passed are skipped.
+Each row also says where ours' first call went (`first_call_phases`: hf_async_cb/tools/phases.py) and,
+with `--paths kernels`, the top kernels per step of one more profiled call.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 import hf_async_cb
 from hf_async_cb.model.weight_kinds import is_plain
-from hf_async_cb.tools import timing
+from hf_async_cb.tools import phases, timing
 from hf_async_cb.tools.bench import SHAPES, _prompts, build_model, copy_bandwidth, run_path
 
 
@@ -144,7 +146,9 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
     stock_s, stock = timing.timed(lambda: model.generate(ids, batching="off", **options), device)
     row["stock_s"] = round(stock_s, 3)
     print(f"  {name}: stock {stock_s:.2f} s", flush=True)
+    phases.taken()
     first_s, _ = timing.timed(lambda: model.generate(ids, batching="async", **options), device)
+    row["first_call_phases"] = phases.taken()  # (where the first call's time went: tools/phases.py)
     ours_s, ours = timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
     tokens = len(prompts) * new
     row.update(first_call_s=round(first_s, 2), async_s=round(ours_s, 3), speedup=round(stock_s / ours_s, 2),
@@ -238,6 +242,7 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     device = torch.device(args.device)
+    phases.time_phases()
     bandwidth = copy_bandwidth(device)
     names = args.forms.split(",")
     constructors = {}

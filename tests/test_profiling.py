@@ -42,3 +42,33 @@ def test_profiling_is_off_by_default():
     engine = Engine(tiny_model("llama"), BatchingConfig(mode="async"))
     engine.generate([[5, 6, 7]], max_new_tokens=3)
     assert engine.last_profile is None and engine.pipeline("async").profile is None
+
+
+def test_first_call_phases_name_the_parity_check_and_every_phase_exists():
+    """tools/phases.py: every phase it wraps still exists under its name (a rename would silently drop
+    it from the first-call reports), and a runtime's first call reports its preparation and the parity
+    check (whose stock forward runs only where no verdict for the model's kind is kept yet)."""
+    import importlib
+
+    from hf_async_cb.tools import phases
+
+    for module_name, path in phases.PHASES:
+        owner = importlib.import_module(module_name)
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        assert callable(owner), (module_name, path)
+    phases.time_phases()
+    phases.taken()
+    model = tiny_model("llama")
+    import hf_async_cb
+
+    hf_async_cb.release(model)
+    ids = random_prompts(2, 4, 4, seed=3)
+    import torch
+
+    model.generate(torch.tensor(ids), attention_mask=torch.ones(2, 4, dtype=torch.long), max_new_tokens=3,
+                   batching="sync", pad_token_id=0)
+    report = phases.taken()
+    assert report["PreparedModel.__init__"] > 0 and report["Engine._build"] > 0
+    assert 0 < report.get("_reference_logits", 0.0) <= report["check_parity"] or "_reference_logits" not in report
+    assert phases.taken() == {}
