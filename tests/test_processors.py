@@ -229,11 +229,121 @@ def test_processors_that_treat_rows_by_index_are_refused_before_any_work(mode):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, logits_processor=LogitsProcessorList([Noise()]),
                          batching=mode)
     assert out.shape == (3, ids.shape[1] + 3)
-    from hf_async_cb.generate.stock_options import _check_rows_alike
+    from hf_async_cb.generate.row_checks import check_rows_alike
 
     state = torch.random.get_rng_state()
-    _check_rows_alike([Noise()], ids, model)
+    assert check_rows_alike([Noise()], [], ids, 3, 256) == set()  # (random: not checked per call either)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class StepCounter(LogitsProcessor):
+    """Keeps a step count: stock calls it once per step for the batch."""
+
+    def __init__(self):
+        self.step = 0
+
+    def __call__(self, input_ids, scores):
+        self.step += 1
+        scores = scores.clone()
+        scores[:, 10 + self.step % 5] += 1000.0
+        return scores
+
+
+class RowZeroLater(LogitsProcessor):
+    """Treats row 0 apart only once rows are longer than `length` (after the probe on the prompt)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        if input_ids.shape[1] > self.length:
+            scores[0, 9] += 1000.0
+        return scores
+
+
+class LazyBias(LogitsProcessor):
+    """Sets itself up on its first call (as stock's SequenceBiasLogitsProcessor does): not state kept
+    from call to call."""
+
+    def __call__(self, input_ids, scores):
+        if not hasattr(self, "bias"):
+            self.bias = torch.zeros(scores.shape[-1])
+            self.bias[7] = 3.0
+        return scores + self.bias
+
+
+class StopRowZeroLater(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[0] = input_ids.shape[1] > self.length
+        return done
+
+
+class StopForBatchOfThree(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.tensor([False, True, False]) & (input_ids.shape[1] > 0)
+
+
+class StopAfterCalls(StoppingCriteria):
+    def __init__(self, calls):
+        self.calls, self.seen = calls, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen += 1
+        return torch.full((input_ids.shape[0],), self.seen >= self.calls)
+
+
+class ReturnsNothing(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores[:, 3] = 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_processors_and_criteria_with_state_or_late_row_logic_fail_clearly(mode):
+    """The engine calls the caller's processors and criteria one row at a time (generate/row_checks.py):
+    one that keeps state from call to call, is built for a batch size, or treats rows by their index
+    from some length on, would silently give other tokens or stop other rows than stock; each is
+    refused before any work (the probe leaving its state as it was) or, where the row logic starts
+    later, fails the call with the reason. One that sets itself up once runs, exact; with one row,
+    all of them run as in stock."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 4, 9, seed=17)
+    width = max(map(len, prompts))
+    refused_up_front = [(dict(logits_processor=LogitsProcessorList([StepCounter()])), "keeps state"),
+                        (dict(stopping_criteria=StoppingCriteriaList([StopAfterCalls(4)])), "keeps state"),
+                        (dict(stopping_criteria=StoppingCriteriaList([StopForBatchOfThree()])), "treats the rows"),
+                        (dict(logits_processor=LogitsProcessorList([ReturnsNothing()])), "returned None")]
+    ids, mask = left_pad(prompts)
+
+    def ours(**options):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=5, batching=mode, pad_token_id=0,
+                              eos_token_id=1, **options)
+
+    for options, message in refused_up_front:
+        with pytest.raises(ValueError, match=message):
+            ours(**options)
+    counter = StepCounter()
+    with pytest.raises(ValueError, match="keeps state"):
+        ours(logits_processor=LogitsProcessorList([counter]))
+    assert counter.step == 0 and vars(counter) == {"step": 0}  # the probe left it as it was
+    later = [dict(logits_processor=LogitsProcessorList([RowZeroLater(width + 1)])),
+             dict(stopping_criteria=StoppingCriteriaList([StopRowZeroLater(width + 1)]))]
+    for options in later:
+        with pytest.raises(ValueError, match="treated two copies of one row differently"):
+            ours(**options)
+    got, expected = both(model, prompts, mode, max_new_tokens=5, logits_processor=LogitsProcessorList([LazyBias()]))
+    assert torch.equal(got, expected)
+    ids, mask = left_pad(prompts[:1])
+    for make in (lambda: dict(logits_processor=LogitsProcessorList([StepCounter()])),
+                 lambda: dict(logits_processor=LogitsProcessorList([RowZeroLater(len(prompts[0]) + 1)])),
+                 lambda: dict(stopping_criteria=StoppingCriteriaList([StopAfterCalls(3)]), pad_token_id=0)):
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="off", **make())
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5, batching=mode, **make())
+        assert torch.equal(got, expected)
 
 
 def test_engine_api_takes_processors_and_criteria():

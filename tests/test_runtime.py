@@ -389,14 +389,15 @@ def test_stock_generate_nests_in_stock_generate_as_in_transformers():
 
 
 class _Gate:
-    """A logits processor that holds its call on its second step until released."""
+    """A logits processor that holds its first call on rows longer than `width` (a row's second new
+    token) until released. (It keeps no count of its calls: generate() refuses processors that keep
+    state from call to call, which it would call once per row.)"""
 
-    def __init__(self):
-        self.inside, self.release, self.steps = threading.Event(), threading.Event(), 0
+    def __init__(self, width):
+        self.inside, self.release, self.width = threading.Event(), threading.Event(), width
 
     def __call__(self, input_ids, scores):
-        self.steps += 1
-        if self.steps == 2:
+        if input_ids.shape[1] > self.width and not self.inside.is_set():
             self.inside.set()
             self.release.wait(60)
         return scores
@@ -416,7 +417,7 @@ def test_models_sharing_one_config_object_take_turns():
             p.mul_(1.5)
     expected = [stock_generate(m, PROMPTS, max_new_tokens=6) for m in (policy, reference)]
     before = config._attn_implementation
-    gate, order, results = _Gate(), [], {}
+    gate, order, results = _Gate(max(map(len, PROMPTS))), [], {}
 
     def first():
         results["policy"] = engine_generate(policy, PROMPTS, logits_processor=LogitsProcessorList([gate]))
@@ -519,7 +520,7 @@ def test_max_time_starts_when_the_call_has_the_model():
 
     model = fresh()
     expected = stock_generate(model, PROMPTS, max_new_tokens=12, max_time=30.0)
-    gate, results = _Gate(), {}
+    gate, results = _Gate(max(map(len, PROMPTS))), {}
     holder = threading.Thread(target=lambda: engine_generate(model, PROMPTS, logits_processor=LogitsProcessorList([gate])))
     holder.start()
     assert gate.inside.wait(60)
@@ -631,7 +632,7 @@ def test_stock_calls_share_the_model_and_wait_only_for_engine_calls():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
                          stopping_criteria=StoppingCriteriaList([RunsTheModelElsewhere()]))
     assert torch.equal(out, expected)
-    gate = _Gate()
+    gate = _Gate(ids.shape[1])
     from transformers import LogitsProcessorList
 
     holder = threading.Thread(target=lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,

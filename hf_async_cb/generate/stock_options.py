@@ -15,6 +15,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
+from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +118,16 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     # One list per row, built with that row's attention mask: some processors read the mask (e.g.
     # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
+    checked: set[int] = set()  # the caller's deterministic processors and criteria (generate/row_checks.py)
+
     def processor(row_mask: torch.Tensor):
-        return model._get_logits_processor(
+        built = model._get_logits_processor(
             generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
             logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
         )
+        if checked:
+            built = LogitsProcessorList(RowChecked(p, "logits processor") if id(p) in checked else p for p in built)
+        return built
 
     native = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
               MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor,
@@ -146,14 +152,14 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             device_options["bad_words_ids"] = tuple(p.sequence_bias)
         elif isinstance(p, SequenceBiasLogitsProcessor):
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
-    if len(user_processors) and input_ids.shape[0] > 1:
-        _check_rows_alike(user_processors, input_ids, model)
+    user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
+    rows = input_ids.shape[0] * max(1, int(gc.num_return_sequences or 1))
+    checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model))
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
                    "each row on its own, and slower than the built-in sampling options). A processor that "
                    "looks across the rows of the batch needs batching='off'.")
-    user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     stock = model._get_stopping_criteria(generation_config=gc, stopping_criteria=user_criteria, tokenizer=tokenizer)
     # Length and EOS are the engine's own. The caller's own MaxLengthCriteria / EosTokenCriteria
     # replace stock's (its merge keeps the caller's of the same type): their length and ids become
@@ -168,47 +174,8 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         elif own and type(c) is EosTokenCriteria:
             limits["eos"] = tuple(int(t) for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist())
         elif own or not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
-            extra.append(c)
+            extra.append(RowChecked(c, "stopping criterion") if id(c) in checked else c)
     return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options, limits
-
-
-def _check_rows_alike(processors, input_ids: torch.Tensor, model) -> None:
-    """The engine calls a request's processors on its own row (a batch of one). Before any work,
-    call each of the caller's processors on the call's batch size made of copies of one row (its
-    ids, random scores): one that gives the copies different scores, or another shape, treats rows
-    by their index in the batch (or was built for one batch size), and would give other tokens than
-    stock on the engine: refused. Unless its rows differ by torch's random draws (noise it adds):
-    the probe runs under two seeds, on a forked RNG (the caller's random stream is left as it
-    was), and a processor whose output follows the seed is sampling, not indexing. One that raises
-    on the probe is left to the real calls (which fail their request with its error)."""
-    batch = input_ids.shape[0]
-    vocab = _vocab_size(model)
-    g = torch.Generator().manual_seed(0)
-    row_scores = torch.randn(1, vocab, generator=g).to(input_ids.device)
-    ids = input_ids[:1].expand(batch, -1).clone()
-    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-
-    def probe(processor, seed: int):
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            return processor(ids, row_scores.expand(batch, -1).clone())
-
-    def same(x, y) -> bool:
-        return torch.isclose(x, y, rtol=0, atol=0, equal_nan=True).all().item()
-
-    for processor in processors:
-        try:
-            out = probe(processor, 0)
-            if isinstance(out, torch.Tensor) and out.shape == (batch, vocab) and same(out, out[:1].expand_as(out)):
-                continue
-            random = isinstance(out, torch.Tensor) and out.shape == (batch, vocab) and not same(out, probe(processor, 1))
-        except Exception:  # noqa: BLE001 (no conclusion; the real calls will tell)
-            continue
-        if not random:
-            raise ValueError(
-                f"logits processor {type(processor).__name__} treats the rows of a batch differently (called on "
-                f"{batch} copies of one row, it did not give {batch} equal rows of scores): the engine calls "
-                "processors one row at a time, so it would not give stock's tokens. Use batching='off' for it.")
 
 
 def _vocab_size(model) -> int:

@@ -1,0 +1,207 @@
+"""The caller's own logits processors and stopping criteria, run one row at a time.
+
+The engine runs each request on its own, so generate() calls the caller's processors and criteria
+on one request's row (a batch of one) every time that request takes a token; stock calls them once
+per step on the whole batch. They give stock's tokens only if they treat every row alike and keep
+no state from call to call. So that a difference is never silent (batches of more than one row):
+
+1. Before any work, each is probed on copies of one row (the call's batch size, its first row):
+   it must return one result per row, all equal, unless the rows differ by torch's random draws
+   (noise: sampling, not indexing; the probe runs under two seeds on a forked generator). One
+   built for a batch size or treating rows by their index is refused.
+2. The probe calls it twice more on the same input and seed: a different result, or attributes
+   that changed again after a first call (a first call may set things up lazily), mean it keeps
+   state from call to call (a step counter, a history it appends to), which the engine would
+   advance once per row: refused. The probe leaves the object's attributes as they were.
+3. During the run, a deterministic one is called on two copies of the request's row, and a call
+   that treats them differently (index logic that starts later than the probe's prompt) fails
+   the generate call with the reason.
+
+Each probe that raises is left to the real calls (which fail their request with the error).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+_BIG = 1 << 20  # a tensor attribute larger than this is compared by identity and version only
+
+
+def check_rows_alike(processors, criteria, input_ids: torch.Tensor, rows: int, vocab: int) -> set[int]:
+    """Probe the caller's `processors` and `criteria` (items 1 and 2 of the module docstring) on
+    `rows` copies of `input_ids`' first row; a ValueError for one that stock's batch would see
+    otherwise. Returns the ids of those found deterministic, which the run calls on two copies of
+    each row (item 3)."""
+    if rows <= 1:
+        return set()
+    g = torch.Generator().manual_seed(0)
+    row_scores = torch.randn(1, vocab, generator=g).to(input_ids.device)
+    ids = input_ids[:1].expand(rows, -1).clone()
+    checked = set()
+    for obj in processors:
+        if _probe(obj, lambda: obj(ids, row_scores.expand(rows, -1).clone()), rows, vocab, "logits processor",
+                  input_ids.device):
+            checked.add(id(obj))
+    for obj in criteria:
+        if _probe(obj, lambda: obj(ids, None), rows, None, "stopping criterion", input_ids.device):
+            checked.add(id(obj))
+    return checked
+
+
+def _probe(obj, call, rows: int, vocab: int | None, kind: str, device: torch.device) -> bool:
+    """Whether `obj` is deterministic (checked in the run); raises for what the module refuses."""
+    name = type(obj).__name__
+    devices = [device] if device.type == "cuda" else []
+
+    def seeded(seed: int):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return call()
+
+    before = _attributes(obj)
+    try:
+        try:
+            first = seeded(0)
+            settled = _attributes(obj)
+            again = seeded(0)
+            changed = not _same(settled, _attributes(obj))
+            other_seed = seeded(1)
+        except Exception:  # noqa: BLE001 (no conclusion; the real calls will tell)
+            return False
+    finally:
+        _restore(obj, before)
+    if first is None:
+        raise ValueError(f"{kind} {name} returned None (it must return its result for the batch).")
+    first, again, other_seed = (_per_row(x, rows, vocab) for x in (first, again, other_seed))
+    if first is None:
+        raise ValueError(f"{kind} {name} did not return one result per row for a batch of {rows} (it was built "
+                         "for one batch size?): the engine calls it one row at a time, so it would not give stock's "
+                         "tokens. Use batching='off' for it.")
+    if changed or not _same(first, again):
+        raise ValueError(f"{kind} {name} keeps state from call to call (called twice on the same rows, "
+                         f"{'its attributes changed' if changed else 'it gave another result'}): stock calls it once "
+                         "per step for the whole batch, the engine once per row per step, so it would not give "
+                         "stock's tokens. Use batching='off' for it, or generate one row at a time.")
+    if _same(first, first[:1].expand_as(first)):
+        return True
+    if not _same(first, other_seed):  # its rows follow the seed: noise it draws, not the rows' index
+        return False
+    raise ValueError(f"{kind} {name} treats the rows of a batch differently (called on {rows} copies of one row, "
+                     f"it did not give {rows} equal results): the engine calls it one row at a time, so it would "
+                     "not give stock's tokens. Use batching='off' for it.")
+
+
+def _per_row(result, rows: int, vocab: int | None) -> torch.Tensor | None:
+    """`result` as [rows, ...] (a criterion's bool or 0-d result broadcast), or None for another shape."""
+    if vocab is None and isinstance(result, bool):
+        result = torch.tensor(result)
+    if not isinstance(result, torch.Tensor):
+        return None
+    if vocab is None:
+        if result.dim() == 0:
+            return result.expand(rows)
+        return result if tuple(result.shape) == (rows,) else None
+    return result if tuple(result.shape) == (rows, vocab) else None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()) if a.dtype.is_floating_point \
+            else torch.equal(a, b)
+    if isinstance(a, _Big) or isinstance(b, _Big):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (no equality: the same object or not)
+        return False
+
+
+class _Big:
+    """A large tensor attribute: its identity and version (an in-place write bumps it)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, _version(t)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Big) and other.t is self.t and other.version == self.version
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps none
+        return None
+
+
+def _snapshot(value, depth: int = 0):
+    """A copy of one attribute to compare and restore: small tensors cloned, containers copied one
+    level down (two for containers of containers), anything else kept as it is."""
+    if isinstance(value, torch.Tensor):
+        return _Big(value) if value.numel() > _BIG else value.detach().clone()
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v, depth + 1) for v in value) if type(value) in (list, tuple) \
+            else copy.copy(value)
+    if depth < 2 and isinstance(value, dict):
+        return {k: _snapshot(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (set, bytearray)):
+        return copy.copy(value)
+    return value
+
+
+def _attributes(obj) -> dict:
+    return {k: _snapshot(v) for k, v in vars(obj).items()} if hasattr(obj, "__dict__") else {}
+
+
+def _restore(obj, saved: dict) -> None:
+    """Put `obj`'s attributes back as `saved` holds them (attributes the calls added removed)."""
+    if not hasattr(obj, "__dict__"):
+        return
+    attributes = vars(obj)
+    for key in [k for k in attributes if k not in saved]:
+        del attributes[key]
+    for key, value in saved.items():
+        current = attributes.get(key)
+        if isinstance(value, _Big):
+            attributes[key] = value.t  # (an in-place write to a large tensor is not undone)
+        elif isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == value.shape \
+                and current.dtype == value.dtype and not _same(current, value):
+            with torch.no_grad():
+                current.copy_(value)  # in place: other references to the tensor see it restored too
+        elif not _same(current, value):
+            attributes[key] = value
+
+
+class RowChecked:
+    """A deterministic processor or criterion of the caller's, called on two copies of a request's
+    row: equal results pass on as the row's, different ones fail the call (module docstring, 3)."""
+
+    def __init__(self, obj, kind: str) -> None:
+        self.obj, self.kind = obj, kind
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None):  # (two parameters, as stock's lists
+        ids = input_ids.expand(2, -1)                                            # call processors without kwargs)
+        pair = self.obj(ids, None if scores is None else scores.expand(2, -1).clone())
+        vocab = None if scores is None else scores.shape[-1]
+        rows = _per_row(pair, 2, vocab)
+        if rows is None or not _same(rows[:1], rows[1:]):
+            raise ValueError(
+                f"{self.kind} {type(self.obj).__name__} treated two copies of one row differently at row length "
+                f"{input_ids.shape[-1]} (or did not return one result per row): it treats the rows of a batch by "
+                "their index, which the engine, calling it one row at a time, does not reproduce. Use "
+                "batching='off' for it.")
+        return rows[:1]
+
+    def __getattr__(self, name: str):
+        if name == "obj":  # (not set yet: a copy in progress)
+            raise AttributeError(name)
+        return getattr(self.obj, name)
