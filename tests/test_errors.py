@@ -309,6 +309,23 @@ def test_a_held_engine_refuses_a_model_changed_under_it():
             generated_rows(expected, max(map(len, prompts)), 0, ())
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_closed_engine_says_so(model, fuse):
+    """close() leaves the engine unusable: generate(), start() and add_request() say it was closed
+    (not a run on a model given back, nor a misleading "the model changed")."""
+    prompts = random_prompts(2, 3, 8, seed=5)
+    engine = Engine(model, BatchingConfig(mode="sync", fuse_projections=fuse))
+    engine.generate(prompts, max_new_tokens=2)
+    engine.close()
+    engine.close()  # (idempotent)
+    for use in (lambda: engine.generate(prompts, max_new_tokens=2), engine.start,
+                lambda: engine.add_request(prompts[0], max_new_tokens=2)):
+        with pytest.raises(RuntimeError, match="this Engine was closed|start\\(\\) the engine"):
+            use()
+    with pytest.raises(RuntimeError, match="this Engine was closed"):
+        engine.start()
+
+
 def test_one_dimensional_input_ids_are_refused_as_stock_does(model):
     """Stock generate fails on a 1-D input_ids (an IndexError); the engine's paths say what to pass."""
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\], got shape \(3,\) \(one prompt: "

@@ -331,9 +331,14 @@ def test_done_callbacks_run_once_each_as_requests_end(engine):
     prompts = random_prompts(4, 5, 12, seed=80)
     seen: list = []
     handles = [engine.add_request(p, max_new_tokens=4 + i, eos_token_ids=(2,)) for i, p in enumerate(prompts)]
+    def interrupts(handle):
+        raise KeyboardInterrupt  # (raised by the callback on the loop's thread: the user's Ctrl-C never is)
+
     for i, h in enumerate(handles):
         if i == 1:
             h.add_done_callback(lambda h: 1 / 0)
+        if i == 2:
+            h.add_done_callback(interrupts)
         h.add_done_callback(seen.append)
     outs = [h.result(timeout=30) for h in handles]
     deadline = time.monotonic() + 10
@@ -344,6 +349,8 @@ def test_done_callbacks_run_once_each_as_requests_end(engine):
     handles[0].add_done_callback(late.append)  # already done: called here, now
     assert late == [handles[0]]
     assert [o.output_token_ids for o in outs] == [stock_rows([p], 4 + i)[0] for i, p in enumerate(prompts)]
+    again = engine.add_request(prompts[0], max_new_tokens=4, eos_token_ids=(2,)).result(timeout=30)
+    assert again.output_token_ids == outs[0].output_token_ids  # the loop still serves
 
 
 def test_a_loop_that_stops_outside_a_step_fails_every_waiting_caller(monkeypatch):

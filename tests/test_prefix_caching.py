@@ -123,22 +123,38 @@ def test_weights_written_in_place_are_never_served_stale(mode, update):
     hf_async_cb.release(model)
 
 
+@pytest.mark.parametrize("change", ["weight replaced", "module replaced", "hook added", "global hook added"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_a_weight_replaced_while_a_loop_serves_is_refused(prefix_caching):
-    """A new nn.Parameter (or load_state_dict(assign=True)) while the loop serves: the engine no
+def test_a_model_changed_while_a_loop_serves_is_refused(prefix_caching, change):
+    """A new nn.Parameter (or load_state_dict(assign=True)), a submodule replaced, a forward hook
+    added (a steering vector, on a module or for every module) while the loop serves: the engine no
     longer runs the model it was built on; the next requests fail with what to do, never with
-    pages of the old weights' K/V."""
+    pages of the old model's K/V under the new model's other positions (mixed tokens, silently)."""
     model = fresh_model(seed=4)
     prompt = shared_prompts(groups=1, rows=1, prefix=40, own=3, seed=16)[0]
     engine = Engine(model, BatchingConfig(mode="sync", page_size=4, prefix_caching=prefix_caching))
     engine.start()
+    handles = []
     try:
         engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(2,)).result(timeout=60)
         proj = model.model.layers[0].self_attn.k_proj
-        proj.weight = torch.nn.Parameter(-proj.weight.detach().clone())
+        steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        if change == "weight replaced":
+            proj.weight = torch.nn.Parameter(-proj.weight.detach().clone())
+        elif change == "module replaced":
+            mlp = model.model.layers[0].mlp
+            down = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+            mlp.down_proj = down
+        elif change == "hook added":
+            handles.append(model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: out + steer))
+        else:
+            handles.append(torch.nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: out + 0.01 if m is model.model.layers[0].mlp else None))
         with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
             engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(2,)).result(timeout=60)
     finally:
+        for handle in handles:
+            handle.remove()
         engine.shutdown()
 
 

@@ -99,6 +99,7 @@ class Engine:
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
+        self._closed = False
         self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
         self._owns_preparation = prepared is None
@@ -301,6 +302,7 @@ class Engine:
 
     def run(self, requests: list[Request], mode: str | None = None) -> None:
         """Drive the loop until every request in `requests` has finished."""
+        self._check_open()
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
         loop = self.pipeline(self._mode(mode))
@@ -391,6 +393,7 @@ class Engine:
 
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
+        self._check_open()
         if self._background is not None and self._background.ended:  # it stopped on an error: a new one
             self.shutdown(timeout=0)
         if self._background is not None:
@@ -480,10 +483,15 @@ class Engine:
                 raise RuntimeError("close() cannot run on the engine's loop thread (a callback): call "
                                    "shutdown() there, and close() from another thread.")
             self.shutdown(cancel=True)
+        self._closed = True
         self.graphs = None
         self._pipelines.clear()
         if self._owns_preparation:
             self.prepared_model.restore()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine was closed (its graphs dropped, the model given back): build a new one.")
 
     def __enter__(self) -> "Engine":
         return self

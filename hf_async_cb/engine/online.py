@@ -81,7 +81,7 @@ class RequestHandle:
     def add_done_callback(self, fn) -> None:
         """Call fn(handle) once the request has finished (or failed, or was cancelled): on the loop's
         thread as it ends, or here at once if it has already. As with concurrent.futures, an
-        exception fn raises is logged and does not reach the loop."""
+        exception fn raises (KeyboardInterrupt and SystemExit included) is logged and does not reach the loop."""
         with self._changed:
             if not self._ended:
                 self._callbacks.append(fn)
@@ -149,7 +149,8 @@ class RequestHandle:
 def _call_back(fn, handle: RequestHandle) -> None:
     try:
         fn(handle)
-    except Exception:  # noqa: BLE001 (the caller's callback must not stop the loop)
+    except BaseException:  # noqa: BLE001 (the caller's callback must not stop the loop: KeyboardInterrupt and
+        # SystemExit included, raised by the callback itself on this thread, never by the user's Ctrl-C)
         logger.exception("a done-callback of request %s raised", handle.request_id)
 
 
@@ -267,8 +268,12 @@ class _Worker:
             seen = weights.read() if caching else None
             while True:
                 if self._admit():
-                    if weights.replaced():  # a weight given another tensor: refused, with what to do, to every caller
+                    if weights.replaced() or weights.restructured():
+                        # A weight given another tensor, a module replaced, a hook added or removed: refused,
+                        # with what to do, to every caller, where the engine runs a prepared copy; else the
+                        # model runs as it is now, and what was cached before it changed is dropped.
                         self.runner.check_model_unchanged()
+                        weights, seen = WeightVersions(self.runner.model), object()
                     # Weights written in place since (an optimizer step between rollouts): the new
                     # requests must not take pages of the old weights' K/V, nor tower outputs.
                     now = weights.read() if caching else None
