@@ -89,6 +89,21 @@ def test_lora_adapters_switched_disabled_and_merged_are_exact():
     _assert_exact(merged)
 
 
+def test_a_held_engine_on_a_peft_wrapper_says_to_pass_the_base_model():
+    """Engine(peft_model): the wrapper is not a generative model; the error says what works (the base
+    model, which holds the adapter layers), and that runs the adapter exactly."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_llama(), _lora()).eval()
+    with pytest.raises(ValueError, match=r"PEFT wrapper.*model.get_base_model\(\)"):
+        hf_async_cb.Engine(model)
+    prompt = [3, 14, 15, 92, 65]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None)
+    with hf_async_cb.Engine(model.get_base_model(), hf_async_cb.BatchingConfig(mode="sync")) as engine:
+        got = engine.generate([prompt], max_new_tokens=4, eos_token_ids=())[0].output_token_ids
+    assert got == expected[0, len(prompt):].tolist()
+
+
 def test_lora_added_after_a_fused_engine_existed_is_exact():
     peft = pytest.importorskip("peft", reason="peft is not installed")
     model = _llama()

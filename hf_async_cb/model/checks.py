@@ -24,6 +24,10 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None or not isinstance(model, GenerationMixin):
+        if callable(getattr(model, "get_base_model", None)):  # a PEFT wrapper: its adapters live in the base model
+            raise ValueError(f"{name} is a PEFT wrapper, not a transformers generative model: pass "
+                             "model.get_base_model() (its adapter layers stay in it and run), or call the "
+                             "wrapper's own generate(..., batching=...).")
         raise ValueError(f"{name} is not a transformers generative model.")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; hf_async_cb runs decoder-only models.")
