@@ -72,3 +72,19 @@ def test_first_call_phases_name_the_parity_check_and_every_phase_exists():
     assert report["PreparedModel.__init__"] > 0 and report["Engine._build"] > 0
     assert 0 < report.get("_reference_logits", 0.0) <= report["check_parity"] or "_reference_logits" not in report
     assert phases.taken() == {}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_background_loop_is_profiled_too(mode):
+    """With profile=True the serving loop's steps land in last_profile, as a run's do."""
+    engine = Engine(tiny_model("llama"), BatchingConfig(mode=mode, profile=True))
+    engine.start()
+    try:
+        handles = [engine.add_request(p, max_new_tokens=6) for p in random_prompts(4, 3, 20, seed=92)]
+        for h in handles:
+            h.result(timeout=60)
+    finally:
+        engine.shutdown()
+    lanes = engine.last_profile.lanes()
+    assert set(lanes) == set(CPU_LANES) and all(lanes.values())
+    assert engine.last_profile.summary()["wall_s"] > 0

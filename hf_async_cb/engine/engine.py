@@ -410,6 +410,8 @@ class Engine:
         if not model_guard(self.model).serving_elsewhere():  # (else refused below, by the loop's own message)
             self.prepared_model.embeddings_refusal()  # checked now: the serving loop holds the model from here on
         background = BackgroundLoop(self, self._mode(mode))
+        if self.config.profile:  # the loop's steps, from here to shutdown()
+            background.pipeline.profile = self.last_profile = StepProfile(self.streams)
         if self._online_seed is None:
             self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
         background.start()  # (refused when another engine's loop serves the model: then none is kept)
