@@ -268,7 +268,7 @@ class _Worker:
             seen = weights.read() if caching else None
             while True:
                 if self._admit():
-                    if weights.replaced() or weights.restructured():
+                    if weights.restructured():
                         # A weight given another tensor, a module replaced, a hook added or removed: refused,
                         # with what to do, to every caller, where the engine runs a prepared copy; else the
                         # model runs as it is now, and what was cached before it changed is dropped.
