@@ -12,7 +12,8 @@ outlier column (the threshold 6.0 reached in one row), as real models' do; `--ou
 flags that share of the columns instead (each in one random row), as random weights' down-projection
 inputs do (on a random bf16 Llama-3-8B about 80% of them over 512 tokens, a few per 128-column
 chunk at 32 rows: every chunk then takes the outlier product). Also reports the achieved bandwidth
-of ours over the int8 weight's bytes.
+of ours over the int8 weight's bytes. `--kernel-from FILE` times another copy of kernels/llm_int8.py (an
+earlier commit's, `git show REV:hf_async_cb/kernels/llm_int8.py > FILE`) in place of the package's.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ def main(argv=None) -> int:
     import bitsandbytes as bnb
 
     from hf_async_cb.kernels.graph_timing import cold_copies, eager_ms, graph_ms
-    from hf_async_cb.kernels.llm_int8 import llm_int8_linear
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,32,128")
     p.add_argument("--outlier-share", type=float, default=0.0,
                    help="share of the columns holding an outlier (0: one column)")
+    p.add_argument("--kernel-from", help="a kernels/llm_int8.py file to time in place of the package's")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    llm_int8_linear = _kernel(args.kernel_from)
     device = torch.device("cuda")
     results = []
     for name, (n, k) in SHAPES.items():
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 own = eager_ms(lambda i: modules[i % copies](x))
                 exact = torch.equal(llm_int8_linear(x, *states[0], 6.0), modules[0](x))
-            row = dict(projection=name, n=n, k=k, rows=rows, outlier_share=args.outlier_share, ours_us=round(ours * 1e3, 1),
+            row = dict(kernel=args.kernel_from or "package", projection=name, n=n, k=k, rows=rows, outlier_share=args.outlier_share, ours_us=round(ours * 1e3, 1),
                        bnb_own_us=round(own * 1e3, 1), cublas_bf16_us=round(cublas * 1e3, 1),
                        ours_tb_s=round(n * k / (ours * 1e-3) / 1e12, 2), equal_to_bnb=exact)
             results.append(row)
@@ -72,6 +74,18 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _kernel(path: str | None):
+    """llm_int8_linear from the package, or from the file at `path` (loaded as a module of its own)."""
+    if path is None:
+        from hf_async_cb.kernels.llm_int8 import llm_int8_linear
+        return llm_int8_linear
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("llm_int8_from_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.llm_int8_linear
 
 
 if __name__ == "__main__":

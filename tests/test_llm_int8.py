@@ -90,6 +90,25 @@ def test_several_outlier_columns_differ_only_by_summation_order(dtype):
     torch.testing.assert_close(got, expected, rtol=0, atol=4 * ulp)
 
 
+@pytest.mark.parametrize("rows", [9, 70])
+def test_outlier_columns_in_some_k_splits(rows):
+    """K = 4,160 splits the GEMM (8 splits of 768 columns at 9 rows; 2 of 2,112 at 70, whose boundary
+    cuts a 128-column statistics block): the outlier product is summed per split, and a split whose
+    range holds no outlier block is skipped (its sums are never written: read, they would be garbage).
+    Outliers on both sides of a cut block, in the K tail, and in one split alone: the module's result
+    up to the summation order."""
+    dtype = DTYPES[0]
+    module = _linear8bit(64, 4160, bias=dtype)
+    assert llm_int8._gemm_config(rows, 64, 4160)["SPLIT_K"] == (8 if rows == 9 else 2)
+    for outliers in ([(0, 2100), (rows - 1, 2150), (3, 4150)], [(1, 10)]):
+        x = _x(rows, 4160, dtype, outliers)
+        expected = _own(module, x)
+        got = _kernel(module, x)
+        assert not torch.equal(got, _kernel(module, x.clamp(-5.9, 5.9)))  # (the outliers count)
+        ulp = torch.finfo(dtype).eps * expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0, atol=4 * ulp)
+
+
 def test_no_threshold_is_plain_int8_quantization():
     """threshold 0 (bitsandbytes' option): no outlier columns, values of any size quantized with the rest."""
     dtype = DTYPES[0]

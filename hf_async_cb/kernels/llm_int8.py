@@ -26,17 +26,22 @@ in fp32, then cast): the kernels' CUDA constexpr picks the device's.
 The outlier columns depend on every row of the call. So a CUDA-graph bucket's padding rows must not
 count: `real` flags the rows that do (the step's real tokens; model/decode_gemm.py passes them).
 
-Kernels, three a call (each a CUDA graph holds; none branches per K tile, so loads pipeline):
+Kernels, three a call (each a CUDA graph holds; none branches per K tile of its main loop, so loads
+pipeline):
 - `_int8_stats_kernel`, one program per 128 columns over all rows: each row's absmax over those
   columns, the columns' outlier flags, and whether the block holds any;
 - `_int8_gemm_kernel`, one program per (BLOCK_N weight rows, K split): reduces the absmax, quantizes
   x tile by tile as it reads it, and sums int8 x int8 in int32 (exact: the splits' partial sums add
-  up to the very integers bitsandbytes' cuBLASLt product gives);
+  up to the very integers bitsandbytes' cuBLASLt product gives); then, over the statistics' blocks of
+  its K range that hold an outlier column (one scalar test a block, after the main loop), the outlier
+  columns' product in x's dtype, summed in fp32, reading weight tiles the loop has just brought into L2;
 - `_int8_finish_kernel`, one program per BLOCK_N columns: adds the splits, dequantizes, adds the
-  bias, then the outlier columns' product over the blocks that hold any (found without a host
-  round trip: their positions from a prefix sum of the blocks' flags).
+  bias, then the splits' outlier sums in split order (deterministic), the splits without an outlier
+  block skipped.
 On the H200 a first version with the outlier product inside the GEMM's K loop (a branch per tile)
-and no split streamed the 8B projections at 0.1-1 TB/s (docs/benchmarks.md).
+and no split streamed the 8B projections at 0.1-1 TB/s, and a second with the outlier product in the
+finish kernel (N / 64 programs walking every outlier block one after the other) was slow where most
+blocks hold one, as random weights' down-projection inputs do (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -114,12 +119,14 @@ def _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M: tl.constexpr, ABSMAX_
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, absmax_ptr, part_ptr, M, N, K, blocks, k_per_split, stride_xm,
-                      threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      OUTLIERS: tl.constexpr, CUDA: tl.constexpr):
+def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, chunks_ptr, scb_ptr, absmax_ptr, part_ptr, outlier_ptr, M, N, K, blocks,
+                      k_per_split, stride_xm, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                      CHUNK: tl.constexpr, OUTLIERS: tl.constexpr, CUDA: tl.constexpr, IEEE: tl.constexpr):
     """Program (i, s): part[s, :, i * BLOCK_N : (i + 1) * BLOCK_N] = the int32 sum over split s's K range
-    of q(x) x CB (the module docstring's step 2, and 3 before its dequantization)."""
+    of q(x) x CB (the module docstring's step 2, and 3 before its dequantization); with OUTLIERS and an
+    outlier block (CHUNK columns, the statistics kernel's) overlapping that range, outlier[s, ...] = the
+    fp32 sum of the range's outlier columns' products in x's dtype (step 4 before its addition)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -154,27 +161,48 @@ def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, absmax_ptr, part_ptr, M, N, K, bl
         acc += tl.dot(w, tl.trans(q.to(tl.int8)), out_dtype=tl.int32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    part = part_ptr + (pid_k * M).to(tl.int64) * N
-    tl.store(part + offs_m[None, :] * N + cols[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
+    part = (pid_k * M).to(tl.int64) * N + offs_m[None, :] * N + cols[:, None]
+    tl.store(part_ptr + part, acc, mask=n_ok[:, None] & m_ok[None, :])
+    if OUTLIERS:
+        dtype = x_ptr.dtype.element_ty
+        k_end = tl.minimum(k0 + k_per_split, K)
+        scb = tl.load(scb_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+        outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        seen = 0
+        for j in range(k0 // CHUNK, tl.cdiv(k_end, CHUNK)):
+            if tl.load(chunks_ptr + j) != 0:
+                kk = j * CHUNK + tl.arange(0, CHUNK)
+                flag = tl.load(flags_ptr + kk, mask=(kk >= k0) & (kk < k_end), other=0) != 0
+                xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & flag[None, :],
+                             other=0.0)
+                wo = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None] & flag[None, :],
+                             other=0)
+                w_x = ((wo.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
+                if IEEE:
+                    outliers += tl.dot(w_x, tl.trans(xo.to(dtype)), input_precision="ieee")
+                else:
+                    outliers += tl.dot(w_x, tl.trans(xo.to(dtype)))
+                seen = 1
+        if seen != 0:
+            tl.store(outlier_ptr + part, outliers, mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_finish_kernel(part_ptr, absmax_ptr, scb_ptr, b_ptr, x_ptr, w_ptr, flags_ptr, chunks_ptr, out_ptr, M, N, K,
-                        blocks, stride_xm, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int8_finish_kernel(part_ptr, outlier_ptr, absmax_ptr, scb_ptr, b_ptr, chunks_ptr, out_ptr, M, N, K, blocks,
+                        k_per_split, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         ABSMAX_BLOCK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, BIAS_F16: tl.constexpr, OUTLIERS: tl.constexpr,
-                        CUDA: tl.constexpr, IEEE: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, BIAS_F16: tl.constexpr, OUTLIERS: tl.constexpr, CUDA: tl.constexpr):
     """Program i: out[:, i * BLOCK_N : (i + 1) * BLOCK_N] from the GEMM's partial sums (added in
     int32: exact), dequantized and the bias added as bitsandbytes does on x's device (CUDA or its
-    PyTorch path), then the outlier columns' product in x's dtype (step 4) over the statistics'
-    blocks of CHUNK columns that hold any."""
+    PyTorch path), then the outlier columns' product (step 4): the splits' fp32 sums, in split order,
+    of the splits whose K range overlaps a statistics block (CHUNK columns) that holds an outlier."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     mask = n_ok[:, None] & m_ok[None, :]
-    dtype = x_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     absmax, _ = _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M, ABSMAX_BLOCK, CUDA)
     offs = offs_m[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M]
     acc = tl.load(part_ptr + offs, mask=mask, other=0)
@@ -201,20 +229,13 @@ def _int8_finish_kernel(part_ptr, absmax_ptr, scb_ptr, b_ptr, x_ptr, w_ptr, flag
     if OUTLIERS:
         chunk = tl.arange(0, CHUNKS)
         held = tl.load(chunks_ptr + chunk, mask=chunk < blocks, other=0).to(tl.int32)
-        order = tl.cumsum(held, axis=0)
         outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for i in range(0, tl.sum(held, axis=0)):
-            j = tl.sum(tl.where((order == i + 1) & (held != 0), chunk, 0), axis=0)  # the (i + 1)-th block that holds any
-            kk = j * CHUNK + tl.arange(0, CHUNK)
-            k_ok = kk < K
-            flag = tl.load(flags_ptr + kk, mask=k_ok, other=0) != 0
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & flag[None, :], other=0.0)
-            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None] & flag[None, :], other=0)
-            w_x = ((w.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
-            if IEEE:
-                outliers += tl.dot(w_x, tl.trans(x.to(dtype)), input_precision="ieee")
-            else:
-                outliers += tl.dot(w_x, tl.trans(x.to(dtype)))
+        for s in tl.static_range(0, SPLIT_K):  # (the GEMM's test for the same split, block by block)
+            k0 = s * k_per_split
+            k_end = tl.minimum(k0 + k_per_split, K)
+            inside = (chunk >= k0 // CHUNK) & (chunk < tl.cdiv(k_end, CHUNK))
+            if tl.sum(tl.where(inside, held, 0), axis=0) != 0:
+                outliers += tl.load(outlier_ptr + s * (M * N).to(tl.int64) + offs, mask=mask, other=0.0)
         y = (y.to(tl.float32) + outliers).to(dtype)
     tl.store(out_ptr + offs, y, mask=mask)
 
@@ -247,11 +268,11 @@ def _plan(bucket: int, N: int, K: int, dtype: torch.dtype, bias: torch.dtype | N
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk  # K / split, rounded up to whole K tiles
     stats = dict(BLOCK_K=STATS_BLOCK_K, ROWS=STATS_ROWS, OUTLIERS=outliers, MASKED=masked and outliers)
     gemm = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ABSMAX_BLOCK=ABSMAX_BLOCK,
-                EVEN_K=split * k_per_split == K, EVEN_N=N % cfg["BLOCK_N"] == 0, OUTLIERS=outliers, CUDA=cuda)
+                EVEN_K=split * k_per_split == K, EVEN_N=N % cfg["BLOCK_N"] == 0, CHUNK=STATS_BLOCK_K,
+                OUTLIERS=outliers, CUDA=cuda, IEEE=dtype == torch.float32)
     finish = dict(SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=FINISH_BLOCK_N, ABSMAX_BLOCK=ABSMAX_BLOCK,
                   CHUNK=STATS_BLOCK_K, CHUNKS=max(16, triton.next_power_of_2(triton.cdiv(K, STATS_BLOCK_K))),
-                  HAS_BIAS=bias is not None, BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda,
-                  IEEE=dtype == torch.float32)
+                  HAS_BIAS=bias is not None, BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda)
     small = dict(num_warps=4 if cfg["BLOCK_M"] <= 64 else 8, **_OPTIONS)
     return ((stats, dict(num_warps=4, **_OPTIONS)), (gemm, dict(num_warps=cfg["num_warps"],
                                                               num_stages=cfg["num_stages"], **_OPTIONS)),
@@ -306,16 +327,18 @@ def llm_int8_linear(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor, th
     absmax = torch.empty(M, blocks, dtype=torch.float32, device=x.device)
     split = finish["SPLIT_K"]
     part = torch.empty(split, M, N, dtype=torch.int32, device=x.device)
+    outlier_sums = torch.empty(split if outliers else 1, M, N, dtype=torch.float32, device=x.device)
     stride = x2.stride(0) if M > 1 else K  # (one row's stride is never read: K keeps it from specialising)
     real = flags if real is None else real.reshape(-1).to(torch.int8)
     threshold = float(threshold)
     _int8_stats_kernel[(blocks,)](x2, real, flags, chunks, absmax, M, K, blocks, stride, threshold, **stats,
                                   **stats_options)
     _int8_gemm_kernel[(triton.cdiv(N, gemm["BLOCK_N"]), split)](
-        x2, weight, flags, absmax, part, M, N, K, blocks, k_per_split, stride, threshold, **gemm, **gemm_options)
+        x2, weight, flags, chunks, scb, absmax, part, outlier_sums, M, N, K, blocks, k_per_split, stride, threshold,
+        **gemm, **gemm_options)
     _int8_finish_kernel[(triton.cdiv(N, FINISH_BLOCK_N),)](
-        part, absmax, scb, bias.contiguous() if bias is not None else scb, x2, weight, flags, chunks, out, M, N, K,
-        blocks, stride, **finish, **finish_options)
+        part, outlier_sums, absmax, scb, bias.contiguous() if bias is not None else scb, chunks, out, M, N, K, blocks,
+        k_per_split, **finish, **finish_options)
     return out.reshape(*lead, N)
 
 
@@ -331,8 +354,8 @@ def variants(N: int, K: int, dtype: torch.dtype, bias: torch.dtype | None, outli
     i8, f32 = torch.int8, torch.float32
     return [
         Variant(_int8_stats_kernel, (dtype, i8, i8, i8, f32, 2, K, blocks, K, threshold), stats, stats_options),
-        Variant(_int8_gemm_kernel, (dtype, i8, i8, f32, torch.int32, 2, N, K, blocks, k_per_split, K, threshold),
-                gemm, gemm_options),
-        Variant(_int8_finish_kernel, (torch.int32, f32, f32, bias or f32, dtype, i8, i8, i8, dtype, 2, N, K, blocks, K),
+        Variant(_int8_gemm_kernel, (dtype, i8, i8, i8, f32, f32, torch.int32, f32, 2, N, K, blocks, k_per_split, K,
+                                    threshold), gemm, gemm_options),
+        Variant(_int8_finish_kernel, (torch.int32, f32, f32, f32, bias or f32, i8, dtype, 2, N, K, blocks, k_per_split),
                 finish, finish_options),
     ]
