@@ -32,6 +32,7 @@ from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
 from hf_async_cb.model.fusion import has_hooks
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.weight_kinds import versions
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +77,12 @@ def check_parity(engine) -> None:
     if key in _VERDICTS and not hooked:
         reason = _VERDICTS[key]
     else:
-        versions = _versions(model)
+        before = versions(model.parameters())
         # The family is judged in fp32 arithmetic of its own dtype, without dropout: whatever mode the
         # model is in, and outside any autocast region the first call happens to run in.
         with _eval_mode(model), torch.autocast(engine.device.type, enabled=False):
             reason, whole = _probe(engine, model, hooks_raise=bool(hooked))
-        if _versions(model) != versions:  # trained in place meanwhile (another thread): no verdict
+        if versions(model.parameters()) != before:  # trained in place meanwhile (another thread): no verdict
             if reason is not None:
                 reason += (" (its weights changed in place while the check ran, a training step in another "
                            "thread?, so it compared two different models; call again once they are still)")
@@ -129,15 +130,6 @@ def _uncompiled_held(model: torch.nn.Module):
         return
     with model_guard(model).held("the parity check"), uncompiled(model):
         yield
-
-
-def _versions(model: torch.nn.Module) -> list[int] | None:
-    """The parameters' version counters: an in-place update (an optimizer step) bumps them (None:
-    inference tensors keep none)."""
-    try:
-        return [p._version for p in model.parameters()]
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return None
 
 
 @contextlib.contextmanager

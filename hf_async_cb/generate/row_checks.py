@@ -26,6 +26,8 @@ import copy
 
 import torch
 
+from hf_async_cb.model.weight_kinds import versions
+
 _BIG = 1 << 20  # a tensor attribute larger than this is compared by identity and version only
 
 
@@ -130,17 +132,10 @@ class _Big:
     """A large tensor attribute: its identity and version (an in-place write bumps it)."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t, _version(t)
+        self.t, self.version = t, versions([t])
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Big) and other.t is self.t and other.version == self.version
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor keeps none
-        return None
 
 
 def _snapshot(value, depth: int = 0):

@@ -24,7 +24,7 @@ import torch
 
 from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.weight_kinds import storage_key
+from hf_async_cb.model.weight_kinds import storage_key, versions
 
 
 def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
@@ -32,16 +32,16 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     that cannot be told (inference tensors, forward hooks of the user's)."""
     if _runs_user_hooks(model):
         return None
-    try:
-        tensors = [*model.parameters(), *model.buffers()]
-        versions = sum(t._version for t in tensors)
-        settings = hash(numerics_key(model))
-    except RuntimeError:  # "Inference tensors do not track version counter"
+    tensors = [*model.parameters(), *model.buffers()]
+    counters = versions(tensors)
+    if counters is None:
         return None
+    try:
+        settings = hash(numerics_key(model))
     except Exception:  # noqa: BLE001 - settings it cannot read: unknown
         return None
     storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
-    return versions, hash(storages), _adapter_state(model), settings
+    return sum(counters), hash(storages), _adapter_state(model), settings
 
 
 def _runs_user_hooks(model: torch.nn.Module) -> bool:
@@ -107,8 +107,5 @@ class WeightVersions:
     def read(self) -> tuple | None:
         if self._hooked:  # forward hooks of the user's may hold anything: unknown
             return None
-        try:
-            versions = sum(t._version for t in self._tensors)
-        except RuntimeError:
-            return None
-        return versions, _states(self._adapters)
+        counters = versions(self._tensors)
+        return None if counters is None else (sum(counters), _states(self._adapters))

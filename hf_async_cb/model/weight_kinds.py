@@ -28,6 +28,15 @@ def is_plain_floating(t: torch.Tensor | None) -> bool:
     return is_plain(t) and t.dtype in FLOATING
 
 
+def versions(tensors) -> list[int] | None:
+    """The version counters of `tensors` (an in-place write bumps one: an optimizer step, a copy_ into
+    a weight); None when one is an inference tensor, which keeps none."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Where `t`'s data live, without touching a storage a wrapper subclass does not have: a plain
     tensor's data pointer, else its inner tensors' (`__tensor_flatten__`), else nothing beyond the
