@@ -22,6 +22,18 @@ import hf_async_cb  # noqa: E402,F401  (installs the hook)
 
 import pytest  # noqa: E402
 
+from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """The whole session's tests run above one frame that opens a 256 KiB chunk of Python's frame stack
+    (engine/stack_chunk.py: on Python 3.11 a loop whose calls cross a chunk's end maps and unmaps a chunk each
+    time; the Triton interpreter's kernels did, for a third of some files' time)."""
+    from _pytest.main import pytest_runtestloop as run_the_tests
+
+    return above_a_large_stack_chunk(run_the_tests, session)
+
 
 @pytest.fixture(autouse=True)
 def _float32_matmul_precision_kept():

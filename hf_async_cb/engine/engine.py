@@ -37,6 +37,7 @@ from hf_async_cb.engine.requests import (
 )
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests  # noqa: F401 (data_parallel's)
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
@@ -317,11 +318,7 @@ class Engine:
                 for r in requests:
                     self.scheduler.add(r)
                 with Progress(requests, self.config.progress) as progress:
-                    while remaining:
-                        done = [r for r in loop.step() if id(r) in remaining]
-                        for r in done:
-                            remaining.discard(id(r))
-                        progress.update(done)
+                    above_a_large_stack_chunk(_step_until_done, loop, remaining, progress)
                 loop.drain()
                 if self.config.profile and cache_before is not None:  # this run's share of the counters
                     after = self.prefix_cache_stats()
@@ -508,3 +505,13 @@ class Engine:
             self._pipelines[mode] = Pipeline(self.scheduler, self.builder, self.runner, self.streams,
                                              overlap=(mode == "async"), graphs=self.graphs)
         return self._pipelines[mode]
+
+
+def _step_until_done(loop, remaining: set[int], progress: Progress) -> None:
+    """Step `loop` until no request of `remaining` (ids) is left (Engine.run, above a large chunk of
+    the frame stack: engine/stack_chunk.py)."""
+    while remaining:
+        done = [r for r in loop.step() if id(r) in remaining]
+        for r in done:
+            remaining.discard(id(r))
+        progress.update(done)

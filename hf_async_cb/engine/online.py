@@ -34,10 +34,12 @@ from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model.kv_fingerprint import WeightVersions
 from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
+
 
 logger = logging.getLogger(__name__)
 
@@ -405,7 +407,8 @@ class BackgroundLoop:
         # collected at once, and its finalizer below stops the loop.
         self.pipeline = engine.pipeline(mode)
         self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs)
-        self.thread = threading.Thread(target=self._worker.run, name="hf_async_cb-loop", daemon=True)
+        self.thread = threading.Thread(target=above_a_large_stack_chunk, args=(self._worker.run,), name="hf_async_cb-loop",
+                                       daemon=True)  # (engine/stack_chunk.py)
         # The engine collected while the loop runs: cancel what it holds and end the thread.
         self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)
 
