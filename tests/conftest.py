@@ -30,9 +30,13 @@ def pytest_runtestloop(session):
     """The whole session's tests run above one frame that opens a 256 KiB chunk of Python's frame stack
     (engine/stack_chunk.py: on Python 3.11 a loop whose calls cross a chunk's end maps and unmaps a chunk each
     time; the Triton interpreter's kernels did, for a third of some files' time)."""
-    from _pytest.main import pytest_runtestloop as run_the_tests
+    import _pytest.main
 
-    return above_a_large_stack_chunk(run_the_tests, session)
+    others = [impl for impl in session.config.hook.pytest_runtestloop.get_hookimpls()
+              if not (impl.hookwrapper or impl.wrapper) and impl.plugin not in (_pytest.main, sys.modules[__name__])]
+    if others:  # another plugin runs the tests its own way (pytest-xdist's -n, its workers): left to it
+        return None
+    return above_a_large_stack_chunk(_pytest.main.pytest_runtestloop, session)
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,9 @@ def _opening_function():
     # more local names, never used (19 ms to build, where compiling their source took 170).
     code = _call.__code__
     names = code.co_varnames + tuple(f"_unused{i}" for i in range(_LOCALS))
-    code = code.replace(co_varnames=names, co_nlocals=len(names))
+    named = {"co_name": "above_a_large_stack_chunk"} | ({"co_qualname": "above_a_large_stack_chunk"}
+                                                        if hasattr(code, "co_qualname") else {})
+    code = code.replace(co_varnames=names, co_nlocals=len(names), **named)  # (tracebacks show this name)
     fn = types.FunctionType(code, globals(), "above_a_large_stack_chunk")
     fn.__doc__ = "fn(*args), run above a frame that opens a 256 KiB chunk of CPython's frame stack."
     return fn
