@@ -161,21 +161,35 @@ print("added", len(added))
 """
 
 
-def _forked_compile(tmp_path, order: str, settled: bool) -> int:
+def _forked_compiles(tmp_path, cases: list[tuple[str, bool]]) -> list[int]:
+    """Each case (order, settled) in a process of its own, the processes side by side."""
     pytest.importorskip("triton.backends.nvidia")
     path = tmp_path / "keyed_kernels.py"
     path.write_text(_SOURCE)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / f"cache-{order}-{settled}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", _FORKED, str(path), order, "settled" if settled else "unsettled"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return int(result.stdout.split("added")[-1])
+    runs = []
+    for order, settled in cases:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(tmp_path / f"cache-{order}-{settled}")
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+        runs.append(subprocess.Popen([sys.executable, "-c", _FORKED, str(path), order,
+                                      "settled" if settled else "unsettled"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    added = []
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, err[-3000:]
+            added.append(int(out.split("added")[-1]))
+    finally:
+        for run in runs:
+            run.kill()  # (those a failure left running)
+            run.wait()
+    return added
 
 
 def test_the_parent_loads_what_a_forked_worker_compiled(tmp_path):
-    assert _forked_compile(tmp_path, "old-order", settled=False) == 1  # the failure: compiled again
-    assert _forked_compile(tmp_path, "old-order", settled=True) == 0
-    assert _forked_compile(tmp_path, "own-order", settled=True) == 0
+    unsettled, settled, own_order = _forked_compiles(
+        tmp_path, [("old-order", False), ("old-order", True), ("own-order", True)])
+    assert unsettled == 1  # the failure: compiled again
+    assert settled == 0 and own_order == 0
