@@ -59,6 +59,7 @@ STATS_BLOCK_K = 128  # columns per program of the statistics kernel
 STATS_ROWS = 32  # rows it loads at a time
 ABSMAX_BLOCK = 32  # statistics blocks the GEMM reduces at a time
 FINISH_BLOCK_N = 64  # output columns per program of the finish kernel
+OUTLIER_K_MANY_ROWS = 32  # columns per outlier-product tile in the GEMM above 64 rows (with 128, ptxas spilled at 256 rows)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + _ROUND) - _ROUND rounds |v| < 2^22 half to even in fp32
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The launch options: no fused multiply-adds but those written (tl.fma), so that every rounding is
@@ -122,7 +123,8 @@ def _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M: tl.constexpr, ABSMAX_
 def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, chunks_ptr, scb_ptr, absmax_ptr, part_ptr, outlier_ptr, M, N, K, blocks,
                       k_per_split, stride_xm, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ABSMAX_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      CHUNK: tl.constexpr, OUTLIERS: tl.constexpr, CUDA: tl.constexpr, IEEE: tl.constexpr):
+                      CHUNK: tl.constexpr, OUTLIER_K: tl.constexpr, OUTLIERS: tl.constexpr, CUDA: tl.constexpr,
+                      IEEE: tl.constexpr):
     """Program (i, s): part[s, :, i * BLOCK_N : (i + 1) * BLOCK_N] = the int32 sum over split s's K range
     of q(x) x CB (the module docstring's step 2, and 3 before its dequantization); with OUTLIERS and an
     outlier block (CHUNK columns, the statistics kernel's) overlapping that range, outlier[s, ...] = the
@@ -171,17 +173,18 @@ def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, chunks_ptr, scb_ptr, absmax_ptr, 
         seen = 0
         for j in range(k0 // CHUNK, tl.cdiv(k_end, CHUNK)):
             if tl.load(chunks_ptr + j) != 0:
-                kk = j * CHUNK + tl.arange(0, CHUNK)
-                flag = tl.load(flags_ptr + kk, mask=(kk >= k0) & (kk < k_end), other=0) != 0
-                xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & flag[None, :],
-                             other=0.0)
-                wo = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None] & flag[None, :],
-                             other=0)
-                w_x = ((wo.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
-                if IEEE:
-                    outliers += tl.dot(w_x, tl.trans(xo.to(dtype)), input_precision="ieee")
-                else:
-                    outliers += tl.dot(w_x, tl.trans(xo.to(dtype)))
+                for h in tl.static_range(0, CHUNK, OUTLIER_K):  # (narrower tiles where the rows are many)
+                    kk = j * CHUNK + h + tl.arange(0, OUTLIER_K)
+                    flag = tl.load(flags_ptr + kk, mask=(kk >= k0) & (kk < k_end), other=0) != 0
+                    xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                                 mask=m_ok[:, None] & flag[None, :], other=0.0)
+                    wo = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :],
+                                 mask=n_ok[:, None] & flag[None, :], other=0)
+                    w_x = ((wo.to(tl.float32) * scb[:, None]) * 0.007874015718698502).to(dtype)
+                    if IEEE:
+                        outliers += tl.dot(w_x, tl.trans(xo.to(dtype)), input_precision="ieee")
+                    else:
+                        outliers += tl.dot(w_x, tl.trans(xo.to(dtype)))
                 seen = 1
         if seen != 0:
             tl.store(outlier_ptr + part, outliers, mask=n_ok[:, None] & m_ok[None, :])
@@ -269,7 +272,8 @@ def _plan(bucket: int, N: int, K: int, dtype: torch.dtype, bias: torch.dtype | N
     stats = dict(BLOCK_K=STATS_BLOCK_K, ROWS=STATS_ROWS, OUTLIERS=outliers, MASKED=masked and outliers)
     gemm = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, ABSMAX_BLOCK=ABSMAX_BLOCK,
                 EVEN_K=split * k_per_split == K, EVEN_N=N % cfg["BLOCK_N"] == 0, CHUNK=STATS_BLOCK_K,
-                OUTLIERS=outliers, CUDA=cuda, IEEE=dtype == torch.float32)
+                OUTLIER_K=STATS_BLOCK_K if cfg["BLOCK_M"] <= 64 else OUTLIER_K_MANY_ROWS, OUTLIERS=outliers, CUDA=cuda,
+                IEEE=dtype == torch.float32)
     finish = dict(SPLIT_K=split, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=FINISH_BLOCK_N, ABSMAX_BLOCK=ABSMAX_BLOCK,
                   CHUNK=STATS_BLOCK_K, CHUNKS=max(16, triton.next_power_of_2(triton.cdiv(K, STATS_BLOCK_K))),
                   HAS_BIAS=bias is not None, BIAS_F16=bias == torch.float16, OUTLIERS=outliers, CUDA=cuda)
