@@ -37,8 +37,8 @@ from hf_async_cb.engine.requests import (
 )
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
-from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests  # noqa: F401 (data_parallel's)
+from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention

@@ -40,7 +40,6 @@ from hf_async_cb.model.kv_fingerprint import WeightVersions
 from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
-
 logger = logging.getLogger(__name__)
 
 

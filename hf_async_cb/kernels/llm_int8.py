@@ -119,6 +119,15 @@ def _row_scales(absmax_ptr, offs_m, m_ok, blocks, BLOCK_M: tl.constexpr, ABSMAX_
     return absmax, tl.where(some, scale, 0.0)
 
 
+@triton.jit
+def _split_blocks(s, k_per_split, K, CHUNK: tl.constexpr):
+    """(end of the GEMM's split s's K range, its first and past-last statistics block): the blocks whose
+    outlier product split s sums, and for which the finish kernel reads those sums."""
+    k0 = s * k_per_split
+    k_end = tl.minimum(k0 + k_per_split, K)
+    return k_end, k0 // CHUNK, tl.cdiv(k_end, CHUNK)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, chunks_ptr, scb_ptr, absmax_ptr, part_ptr, outlier_ptr, M, N, K, blocks,
                       k_per_split, stride_xm, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,11 +176,11 @@ def _int8_gemm_kernel(x_ptr, w_ptr, flags_ptr, chunks_ptr, scb_ptr, absmax_ptr, 
     tl.store(part_ptr + part, acc, mask=n_ok[:, None] & m_ok[None, :])
     if OUTLIERS:
         dtype = x_ptr.dtype.element_ty
-        k_end = tl.minimum(k0 + k_per_split, K)
+        k_end, first, last = _split_blocks(pid_k, k_per_split, K, CHUNK)
         scb = tl.load(scb_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
         outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         seen = 0
-        for j in range(k0 // CHUNK, tl.cdiv(k_end, CHUNK)):
+        for j in range(first, last):
             if tl.load(chunks_ptr + j) != 0:
                 for h in tl.static_range(0, CHUNK, OUTLIER_K):  # (narrower tiles where the rows are many)
                     kk = j * CHUNK + h + tl.arange(0, OUTLIER_K)
@@ -233,11 +242,9 @@ def _int8_finish_kernel(part_ptr, outlier_ptr, absmax_ptr, scb_ptr, b_ptr, chunk
         chunk = tl.arange(0, CHUNKS)
         held = tl.load(chunks_ptr + chunk, mask=chunk < blocks, other=0).to(tl.int32)
         outliers = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for s in tl.static_range(0, SPLIT_K):  # (the GEMM's test for the same split, block by block)
-            k0 = s * k_per_split
-            k_end = tl.minimum(k0 + k_per_split, K)
-            inside = (chunk >= k0 // CHUNK) & (chunk < tl.cdiv(k_end, CHUNK))
-            if tl.sum(tl.where(inside, held, 0), axis=0) != 0:
+        for s in tl.static_range(0, SPLIT_K):  # (the splits whose GEMM program wrote its sums)
+            _, first, last = _split_blocks(s, k_per_split, K, CHUNK)
+            if tl.sum(tl.where((chunk >= first) & (chunk < last), held, 0), axis=0) != 0:
                 outliers += tl.load(outlier_ptr + s * (M * N).to(tl.int64) + offs, mask=mask, other=0.0)
         y = (y.to(tl.float32) + outliers).to(dtype)
     tl.store(out_ptr + offs, y, mask=mask)
