@@ -47,20 +47,22 @@ def _kept_by_kernels(logits: torch.Tensor, params: SamplingTensors, cap: int, ga
 
 def _kept_at(logits: torch.Tensor, params: SamplingTensors, cut: torch.Tensor) -> torch.Tensor:
     """The scores at or above each row's threshold key `cut` (as the kernels compare them)."""
-    scores = logits / params.temperature[:, None]
+    scores = logits.float() / params.temperature[:, None]
     bits = scores.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = torch.where(scores == 0, 0, key)
     return key >= cut[:, None]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab, cap, gather", [(300, 16, 512), (300, 512, 16), (2 * BLOCK + 37, 64, None)])
-def test_kernels_keep_the_reference_set(vocab, cap, gather):
+def test_kernels_keep_the_reference_set(vocab, cap, gather, dtype):
     """Small caps make the searches narrow the bracket before they sort it; the default sorts at once.
-    A small gather sends rows to the search over the whole row; a large one searches the gathered scores."""
+    A small gather sends rows to the search over the whole row; a large one searches the gathered scores
+    (kept in the logits' dtype: bf16 logits are searched among bf16 copies)."""
     rows = len(CASES) * 2
-    logits, params = _logits(rows, vocab), _params(rows)
-    scores = logits / params.temperature[:, None]
+    logits, params = _logits(rows, vocab).to(dtype), _params(rows)
+    scores = logits.float() / params.temperature[:, None]
     expected = scores >= keep_threshold(scores, params)[:, None]
     got = _kept_by_kernels(logits, params, cap, gather)
     assert torch.equal(got, expected), [r for r in range(rows) if not torch.equal(got[r], expected[r])]
@@ -113,12 +115,12 @@ def test_kernels_compile_for_sm90():
           "do_sample_ptr": "*fp32", "top_ptr": "*fp32", "nan_ptr": "*i32"}, {"BLOCK": BLOCK}),
         (module, "_ladder_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder},
          {"L": LADDER, "BLOCK": LADDER_BLOCK}, {"num_warps": 8}),
-        (module, "_gather_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder, "score_ptr": "*fp32",
+        (module, "_gather_kernel", {**ptr, **rows, "chunk": "i32", **params, **ladder, "score_ptr": "*bf16",
                                     "col_ptr": "*i32"},
          {"L": LADDER, "GATHER": GATHER, "BLOCK": GATHER_BLOCK}),
         (module, "_resolve_kernel",
          {**ptr, **rows, **params, "min_p_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", **ladder,
-          "score_ptr": "*fp32", "col_ptr": "*i32", "cand_ptr": "*fp32", "cut_ptr": "*i32", "done_ptr": "*i32",
+          "score_ptr": "*bf16", "col_ptr": "*i32", "cand_ptr": "*fp32", "cut_ptr": "*i32", "done_ptr": "*i32",
           "done_token_ptr": "*i32", "done_logprob_ptr": "*fp32"},
          {"L": LADDER, "GATHER": GATHER, "CAP": CAP, "BLOCK": CUT_BLOCK}, {"num_warps": 8}),
         (module, "_draw_parts_kernel",

@@ -106,7 +106,7 @@ def _warm_up_compiler(target) -> None:
 
 
 # Rough compile cost by kernel (the H200 host's seconds are about a third of these), for the order.
-_COST = {"_resolve_kernel": 5.0, "_paged_attention_kernel": 3.0, "_ladder_kernel": 2.0, "_draw_parts_kernel": 1.5,
+_COST = {"_resolve_kernel": 3.5, "_paged_attention_kernel": 3.0, "_ladder_kernel": 2.0, "_draw_parts_kernel": 1.5,
          "_greedy_parts_kernel": 1.2, "_skinny_gemm_kernel": 1.0, "_gather_kernel": 0.8}
 
 

@@ -311,7 +311,7 @@ def _cut(logits: torch.Tensor, params: SamplingTensors, parts: int, chunk: int, 
     nan = torch.empty(rows * parts, dtype=torch.int32, device=device)
     count = torch.empty(rows * parts * LADDER, dtype=torch.int32, device=device)
     mass = torch.empty(rows * parts * LADDER, dtype=torch.float32, device=device)
-    scores = torch.empty(rows, gather, dtype=torch.float32, device=device)
+    scores = torch.empty(rows, gather, dtype=logits.dtype, device=device)  # (copies of logits: no rounding)
     cols = torch.empty(rows, gather, dtype=torch.int32, device=device)
     candidates = torch.empty(rows, cap, dtype=torch.float32, device=device)
     done_logprob = torch.empty(rows, dtype=torch.float32, device=device)
@@ -341,10 +341,10 @@ def variants(logits_dtype: torch.dtype, vocab: int, stride_row: int, device: tor
         Variant(_top_kernel, (*rows, BLOCK, 2, i64, f32, f32, f32, f32, i32), dict(BLOCK=BLOCK)),
         Variant(_ladder_kernel, (*rows, BLOCK, 2, f32, i64, f32, f32, f32, i32, i32, f32),
                 dict(L=LADDER, BLOCK=LADDER_BLOCK), dict(num_warps=LADDER_WARPS)),
-        Variant(_gather_kernel, (*rows, BLOCK, 2, f32, i64, f32, f32, f32, i32, i32, f32, f32, i32),
+        Variant(_gather_kernel, (*rows, BLOCK, 2, f32, i64, f32, f32, f32, i32, i32, f32, logits_dtype, i32),
                 dict(L=LADDER, GATHER=gather, BLOCK=GATHER_BLOCK), dict(num_warps=GATHER_WARPS)),
-        Variant(_resolve_kernel, (*rows, 2, f32, i64, f32, f32, f32, i64, i64, f32, i32, i32, f32, f32, i32, f32,
-                                  i32, i32, i32, f32),
+        Variant(_resolve_kernel, (*rows, 2, f32, i64, f32, f32, f32, i64, i64, f32, i32, i32, f32, logits_dtype, i32,
+                                  f32, i32, i32, i32, f32),
                 dict(L=LADDER, GATHER=gather, CAP=cap, BLOCK=CUT_BLOCK), dict(num_warps=CUT_WARPS)),
         Variant(_draw_parts_kernel, (*rows, BLOCK, 2, f32, f32, i64, i64, i32, i32, f32, i32, i32, f32, f32, f32),
                 dict(BLOCK=BLOCK)),
