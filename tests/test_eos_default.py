@@ -149,3 +149,35 @@ def test_generate_with_batching_keeps_stocks_eos_semantics(eos_token_id):
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, batching="off", **kwargs)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, batching="async", **kwargs)
     assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("kwargs", [dict(eos_token_id=-5), dict(eos_token_id=-5, min_new_tokens=3),
+                                    dict(eos_token_id="both", min_new_tokens=1)])
+def test_negative_eos_ids_run_as_stock_runs_them(mode, kwargs):
+    """Stock warns of a negative eos_token_id and goes on: no token meets it (its min-new-tokens mask
+    matches no column), so alone it runs to max_new_tokens, and beside a real id the real one stops."""
+    from models import left_pad
+
+    model = tiny_model("llama")
+    if kwargs["eos_token_id"] == "both":
+        kwargs = {**kwargs, "eos_token_id": [greedy_eos(), -5]}
+    ids, mask = left_pad(PROMPTS)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, batching=mode, **kwargs)
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_negative_first_eos_pads_the_stopped_rows_as_stock_would(mode):
+    """Without pad_token_id, stock pads with the first EOS id even when it is negative (and then
+    crashes embedding it on the next step, if other rows go on); the engine fills those rows with it."""
+    from models import left_pad
+
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-5, greedy_eos()],
+                         pad_token_id=None, batching=mode)
+    first = out[0, WIDTH:].tolist()
+    assert first[:STOP_STEP + 1] == stock_rows(model, PROMPTS[:1], eos_token_id=greedy_eos())[0]
+    assert first[STOP_STEP + 1:] == [-5] * (NEW - STOP_STEP - 1)

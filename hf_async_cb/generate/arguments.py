@@ -130,12 +130,13 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     inferred = "" if model_kwargs.get("attention_mask") is not None else \
         f" (inferred as input_ids != pad_token_id {gc.pad_token_id}, as stock does: none was passed)"
     prompts, prefixes = unpad(input_ids, attention_mask, inferred)
-    eos = token_list(gc.eos_token_id, "eos_token_id")
+    given_eos = token_list(gc.eos_token_id, "eos_token_id")
+    eos = [t for t in given_eos if t >= 0]  # a negative id: stock warns, and no token ever meets it
     pad = token_list(gc.pad_token_id, "pad_token_id")[:1]
     pad = pad[0] if pad else None
-    if pad is None and eos:
-        logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", eos[0])
-        pad = eos[0]
+    if pad is None and given_eos:
+        logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", given_eos[0])
+        pad = given_eos[0]  # (negative too: stock fills the stopped rows with it)
     call = GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids[:, :0] if embeds_only else input_ids,
                         attention_mask, prompts, prefixes, eos, pad, arguments, embeds, media, virtual)
     stops = ["stopping_criteria"] if arguments.get("stopping_criteria") else []
