@@ -119,7 +119,7 @@ def test_a_model_in_train_mode_is_judged_without_dropout():
     this model or any other of its config, and the model's modes are left as they were."""
     parity._VERDICTS.clear()
     model = small(transformers.LlamaConfig, attention_dropout=0.5).train()
-    model.generate(IDS, max_new_tokens=2, batching="sync")  # dropout on: tokens of chance, as stock's
+    model.generate(IDS, max_new_tokens=2, batching="sync")  # (run as in eval mode: model/eval_mode.py)
     assert model.training and all(m.training for m in model.modules())
     assert list(parity._VERDICTS.values()) == [None]
     model.eval()

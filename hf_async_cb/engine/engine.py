@@ -43,6 +43,7 @@ from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import text_config_of
+from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
@@ -104,25 +105,29 @@ class Engine:
         self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
         self._owns_preparation = prepared is None
-        if prepared is None:
-            prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
-                                     self.config.fuse_elementwise, self.config.skinny_gemm)
-        self.prepared_model = prepared
-        try:
-            self._build(model, max_pages_needed)
-            if self._precompile is not None:  # its kernels compiled during the build: loaded before any runs
-                self._precompile.wait()
-            if self.config.skinny_gemm and prepared.decode_gemms is not None:
-                measured = prepared.decode_gemms.tune(self.config.max_running_requests)
-                if measured:
-                    logger.info("hf_async_cb: measured %d decode GEMM shapes; %s", measured,
-                                prepared.decode_gemms.summary())
-            if not self.config.trust_untested_model:
-                check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
-        except BaseException:  # give the model back as it was found
-            if self._owns_preparation:
-                prepared.restore()
-            raise
+        with as_in_eval(model, warn=False):  # its checks run the stock forward: without dropout (model/eval_mode.py)
+            if prepared is None:
+                prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
+                                         self.config.fuse_elementwise, self.config.skinny_gemm)
+            self.prepared_model = prepared
+            try:
+                self._build_and_check(model, max_pages_needed)
+            except BaseException:  # give the model back as it was found
+                if self._owns_preparation:
+                    prepared.restore()
+                raise
+
+    def _build_and_check(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
+        self._build(model, max_pages_needed)
+        if self._precompile is not None:  # its kernels compiled during the build: loaded before any runs
+            self._precompile.wait()
+        decode_gemms = self.prepared_model.decode_gemms
+        if self.config.skinny_gemm and decode_gemms is not None:
+            measured = decode_gemms.tune(self.config.max_running_requests)
+            if measured:
+                logger.info("hf_async_cb: measured %d decode GEMM shapes; %s", measured, decode_gemms.summary())
+        if not self.config.trust_untested_model:
+            check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
 
     def _build(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self.device = self.prepared_model.device

@@ -29,6 +29,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
+from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import has_hooks
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.prepared import model_guard
@@ -80,7 +81,7 @@ def check_parity(engine) -> None:
         before = versions(model.parameters())
         # The family is judged in fp32 arithmetic of its own dtype, without dropout: whatever mode the
         # model is in, and outside any autocast region the first call happens to run in.
-        with _eval_mode(model), torch.autocast(engine.device.type, enabled=False):
+        with as_in_eval(model, warn=False), torch.autocast(engine.device.type, enabled=False):
             reason, whole = _probe(engine, model, hooks_raise=bool(hooked))
         if versions(model.parameters()) != before:  # trained in place meanwhile (another thread): no verdict
             if reason is not None:
@@ -130,17 +131,6 @@ def _uncompiled_held(model: torch.nn.Module):
         return
     with model_guard(model).held("the parity check"), uncompiled(model):
         yield
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _lengths(limit: int | None) -> list[int]:

@@ -25,12 +25,18 @@ from hf_async_cb.generate.prompt_learning import check_window
 from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer
+from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.vision import merged_prompts
 
 
 @torch.no_grad()
 @torch.inference_mode(False)  # what the runtime keeps (fused weights, pool, graphs) outlives the caller's mode
 def engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
+    with as_in_eval(model):  # the images' merge and the checks too, as the steps (model/eval_mode.py)
+        return _engine_generate(model, mode, batching_config, generation_config, arguments)
+
+
+def _engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
     call = parse_call(model, mode, generation_config, arguments)
     options = call_options(model, call, generation_config)
     config = batching_config or BatchingConfig()  # the hook resolved it (generate/hook.py)

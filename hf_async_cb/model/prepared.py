@@ -28,6 +28,7 @@ from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
 from hf_async_cb.model.compiled import uncompiled
 from hf_async_cb.model.embeddings_path import embeddings_refusal
+from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
 from hf_async_cb.model.mask_semantics import apply_masks
 from hf_async_cb.model.weight_kinds import storage_key
@@ -250,7 +251,7 @@ class PreparedModel:
         `check()`, if given, runs once the guard is held and before anything is swapped in: the
         model as this call finds it (another thread's call may have it swapped until then)."""
         guard = guard or model_guard(model)
-        with guard.held(what, serving=serving):
+        with guard.held(what, serving=serving), as_in_eval(model):  # (no dropout: model/eval_mode.py)
             if check is not None:
                 check()
             with uncompiled(model):  # compiled wrappers set aside: the engine runs the eager forward
