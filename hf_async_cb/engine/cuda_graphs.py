@@ -259,6 +259,7 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_padded_up = 0  # steps replayed in a larger captured bucket than their own (at the cap)
         self.capture_seconds: list[float] = []  # wall time of each capture, warm-up included
+        self.context: tuple | None = None  # the arithmetic they were captured in (keep_for)
 
     @property
     def num_captured(self) -> int:
@@ -390,6 +391,20 @@ class DecodeGraphs:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1
         return graph.replay()
+
+    def keep_for(self, context: tuple) -> None:
+        """Before a call (or a serving admission) in arithmetic `context` (model/numeric_context.py):
+        a graph replays the kernels, and so the precision, of the step it captured, so graphs of
+        another context (an earlier call under autocast, another matmul precision) are dropped."""
+        if context == self.context:
+            return
+        if self._graphs:
+            logger.info("hf_async_cb: %d CUDA graphs dropped: this call's autocast or matmul precision differs from "
+                        "theirs", len(self._graphs))
+        self._graphs.clear()
+        self.failed.clear()
+        self.num_prefill_graphs = 0
+        self.context = context
 
     def __len__(self) -> int:
         return len(self._graphs)

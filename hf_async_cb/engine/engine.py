@@ -49,6 +49,7 @@ from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.kv_layout import measured_layout
+from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.prepared import PreparedModel, model_guard
 from hf_async_cb.model.vision import media_embeds
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
@@ -315,7 +316,7 @@ class Engine:
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
         seed_requests(requests, self.config.seed, draw=self._draw_seed)
-        self._check_prefix_cache()
+        self._check_caches()
         cache_before = self.prefix_cache_stats()
         remaining = {id(r) for r in requests}
         with self.runner.prepared("Engine.run"):
@@ -342,10 +343,14 @@ class Engine:
                     raise explained from error
                 raise
 
-    # -- prefix cache ---------------------------------------------------------------------------
-    def _check_prefix_cache(self) -> None:
-        """Empty the prefix cache if the model may compute other K/V than when it was filled
-        (model/kv_fingerprint.py): once per call, before any request is admitted."""
+    # -- what is kept across calls -----------------------------------------------------------
+    def _check_caches(self) -> None:
+        """Once per call, before any request is admitted: drop the CUDA graphs if the call's arithmetic
+        (model/numeric_context.py: autocast, matmul precisions) is not the one they were captured in,
+        and empty the prefix cache if the model may compute other K/V than when it was filled
+        (model/kv_fingerprint.py, which reads that context too)."""
+        if self.graphs is not None:
+            self.graphs.keep_for(numeric_context(self.device.type))
         if self.prefix_cache is None:
             return
         fingerprint = kv_fingerprint(self.model)
@@ -408,7 +413,7 @@ class Engine:
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
         if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
             self.runner.check_model_unchanged()
-        self._check_prefix_cache()
+        self._check_caches()
         if not model_guard(self.model).serving_elsewhere():  # (else refused below, by the loop's own message)
             self.prepared_model.embeddings_refusal()  # checked now: the serving loop holds the model from here on
         background = BackgroundLoop(self, self._mode(mode))

@@ -37,6 +37,7 @@ from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model.kv_fingerprint import WeightVersions
+from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
@@ -213,8 +214,9 @@ class _Worker:
     so that an engine dropped without shutdown() can be collected; its finalizer then stops this."""
 
     def __init__(self, pipeline: Pipeline, scheduler: Scheduler, runner: ModelRunner,
-                 config: BatchingConfig, tower_outputs: TowerOutputCache) -> None:
+                 config: BatchingConfig, tower_outputs: TowerOutputCache, device_type: str) -> None:
         self.pipeline = pipeline
+        self.device_type = device_type
         self.scheduler = scheduler
         self.runner = runner
         self.config = config
@@ -269,6 +271,8 @@ class _Worker:
             seen = weights.read() if caching else None
             while True:
                 if self._admit():
+                    if pipeline.graphs is not None:  # this thread's arithmetic (model/numeric_context.py)
+                        pipeline.graphs.keep_for(numeric_context(self.device_type))
                     if weights.restructured():
                         # A weight given another tensor, a module replaced, a hook added or removed: refused,
                         # with what to do, to every caller, where the engine runs a prepared copy; else the
@@ -405,7 +409,8 @@ class BackgroundLoop:
         # No reference to the engine (it holds this): an engine dropped without shutdown() is then
         # collected at once, and its finalizer below stops the loop.
         self.pipeline = engine.pipeline(mode)
-        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs)
+        self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs,
+                               engine.device.type)
         self.thread = threading.Thread(target=above_a_large_stack_chunk, args=(self._worker.run,), name="hf_async_cb-loop",
                                        daemon=True)  # (engine/stack_chunk.py)
         # The engine collected while the loop runs: cancel what it holds and end the thread.

@@ -11,7 +11,8 @@ compute. A call compares this fingerprint with the last one and empties the cach
   touching a weight;
 - every module's own settings, as the parity verdict's key reads them (model/numerics_key.py): a
   LoRA layer's scaling (PEFT's `rescale_adapter_scale`, `set_scale`), a parametrization's or a
-  custom module's attributes (a few ms for an 8B model).
+  custom module's attributes (a few ms for an 8B model);
+- the call's arithmetic (model/numeric_context.py): autocast, the matmul precisions.
 
 Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
 user's may hold anything (a steering vector changed in place between calls): for such a model the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from hf_async_cb.model.fusion import global_hooks, user_hooks
+from hf_async_cb.model.numeric_context import model_numeric_context, numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.weight_kinds import storage_key, versions
 
@@ -41,7 +43,7 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     except Exception:  # noqa: BLE001 - settings it cannot read: unknown
         return None
     storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
-    return sum(counters), hash(storages), _adapter_state(model), settings
+    return sum(counters), hash(storages), _adapter_state(model), settings, model_numeric_context(model)
 
 
 def _runs_user_hooks(model: torch.nn.Module) -> bool:
@@ -78,10 +80,12 @@ class WeightVersions:
     that a read costs one attribute per tensor (about 25 us for an 8B model), cheap enough for every
     admission. Views share their base's counter, so writes through the user's parameters are seen
     while fused modules are attached. None: inference tensors, which keep no counter, and forward
-    hooks of the user's. Other module settings are read per call (kv_fingerprint), not here."""
+    hooks of the user's. The reading thread's arithmetic is part of it (model/numeric_context.py).
+    Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._tensors = [*model.parameters(), *model.buffers()]
+        self._device_type = self._tensors[0].device.type if self._tensors else "cpu"
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
@@ -108,4 +112,5 @@ class WeightVersions:
         if self._hooked:  # forward hooks of the user's may hold anything: unknown
             return None
         counters = versions(self._tensors)
-        return None if counters is None else (sum(counters), _states(self._adapters))
+        return None if counters is None else (sum(counters), _states(self._adapters),
+                                                numeric_context(self._device_type))
