@@ -91,6 +91,23 @@ def test_more_than_256_rows_use_linear(kernel_calls):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_autocast_multiplies_as_stock_does(kernel_calls):
+    """Under autocast F.linear multiplies in the autocast dtype; the kernel would in the weight's: a
+    routed projection steps aside there, so the logits are stock's under the same autocast."""
+    model = copy.deepcopy(tiny_model("llama")).to(DEVICE)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        expected = _logits(model, ids)
+        gemms = DecodeGemms(model, None, EveryShape())
+        gemms.attach()
+        try:
+            got = _logits(model, ids)
+        finally:
+            gemms.detach()
+    assert kernel_calls == [] and got.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+
+
 def test_nothing_recorded_attaches_nothing():
     class Nothing(EveryShape):
         def choose(self, *args):

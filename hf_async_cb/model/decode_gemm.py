@@ -75,7 +75,8 @@ class _Projection:
         rows = x.numel() // max(1, x.shape[-1])
         bucket = m_bucket(rows)
         config = self.configs.get(bucket) if 0 < rows <= MAX_M else None
-        if config is None or x.dtype != self.weight.dtype or x.device != self.weight.device:
+        if (config is None or x.dtype != self.weight.dtype or x.device != self.weight.device
+                or torch.is_autocast_enabled(x.device.type)):  # (F.linear then multiplies in the autocast dtype)
             return F.linear(x, self.weight, self.bias)
         try:
             return skinny_linear(x, self.weight, self.bias, config=config)
