@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import logging
 import weakref
@@ -20,6 +19,7 @@ from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
 from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
+from hf_async_cb.engine.pool_size import pool_pages
 from hf_async_cb.engine.prefix_cache import PrefixCache
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
@@ -145,7 +145,7 @@ class Engine:
         self.max_positions = self.prompt_limits.max_positions
         self.rope_switch = self.prompt_limits.rope_switch  # (length, rope type) or None
         page_size = self.config.page_size
-        num_pages = self._num_pages()
+        num_pages = pool_pages(self.config, self.layout, self.dtype, self.device, text_config, self.vocab_size)
         if self.config.num_pages is None and max_pages_needed is not None:
             num_pages = max(1, min(num_pages, max_pages_needed))
         self.tensor_parallel = TensorParallel.of(model)
@@ -195,43 +195,6 @@ class Engine:
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
-
-    def _activation_bytes(self) -> int:
-        """A bound on a step's transient memory beyond the KV pool: the widest step's hidden states,
-        projections and MLP activations (a few live at once), and logits at every sampled row (in
-        the model dtype, in fp32, and the sampler's fp32 working copies), doubled for the CUDA-graph
-        pool and the allocator's fragmentation."""
-        c = self._model_config
-        hidden = c.hidden_size
-        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
-        item = torch.finfo(self.dtype).bits // 8
-        per_token = (6 * hidden + 4 * inter) * item
-        rows = min(self.config.max_running_requests, self.config.max_batch_tokens)
-        logits = rows * self.vocab_size * (item + 3 * 4)
-        return 2 * (self.config.max_batch_tokens * per_token + logits)
-
-    def _num_pages(self) -> int:
-        if self.config.num_pages is not None:
-            return self.config.num_pages
-        bytes_per_page = self.layout.bytes_per_token(self.dtype) * self.config.page_size
-        if self.device.type == "cuda":
-            gc.collect()  # a dropped engine's pool may still wait in a reference cycle of the caller's
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Memory torch's allocator caches but does not use is free for the pool too.
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            reserve = self._activation_bytes()
-            budget = max(0, min(int(free * self.config.kv_memory_fraction), free - reserve))
-            logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",
-                        budget / 2**30, free / 2**30, reserve / 2**30)
-        else:
-            budget = self.config.cpu_kv_cache_bytes
-        num_pages = budget // bytes_per_page
-        if num_pages < 1:
-            raise ValueError(
-                f"no room for a single KV page ({bytes_per_page} bytes): give the pool more memory "
-                "(BatchingConfig.kv_memory_fraction / cpu_kv_cache_bytes) or set num_pages."
-            )
-        return num_pages
 
     # -- requests ----------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], params: SamplingParams, *, logits_processor=None,

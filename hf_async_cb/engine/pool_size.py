@@ -1,0 +1,58 @@
+"""How many K/V pages an engine's pool gets: what the device has free, less what a step needs besides.
+
+On CUDA the pool takes `kv_memory_fraction` of the free memory (torch's cached but unused blocks
+count as free), but never the bound on a step's own transient memory (activation_bytes): a pool that
+left too little would fail the first wide step with an out-of-memory error. On the CPU the pool is
+`cpu_kv_cache_bytes`. `num_pages` set in the config wins over both.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from hf_async_cb.config import BatchingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def activation_bytes(config: BatchingConfig, model_config, dtype: torch.dtype, vocab_size: int) -> int:
+    """A bound on a step's transient memory beyond the KV pool: the widest step's hidden states,
+    projections and MLP activations (a few live at once), and logits at every sampled row (in
+    the model dtype, in fp32, and the sampler's fp32 working copies), doubled for the CUDA-graph
+    pool and the allocator's fragmentation."""
+    hidden = model_config.hidden_size
+    inter = getattr(model_config, "intermediate_size", None) or getattr(model_config, "n_inner", None) or 4 * hidden
+    item = torch.finfo(dtype).bits // 8
+    per_token = (6 * hidden + 4 * inter) * item
+    rows = min(config.max_running_requests, config.max_batch_tokens)
+    logits = rows * vocab_size * (item + 3 * 4)
+    return 2 * (config.max_batch_tokens * per_token + logits)
+
+
+def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch.device, model_config,
+               vocab_size: int) -> int:
+    """The pool's pages for a model of this K/V `layout` (model/kv_layout.py) and text config."""
+    if config.num_pages is not None:
+        return config.num_pages
+    bytes_per_page = layout.bytes_per_token(dtype) * config.page_size
+    if device.type == "cuda":
+        gc.collect()  # a dropped engine's pool may still wait in a reference cycle of the caller's
+        free, _ = torch.cuda.mem_get_info(device)
+        # Memory torch's allocator caches but does not use is free for the pool too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        reserve = activation_bytes(config, model_config, dtype, vocab_size)
+        budget = max(0, min(int(free * config.kv_memory_fraction), free - reserve))
+        logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",
+                    budget / 2**30, free / 2**30, reserve / 2**30)
+    else:
+        budget = config.cpu_kv_cache_bytes
+    num_pages = budget // bytes_per_page
+    if num_pages < 1:
+        raise ValueError(
+            f"no room for a single KV page ({bytes_per_page} bytes): give the pool more memory "
+            "(BatchingConfig.kv_memory_fraction / cpu_kv_cache_bytes) or set num_pages."
+        )
+    return num_pages
