@@ -11,6 +11,8 @@ in train mode whose dropout would act gets one warning. (RL loops that keep the 
 are the usual case: LLM configs mostly set dropout to 0, where the two modes give the same tokens.)
 
 Calls of several threads on one model nest: the first turns the modes off, the last gives them back.
+A stock call that another thread runs on the same model meanwhile sees eval mode too (module modes
+are the model's, not a thread's): stock calls wait for an engine call's steps, not for its set-up.
 """
 
 from __future__ import annotations
