@@ -287,6 +287,7 @@ class _Worker:
                         self.tower_outputs.clear()
                         seen = now
                 self._apply_aborts(cancel_all=self.cancel)
+                self.runner.prepared_model.reclaim_attention()  # (a few config reads per pass)
                 busy = scheduler.has_work or bool(pipeline.in_flight)
                 if not busy:
                     if self.stopping and self.intake.empty():

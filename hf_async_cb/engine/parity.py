@@ -28,6 +28,7 @@ import logging
 import torch
 
 from hf_async_cb.engine.requests import SamplingParams
+from hf_async_cb.model.attention import own_configs
 from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import has_hooks
@@ -75,7 +76,9 @@ def check_parity(engine) -> None:
     model = engine.model
     key = _key(engine)
     hooked = sum(map(has_hooks, model.modules()))  # this instance's own: its verdict is not the family's
-    if key in _VERDICTS and not hooked:
+    # Modules on configs of their own (a layer deep-copied in) make the instance its own case too.
+    own = hooked or bool(own_configs(model, model.config))
+    if key in _VERDICTS and not own:
         reason = _VERDICTS[key]
     else:
         before = versions(model.parameters())
@@ -87,7 +90,7 @@ def check_parity(engine) -> None:
             if reason is not None:
                 reason += (" (its weights changed in place while the check ran, a training step in another "
                            "thread?, so it compared two different models; call again once they are still)")
-        elif (reason is not None or whole) and not hooked:  # a pass on shortened prompts is this engine's only
+        elif (reason is not None or whole) and not own:  # a pass on shortened prompts is this engine's only
             _VERDICTS[key] = reason
         if reason is None:
             logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)

@@ -12,12 +12,15 @@ import torch
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention, vision
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
+from hf_async_cb.model.kv_layout import layer_indices_mismatch
 from hf_async_cb.model.prefix_kv import StepPrefixKV
 from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
 
 _NO_FEATURES = contextlib.nullcontext()  # a step without deepstack features: nothing to hand the language model
+
+_BYPASSES = "its architecture bypasses the attention interface and is not supported."
 
 
 class ModelRunner:
@@ -94,10 +97,8 @@ class ModelRunner:
             )
         self.cache.store_pending()  # new K/V no attention call took (none, when every layer attends)
         if meta.attention_calls != self.num_layers:
-            raise RuntimeError(
-                f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} layers: "
-                "its architecture bypasses the attention interface and is not supported."
-            )
+            raise RuntimeError(f"the model ran the paged attention in {meta.attention_calls} of its {self.num_layers} "
+                               f"layers: {layer_indices_mismatch(model, self.num_layers) or _BYPASSES}")
         return out.logits[0]
 
     @staticmethod

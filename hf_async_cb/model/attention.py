@@ -22,6 +22,7 @@ import contextvars
 from typing import Iterator
 
 import torch
+from transformers import PretrainedConfig
 
 from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.kernels.paged_attention_reference import paged_attention_reference
@@ -95,12 +96,17 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def implementation(config, name: str) -> Iterator[None]:
+def implementation(config, name: str, model: torch.nn.Module | None = None) -> Iterator[None]:
     """`name` as the attention implementation of `config` (and, through transformers' setter, its
-    sub-configs) for a block. Each config's own setting is given back after: setting the saved
-    top-level value back would spread it over sub-configs that had settings of their own."""
-    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in config_tree(config)]
-    config._attn_implementation = name
+    sub-configs) for a block; with `model`, also of the configs its modules hold of their own (a
+    layer deep-copied into it keeps a copy of its model's config, which its attention reads). Each
+    config's own setting is given back after: setting the saved top-level value back would spread
+    it over sub-configs that had settings of their own."""
+    roots = [config, *(own_configs(model, config) if model is not None else ())]
+    trees = {id(c): c for root in roots for c in config_tree(root)}
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in trees.values()]
+    for root in roots:
+        root._attn_implementation = name
     try:
         yield saved
     finally:
@@ -119,6 +125,32 @@ def given_back(saved: list) -> Iterator[None]:
     finally:
         with deferred_interrupts():
             _put_back(current)
+
+
+def own_configs(model: torch.nn.Module, config) -> list:
+    """The configs `model`'s modules hold outside `config`'s tree (modules deep-copied from another
+    model, or built on a config of their own), each once."""
+    tree = {id(c) for c in config_tree(config)}
+    found = {}
+    for m in model.modules():
+        c = m.__dict__.get("config")
+        if isinstance(c, PretrainedConfig) and id(c) not in tree:
+            found[id(c)] = c
+    return list(found.values())
+
+
+def reclaim(saved: list, name: str) -> list:
+    """Inside implementation() (`saved`: what it yielded): the configs set to another implementation
+    since (the user's `set_attn_implementation` while a serving loop holds the model), set to `name`
+    again, each keeping the user's setting as the one given back at the block's end. Returns them."""
+    taken = []
+    for i, (c, _) in enumerate(saved):
+        current = c.__dict__.get("_attn_implementation_internal", _MISSING)
+        if current != name:
+            saved[i] = (c, current)
+            c._attn_implementation_internal = name
+            taken.append(c)
+    return taken
 
 
 def _put_back(saved: list) -> None:

@@ -14,15 +14,20 @@ compute. A call compares this fingerprint with the last one and empties the cach
   custom module's attributes (a few ms for an 8B model);
 - the call's arithmetic (model/numeric_context.py): autocast, the matmul precisions.
 
+- tensors that modules hold as plain attributes (not parameters or buffers: a steering vector a
+  custom module adds), by identity, storage and version counter.
+
 Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
-user's may hold anything (a steering vector changed in place between calls): for such a model the
-fingerprint is None, "unknown", and the cache lives for one call only.
+user's, or a forward of the user's patched onto a module instance, may hold anything (a steering
+vector changed in place between calls): for such a model the fingerprint is None, "unknown", and the
+cache lives for one call only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numeric_context import model_numeric_context, numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
@@ -34,7 +39,7 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     that cannot be told (inference tensors, forward hooks of the user's)."""
     if _runs_user_hooks(model):
         return None
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [*model.parameters(), *model.buffers(), *_attribute_tensors(model)]
     counters = versions(tensors)
     if counters is None:
         return None
@@ -47,8 +52,37 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
 
 
 def _runs_user_hooks(model: torch.nn.Module) -> bool:
-    """Whether a forward of `model` runs forward hooks of the user's (global ones included)."""
-    return any(global_hooks()) or any(map(_hooked, model.modules()))
+    """Whether a forward of `model` runs forward hooks of the user's (global ones included), or a
+    forward of the user's patched onto a module instance."""
+    return any(global_hooks()) or any(_hooked(m) or _patched(m) for m in model.modules())
+
+
+# Instance forwards whose state is the model's own: this package's swaps, accelerate's device hooks
+# (device_map), torch.compile's wrappers (set aside while the engine runs).
+_KNOWN_FORWARDS = ("hf_async_cb.", "accelerate.", "torch._dynamo.", "torch.nn.")
+
+
+def _patched(module: torch.nn.Module) -> bool:
+    """Whether a forward set on this module instance (`module.forward = f`) is the user's own code."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
+            type(module).forward, "__func__", type(module).forward):
+        return False  # (its own class's forward, bound: stored by some wrappers)
+    origin = getattr(forward, "__func__", None) or getattr(forward, "func", None) or forward
+    where = getattr(origin, "__module__", None) or type(origin).__module__ or ""
+    if getattr(module, "_hf_hook", None) is not None:
+        return False  # accelerate's forward, whatever it wraps
+    return not where.startswith(_KNOWN_FORWARDS)
+
+
+def _attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors the modules of other code than transformers' hold as plain attributes (parameters and
+    buffers are kept apart, in their own tables). transformers' own modules hold none that their
+    numerics read, only what a forward leaves for the next (Qwen2-VL's `rope_deltas`)."""
+    return [v for m in model.modules() if not type(m).__module__.startswith("transformers.")
+            for v in vars(m).values() if isinstance(v, torch.Tensor)]
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -84,25 +118,32 @@ class WeightVersions:
     Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._tensors = [*model.parameters(), *model.buffers()]
+        self._tensors = [*model.parameters(), *model.buffers(), *_attribute_tensors(model)]
         self._device_type = self._tensors[0].device.type if self._tensors else "cpu"
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
+        attributes = {id(t) for t in _attribute_tensors(model)}
+        self._slots += [(vars(m), name, t) for m in model.modules() for name, t in vars(m).items()
+                        if isinstance(t, torch.Tensor) and id(t) in attributes]
         self._hooked = _runs_user_hooks(model)
         # The modules' structure, for restructured(): each tensor and child in its table, and the hook tables.
         self._children = [(m._modules, name, child) for m in model.modules() for name, child in m._modules.items()]
         self._hook_tables = [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks)]
         self._hooks = self._hook_keys()
+        self._config = model.config
+        self._settings = config_snapshot(model.config)
 
     def restructured(self) -> bool:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
         `load_state_dict(..., assign=True)`), a module replaced, or a forward hook added or removed
-        (the model's own or a global one) since: a model this loop can no longer run as it was built.
-        About 70 us for a 32-layer Llama's 423 modules (on this project's CPU), read at each admission."""
+        (the model's own or a global one), or its config edited (model/config_snapshot.py) since: a
+        model this loop can no longer run as it was built. About 70 us for a 32-layer Llama's 423
+        modules (on this project's CPU), read at each admission."""
         return (self._hook_keys() != self._hooks
                 or any(table.get(name) is not t for table, name, t in self._slots)
-                or any(table.get(name) is not child for table, name, child in self._children))
+                or any(table.get(name) is not child for table, name, child in self._children)
+                or config_snapshot(self._config) != self._settings)
 
     def _hook_keys(self) -> tuple:
         tables = [t for t in self._hook_tables if t]  # (mostly empty: a handle's key is unique for the process)

@@ -127,10 +127,24 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
     declared = getattr(text_config_of(model.config), "num_hidden_layers", None)
     if sorted(shapes) != list(range(len(shapes))) or (isinstance(declared, int) and len(shapes) < declared):
         of = f" of its {declared}" if isinstance(declared, int) else ""
+        mismatch = layer_indices_mismatch(model, declared)
+        if mismatch:
+            raise ValueError(f"{name} cannot run on hf_async_cb: {mismatch}")
         raise ValueError(f"{name} cannot run on hf_async_cb: only layers {sorted(shapes)}{of} write a K/V cache of "
                          "their own (the others write none, as cross-attention layers without an image, or share "
                          "another layer's), which the paged cache does not support.")
     return KVLayout(tuple(dataclasses.replace(shapes[i], gathered=i in transformed) for i in range(len(shapes))))
+
+
+def layer_indices_mismatch(model: torch.nn.Module, declared) -> str | None:
+    """Why the model's layers are not those its config declares (layers removed or added after
+    loading, the config left as it was), or None where they are (or cannot be told)."""
+    held = sorted({m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)})
+    if not isinstance(declared, int) or not held or held == list(range(declared)):
+        return None
+    return (f"its config declares {declared} layers (num_hidden_layers) but its modules hold layer indices {held} "
+            "(layers removed or added?): number the layers 0..n-1 (each attention's layer_idx) and set "
+            "num_hidden_layers to n.")
 
 
 @contextlib.contextmanager
@@ -145,7 +159,7 @@ def _attention(model: torch.nn.Module, function) -> Iterator[None]:
     AttentionInterface.register(name, function)
     adapters = AttentionAdapters(model)
     try:
-        with implementation(model.config, name):
+        with implementation(model.config, name, model):
             adapters.attach()
             try:
                 yield

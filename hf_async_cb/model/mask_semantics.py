@@ -107,7 +107,7 @@ def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
     try:
         for c, _ in windows:
             c.sliding_window = PROBE_WINDOW
-        with implementation(model.config, name):
+        with implementation(model.config, name, model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except Exception as error:  # noqa: BLE001 - a forward this cannot run: left to the parity check
         logger.debug("hf_async_cb: the mask probe of %s did not run (%s: %s)", type(model).__name__,

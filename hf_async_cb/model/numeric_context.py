@@ -21,9 +21,12 @@ import torch
 
 def numeric_context(device_type: str) -> tuple:
     """What decides the rounding of a forward on `device_type` in this thread, beside the weights."""
-    autocast = torch.is_autocast_enabled(device_type)
+    try:
+        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta): none
+        autocast = False
     matmul = torch.backends.cuda.matmul
-    return (autocast and torch.get_autocast_dtype(device_type), torch.get_float32_matmul_precision(),
+    return (autocast, torch.get_float32_matmul_precision(),
             matmul.allow_tf32, torch.backends.cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
             matmul.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled())
 

@@ -27,6 +27,7 @@ from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
 from hf_async_cb.model.compiled import uncompiled
+from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.embeddings_path import embeddings_refusal
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
@@ -157,14 +158,7 @@ def signature(model: torch.nn.Module) -> tuple:
     their feature, are not counted) counts as a change, as do parameters and the config."""
     params = tuple((id(p), storage_key(p), p.dtype, p.device) for p in model.parameters())
     modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
-    return params, modules, global_hooks(), _config_snapshot(model.config)
-
-
-def _config_snapshot(config) -> dict:
-    state = dict(vars(config))
-    for volatile in ("_attn_implementation_internal", "_attn_implementation", "_commit_hash"):
-        state.pop(volatile, None)
-    return state
+    return params, modules, global_hooks(), config_snapshot(model.config)
 
 
 def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
@@ -258,7 +252,7 @@ class PreparedModel:
                 try:
                     self._attach()
                     attention.register()
-                    with attention.implementation(model.config, attention.ATTENTION_NAME) as stock:
+                    with attention.implementation(model.config, attention.ATTENTION_NAME, model) as stock:
                         self._stock_attention = stock
                         yield
                 finally:
@@ -276,6 +270,15 @@ class PreparedModel:
         finally:
             with deferred_interrupts():
                 self._attach()
+
+    def reclaim_attention(self) -> None:
+        """Inside using(): the paged attention routed again where the user switched the model's
+        attention meanwhile (`set_attn_implementation` while a loop serves: its steps would run the
+        user's implementation on the engine's pool); the user's choice applies once the call ends."""
+        taken = attention.reclaim(self._stock_attention, attention.ATTENTION_NAME)
+        if taken:
+            logger.warning("hf_async_cb: the model's attention implementation was changed while an engine holds it; "
+                           "the change applies once the engine lets the model go (shutdown() for a serving loop)")
 
     def _attach(self) -> None:
         if self.fusion is not None:

@@ -1,0 +1,147 @@
+"""What a user changes on a model between engine calls (or while a loop serves it) is what the next
+call runs, as in stock generate, or a clear refusal: config values edited in place, tensors modules
+hold as plain attributes, forwards patched onto an instance, the attention implementation switched
+while serving, layers deep-copied in or removed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from models import left_pad, random_prompts, scaled
+from torch import nn
+
+import hf_async_cb
+from hf_async_cb import BatchingConfig, Engine, SamplingParams
+from hf_async_cb.model.config_snapshot import config_snapshot
+
+PROMPTS = random_prompts(3, 40, 60, seed=7)
+NEW = 8
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _llama(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return scaled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **kw})).eval())
+
+
+def _generate(model, **kwargs) -> torch.Tensor:
+    ids, mask = left_pad(PROMPTS)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_config_list_edited_in_place_is_what_the_next_call_runs(mode):
+    """Gemma 2 reads layer_types at every forward: which layers slide changes the tokens."""
+    torch.manual_seed(0)
+    model = scaled(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=8)))
+    model.eval()
+    before = _generate(model, batching=mode)
+    model.config.layer_types[0] = "full_attention"
+    expected = _generate(model)
+    assert not torch.equal(expected, before)
+    assert torch.equal(_generate(model, batching=mode), expected)
+
+
+def test_a_held_engine_and_a_serving_loop_refuse_a_config_edited_in_place():
+    model = _llama(layer_types=["full_attention", "full_attention"])
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=())
+    with Engine(model) as engine:
+        engine.generate(PROMPTS[:1], params)
+        model.config.layer_types[0] = "sliding_attention"
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.generate(PROMPTS[:1], params)
+    model.config.layer_types[0] = "full_attention"
+    with Engine(model) as engine:
+        engine.start()
+        assert engine.add_request(PROMPTS[0], params).result(timeout=60).output_token_ids
+        model.config.layer_types[0] = "sliding_attention"
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.add_request(PROMPTS[0], params).result(timeout=60)
+
+
+def test_the_config_snapshot_sees_edits_in_place_in_sub_configs():
+    config = transformers.LlavaConfig(text_config=transformers.LlamaConfig(**COMMON))
+    before = config_snapshot(config)
+    config.text_config.rope_parameters["rope_theta"] = 1.0  # (a dict inside a sub-config)
+    assert config_snapshot(config) != before
+    config.text_config.rope_parameters["rope_theta"] = before["text_config"]["rope_parameters"]["rope_theta"]
+    config._attn_implementation = "eager"  # the engine's own switch is not a change
+    assert config_snapshot(config) == before
+
+
+class _Steered(nn.Module):
+    """Activation steering as a custom module: its vector a plain tensor attribute, not a buffer."""
+
+    def __init__(self, inner: nn.Module, vector: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.vector = inner, vector
+
+    def forward(self, x):
+        return self.inner(x) + self.vector
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_steering_vector_held_as_a_plain_attribute_is_what_the_next_call_runs(mode):
+    model = _llama()
+    layer = model.model.layers[0]
+    layer.mlp = _Steered(layer.mlp, torch.full((64,), 3.0))
+    _generate(model, batching=mode)
+    hits = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
+    _generate(model, batching=mode)  # unchanged: the prompts' pages are taken from the cache
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] > hits
+    with torch.no_grad():
+        layer.mlp.vector.mul_(-1)  # in place
+    assert torch.equal(_generate(model, batching=mode), _generate(model))
+    layer.mlp.vector = torch.full((64,), 7.0)  # another tensor
+    assert torch.equal(_generate(model, batching=mode), _generate(model))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_forward_patched_onto_an_instance_is_run_afresh_each_call(mode):
+    """Its code may read anything (here a dict the caller changes): nothing it computed is reused."""
+    model = _llama()
+    mlp = model.model.layers[0].mlp
+    state = {"scale": 1.0}
+    forward = type(mlp).forward
+    mlp.forward = lambda x: forward(mlp, x) * state["scale"]
+    _generate(model, batching=mode)
+    state["scale"] = -4.0
+    assert torch.equal(_generate(model, batching=mode), _generate(model))
+
+
+def test_switching_the_attention_while_a_loop_serves_takes_effect_after_it():
+    model = _llama()
+    params = SamplingParams(max_new_tokens=6, eos_token_ids=())
+    with Engine(model, BatchingConfig(mode="async")) as engine:
+        engine.start()
+        first = engine.add_request(PROMPTS[0], params).result(timeout=60).output_token_ids
+        model.set_attn_implementation("eager")
+        assert engine.add_request(PROMPTS[0], params).result(timeout=60).output_token_ids == first
+        engine.shutdown()
+    assert model.config._attn_implementation == "eager"
+    ids = torch.tensor([PROMPTS[0]])
+    assert model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, -6:].tolist() == first
+
+
+def test_a_layer_deep_copied_in_runs_and_leaves_no_verdict_for_its_family():
+    """A deep-copied layer keeps a copy of its model's config, which its attention reads."""
+    model = _llama()
+    layer = copy.deepcopy(model.model.layers[-1])
+    layer.self_attn.layer_idx = 2
+    model.model.layers.append(layer)
+    model.config.num_hidden_layers = 3
+    assert torch.equal(_generate(model, batching="sync"), _generate(model))
+    clean = _llama(num_hidden_layers=3)
+    assert torch.equal(_generate(clean, batching="sync"), _generate(clean))
+
+
+def test_a_layer_removed_without_the_config_is_refused_saying_so():
+    model = _llama()
+    del model.model.layers[1]
+    with pytest.raises(ValueError, match="declares 2 layers .* layer indices \\[0\\]"):
+        _generate(model, batching="sync")
