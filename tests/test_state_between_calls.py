@@ -145,3 +145,19 @@ def test_a_layer_removed_without_the_config_is_refused_saying_so():
     del model.model.layers[1]
     with pytest.raises(ValueError, match="declares 2 layers .* layer indices \\[0\\]"):
         _generate(model, batching="sync")
+
+
+def test_graphs_of_a_model_running_user_code_are_captured_afresh_each_call():
+    """A hook reading a setting the caller changes between calls: a graph would replay the value it
+    captured (on the CPU the graphs' stand-in runs eagerly, so the captures are compared)."""
+    model = _llama()
+    scale = {"value": 1.0}
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * scale["value"])
+    params = SamplingParams(max_new_tokens=6, eos_token_ids=())
+    with Engine(model, BatchingConfig(cuda_graphs=True, prefix_caching=False, page_size=4)) as engine:
+        engine.generate(PROMPTS, params)
+        first = dict(engine.graphs._graphs)
+        assert first
+        scale["value"] = -2.0
+        engine.generate(PROMPTS, params)
+        assert engine.graphs._graphs and not any(engine.graphs._graphs.get(k) is g for k, g in first.items())

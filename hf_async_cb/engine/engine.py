@@ -47,7 +47,7 @@ from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_cache import PagedKVCache
-from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.prepared import PreparedModel, model_guard
@@ -311,9 +311,12 @@ class Engine:
         """Once per call, before any request is admitted: drop the CUDA graphs if the call's arithmetic
         (model/numeric_context.py: autocast, matmul precisions) is not the one they were captured in,
         and empty the prefix cache if the model may compute other K/V than when it was filled
-        (model/kv_fingerprint.py, which reads that context too)."""
+        (model/kv_fingerprint.py, which reads that context too). Graphs replay no Python: a model
+        running the user's hooks or patched forwards, which may read a setting changed since, has
+        its graphs captured afresh in each call."""
         if self.graphs is not None:
-            self.graphs.keep_for(numeric_context(self.device.type))
+            context = numeric_context(self.device.type)
+            self.graphs.keep_for((context, object()) if runs_user_code(self.model) else context)
         if self.prefix_cache is None:
             return
         fingerprint = kv_fingerprint(self.model)

@@ -272,7 +272,8 @@ class _Worker:
             while True:
                 if self._admit():
                     if pipeline.graphs is not None:  # this thread's arithmetic (model/numeric_context.py)
-                        pipeline.graphs.keep_for(numeric_context(self.device_type))
+                        context = numeric_context(self.device_type)  # (and the user's hooks: captured afresh)
+                        pipeline.graphs.keep_for((context, object()) if weights.runs_user_code else context)
                     if weights.restructured():
                         # A weight given another tensor, a module replaced, a hook added or removed: refused,
                         # with what to do, to every caller, where the engine runs a prepared copy; else the

@@ -37,9 +37,9 @@ from hf_async_cb.model.weight_kinds import storage_key, versions
 def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     """A value that changes whenever the K/V `model` computes for given tokens may have; None when
     that cannot be told (inference tensors, forward hooks of the user's)."""
-    if _runs_user_hooks(model):
+    if runs_user_code(model):
         return None
-    tensors = [*model.parameters(), *model.buffers(), *_attribute_tensors(model)]
+    tensors = [*model.parameters(), *model.buffers(), *attribute_tensors(model)]
     counters = versions(tensors)
     if counters is None:
         return None
@@ -51,7 +51,7 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     return sum(counters), hash(storages), _adapter_state(model), settings, model_numeric_context(model)
 
 
-def _runs_user_hooks(model: torch.nn.Module) -> bool:
+def runs_user_code(model: torch.nn.Module) -> bool:
     """Whether a forward of `model` runs forward hooks of the user's (global ones included), or a
     forward of the user's patched onto a module instance."""
     return any(global_hooks()) or any(_hooked(m) or _patched(m) for m in model.modules())
@@ -77,7 +77,7 @@ def _patched(module: torch.nn.Module) -> bool:
     return not where.startswith(_KNOWN_FORWARDS)
 
 
-def _attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Tensors the modules of other code than transformers' hold as plain attributes (parameters and
     buffers are kept apart, in their own tables). transformers' own modules hold none that their
     numerics read, only what a forward leaves for the next (Qwen2-VL's `rope_deltas`)."""
@@ -118,15 +118,15 @@ class WeightVersions:
     Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._tensors = [*model.parameters(), *model.buffers(), *_attribute_tensors(model)]
+        self._tensors = [*model.parameters(), *model.buffers(), *attribute_tensors(model)]
         self._device_type = self._tensors[0].device.type if self._tensors else "cpu"
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
-        attributes = {id(t) for t in _attribute_tensors(model)}
+        attributes = {id(t) for t in attribute_tensors(model)}
         self._slots += [(vars(m), name, t) for m in model.modules() for name, t in vars(m).items()
                         if isinstance(t, torch.Tensor) and id(t) in attributes]
-        self._hooked = _runs_user_hooks(model)
+        self._hooked = self.runs_user_code = runs_user_code(model)
         # The modules' structure, for restructured(): each tensor and child in its table, and the hook tables.
         self._children = [(m._modules, name, child) for m in model.modules() for name, child in m._modules.items()]
         self._hook_tables = [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks)]

@@ -31,6 +31,7 @@ from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.embeddings_path import embeddings_refusal
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
+from hf_async_cb.model.kv_fingerprint import attribute_tensors
 from hf_async_cb.model.mask_semantics import apply_masks
 from hf_async_cb.model.weight_kinds import storage_key
 
@@ -155,8 +156,9 @@ def signature(model: torch.nn.Module) -> tuple:
     the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
     module put in place of another, a class swapped, a forward set on an instance or a forward hook
     added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
-    their feature, are not counted) counts as a change, as do parameters and the config."""
-    params = tuple((id(p), storage_key(p), p.dtype, p.device) for p in model.parameters())
+    their feature, are not counted) counts as a change, as do parameters, the tensors custom modules
+    hold as attributes (graphs read them where they were) and the config."""
+    params = tuple((id(p), storage_key(p), p.dtype, p.device) for p in (*model.parameters(), *attribute_tensors(model)))
     modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
     return params, modules, global_hooks(), config_snapshot(model.config)
 
