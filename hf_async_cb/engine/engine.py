@@ -20,7 +20,7 @@ from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.pool_size import pool_pages
-from hf_async_cb.engine.prefix_cache import PrefixCache
+from hf_async_cb.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
@@ -129,6 +129,9 @@ class Engine:
                 logger.info("hf_async_cb: measured %d decode GEMM shapes; %s", measured, decode_gemms.summary())
         if not self.config.trust_untested_model:
             check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
+            if self.prefix_cache is not None:  # its probe's pages and counts are not the user's
+                self.scheduler.clear_prefix_cache()
+                self.prefix_cache.stats = PrefixCacheStats()
 
     def _build(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self.device = self.prepared_model.device

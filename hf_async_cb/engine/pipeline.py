@@ -231,17 +231,19 @@ class Pipeline:
                 self._fail(req, invalid_scores_error(req.request_id, len(req.output_token_ids)), "scores",
                            finished)
                 continue
+            source = "stopping criterion"
             try:  # free on 3.11+ when nothing raises
                 if req.append_token(token, logprob):
                     self.scheduler.finish(req)
                     finished.append(req)
                 if req.on_token is not None:
+                    source = getattr(getattr(req.on_token, "__self__", None), "raised_by", "token callback")
                     req.on_token(req, token)
             # The request's stopping criterion or callback: fail it alone. BaseException too: one
             # request's SystemExit must not take the loop's other requests down (a foreground run
             # re-raises it after the step, so a KeyboardInterrupt still stops the call).
             except BaseException as error:  # noqa: BLE001
-                self._fail(req, error, "stopping criterion or token callback", finished)
+                self._fail(req, error, source, finished)
         return finished
 
     def _fail(self, req: Request, error: BaseException, source: str, finished: list[Request]) -> None:

@@ -126,6 +126,15 @@ class Scheduler:
         self.page_table = PageTable()  # the running requests' pages, mirrored at every change below
 
     # -- queue -----------------------------------------------------------------------------
+    def check_fits_pages(self, pages: int) -> None:
+        """Raise ValueError if a row needing `pages` pages could never fit in the pool, even alone."""
+        if pages > self.allocator.num_pages:
+            raise ValueError(
+                f"a row needs up to {pages * self.page_size} tokens of KV cache (prompt + max_new_tokens) but the "
+                f"pool holds {self.allocator.num_pages * self.page_size} ({self.allocator.num_pages} pages of "
+                f"{self.page_size}), all its memory budget allows; raise BatchingConfig.kv_memory_fraction "
+                "(cpu_kv_cache_bytes on the CPU) or lower max_new_tokens.")
+
     def check_fits(self, request: Request) -> None:
         """Raise ValueError if `request` could never fit in the pool, even alone."""
         capacity = self.allocator.num_pages * self.page_size

@@ -17,6 +17,7 @@ import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine
+from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.generate.arguments import GenerateCall, parse_call
@@ -25,6 +26,7 @@ from hf_async_cb.generate.prompt_learning import check_window
 from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer
+from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.vision import merged_prompts
 
@@ -45,7 +47,15 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     extra = call.virtual.count if call.virtual is not None else 0  # a PEFT adapter's virtual tokens
     pages_needed = sum(-(-(len(p) + extra + max_new) // page) for p in call.prompts) * call.copies
     _check_history_is_seen(call, options)  # before the engine is built or taken
-    with runtime_engine(model, config.with_mode(mode), pages_needed) as engine:
+    limits = PromptLimits.of(model, text_config_of(model.config))
+    for prompt in call.prompts:  # bad input refused before any pool is built or grown for it
+        check_prompt(prompt, options.params, limits)
+    outside = call.input_ids[(call.input_ids < 0) | (call.input_ids >= limits.vocab_size)]
+    if outside.numel():  # (in the padding too: stock embeds every position, and fails there)
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {limits.vocab_size}), padding "
+                         f"included: {outside[:5].tolist()}")
+    row_pages = max((-(-(len(p) + extra + max_new) // page) for p in call.prompts), default=0)
+    with runtime_engine(model, config.with_mode(mode), pages_needed, row_pages) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
         _start_clocks(options.criteria, call.arguments.get("stopping_criteria"))
         engine.run(requests)

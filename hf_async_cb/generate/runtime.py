@@ -67,6 +67,13 @@ class ModelRuntime:
     def fits(self, model: torch.nn.Module, config: BatchingConfig) -> bool:
         return _structure(config) == self.structure and self.prepared.matches(model)
 
+    def check_row_fits(self, row_pages: int) -> None:
+        """Where the pool already holds all its memory allows (it got fewer pages than it asked for),
+        refuse a row needing more pages than it has, as the engine would, without a rebuild."""
+        engine = self.engine
+        if engine is not None and engine.num_pages < self._page_cap:
+            engine.scheduler.check_fits_pages(row_pages)
+
     def engine_for(self, model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Engine:
         """The engine, its pool grown first if this call needs more pages than it has."""
         engine = self.engine
@@ -108,7 +115,8 @@ class ModelRuntime:
 
 
 @contextlib.contextmanager
-def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Iterator[Engine]:
+def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed: int,
+                   row_pages: int = 0) -> Iterator[Engine]:
     """The model's engine for one generate call, under the model's guard for the whole call."""
     with model_guard(model).held("generate", kind="outer"):
         runtime = _RUNTIMES.get(model)
@@ -122,6 +130,7 @@ def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed:
             runtime = ModelRuntime(model, config)  # raises with the model as it was found
             with _RUNTIMES_LOCK:
                 _RUNTIMES[model] = runtime
+        runtime.check_row_fits(row_pages)  # (refused, the runtime kept as it is)
         try:
             engine = runtime.engine_for(model, config, pages_needed)
         except BaseException:

@@ -14,6 +14,8 @@ from hf_async_cb.engine.requests import Request
 
 
 class LockstepStreamer:
+    raised_by = "streamer's put() (it streams every row of the call)"  # (how a failure of put() is named)
+
     def __init__(self, streamer, input_ids: torch.Tensor, pad_token_id: int | None) -> None:
         self.streamer = streamer
         self.pad = pad_token_id

@@ -53,11 +53,23 @@ def current_step(meta: StepMetadata) -> Iterator[None]:
         _current_step.reset(token)
 
 
+_SHARED_CONFIG = ("models that share one config object switch their attention together while an engine runs "
+                  "one of them: give each model its own config (copy.deepcopy(model.config)) to run them side by side")
+
+
+def check_probed(module, probed: set[int], what: str) -> None:
+    """In an attention that stands in for a check's forward: refuse a module of another model (one
+    sharing the probed model's config object, run meanwhile), which would get the check's zeros."""
+    if id(module) not in probed:
+        raise RuntimeError(f"{type(module).__name__} of another model ran while hf_async_cb {what}: {_SHARED_CONFIG}.")
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: StepMetadata | None = kwargs.get(METADATA_KWARG) or _current_step.get()
     if meta is None:
         raise RuntimeError(
-            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step."
+            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step (a model sharing "
+            f"its config object with one an engine runs? {_SHARED_CONFIG})."
         )
     if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
         raise ValueError(f"{type(module).__name__} adds a dense position-bias tensor to its attention scores, which "

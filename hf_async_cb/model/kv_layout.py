@@ -86,6 +86,8 @@ def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
 def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
     from transformers.cache_utils import DynamicCache
 
+    from hf_async_cb.model.attention import check_probed
+
     from hf_async_cb.model.kv_cache import cache_keyword
     from hf_async_cb.model.checks import text_config_of
 
@@ -100,7 +102,10 @@ def _measure(model: torch.nn.Module, device: torch.device) -> KVLayout:
             returned[layer_idx] = super().update(key_states, value_states, layer_idx, *args, **kwargs)
             return returned[layer_idx]
 
+    probed = {id(m) for m in model.modules()}
+
     def recording_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        check_probed(module, probed, "measured a model's K/V layout")
         layer = getattr(module, "layer_idx", None)
         if layer in returned and (key is not returned[layer][0] or value is not returned[layer][1]):
             transformed.add(layer)

@@ -74,17 +74,18 @@ def _configs_with_windows(config) -> list:
 
 @torch.no_grad()
 def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
-    """The per-module mask semantics of `model` (see the module docstring), or None when its
-    forward does not run with a recording attention (its kind is then left to the parity check)."""
+    """The per-module mask semantics of `model` (see the module docstring). A ValueError when its
+    forward fails (the user's own error where a hook or patched forward of theirs raised)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-    from hf_async_cb.model.attention import implementation
+    from hf_async_cb.model.attention import check_probed, implementation
 
     names = {id(m): n for n, m in model.named_modules()}
     found = MaskSemantics()
 
     def recording_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        check_probed(module, names, "read a model's masks")
         mask = attention_mask
         if (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4
                 and mask.shape[-1] == mask.shape[-2] == PROBE_TOKENS):
@@ -109,10 +110,17 @@ def read_masks(model: torch.nn.Module) -> MaskSemantics | None:
             c.sliding_window = PROBE_WINDOW
         with implementation(model.config, name, model):
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except Exception as error:  # noqa: BLE001 - a forward this cannot run: left to the parity check
-        logger.debug("hf_async_cb: the mask probe of %s did not run (%s: %s)", type(model).__name__,
-                     type(error).__name__, error)
-        return None
+    except Exception as error:
+        # Without the masks read, windows, biases and bidirectional blocks would go unchecked (the
+        # parity check's prompts are shorter than most windows): a forward that fails here refuses
+        # the model, or reaches the caller as the user's own error (a hook's, a patched forward's).
+        from hf_async_cb.model.kv_fingerprint import runs_user_code
+
+        if runs_user_code(model):
+            raise
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"{type(model).__name__} cannot run on hf_async_cb: reading its attention masks with a "
+                         f"forward of {PROBE_TOKENS} tokens failed ({type(error).__name__}: {first})") from error
     finally:
         for c, window in windows:
             c.sliding_window = window

@@ -77,7 +77,7 @@ class ModelGuard:
         if kind != "stock" and self._stock.get(me):  # an engine call inside a stock call of this thread
             raise self._busy(what)
         if self._serving:
-            raise RuntimeError(f"{what}: the model is serving an Engine's background loop; shutdown() it first.")
+            raise RuntimeError(f"{what}: the model (or one sharing its config object) is serving an Engine's background loop; shutdown() it first.")
         # Every change of the state is made inside a `with` block, and marked done in the same block,
         # so that a Ctrl-C landing anywhere cannot leave the model held (every later call waiting).
         entered = False
@@ -85,7 +85,7 @@ class ModelGuard:
             with self._cond:
                 while self._owner is not None or (kind != "stock" and self._stock):
                     if self._serving:  # the loop started while this call waited
-                        raise RuntimeError(f"{what}: the model is serving an Engine's background loop; "
+                        raise RuntimeError(f"{what}: the model (or one sharing its config object) is serving an Engine's background loop; "
                                            "shutdown() it first.")
                     self._cond.wait()
                 if kind == "stock":
