@@ -12,10 +12,9 @@ compute. A call compares this fingerprint with the last one and empties the cach
 - every module's own settings, as the parity verdict's key reads them (model/numerics_key.py): a
   LoRA layer's scaling (PEFT's `rescale_adapter_scale`, `set_scale`), a parametrization's or a
   custom module's attributes (a few ms for an 8B model);
+- tensors that modules of other code than transformers' hold as plain attributes (not parameters or
+  buffers: a steering vector a custom module adds), by identity, storage and version counter;
 - the call's arithmetic (model/numeric_context.py): autocast, the matmul precisions.
-
-- tensors that modules hold as plain attributes (not parameters or buffers: a steering vector a
-  custom module adds), by identity, storage and version counter.
 
 Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
 user's, or a forward of the user's patched onto a module instance, may hold anything (a steering
@@ -65,15 +64,13 @@ _KNOWN_FORWARDS = ("hf_async_cb.", "accelerate.", "torch._dynamo.", "torch.nn.")
 def _patched(module: torch.nn.Module) -> bool:
     """Whether a forward set on this module instance (`module.forward = f`) is the user's own code."""
     forward = module.__dict__.get("forward")
-    if forward is None:
+    if forward is None or getattr(module, "_hf_hook", None) is not None:  # (accelerate's, whatever it wraps)
         return False
     if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
             type(module).forward, "__func__", type(module).forward):
         return False  # (its own class's forward, bound: stored by some wrappers)
     origin = getattr(forward, "__func__", None) or getattr(forward, "func", None) or forward
     where = getattr(origin, "__module__", None) or type(origin).__module__ or ""
-    if getattr(module, "_hf_hook", None) is not None:
-        return False  # accelerate's forward, whatever it wraps
     return not where.startswith(_KNOWN_FORWARDS)
 
 
@@ -138,8 +135,8 @@ class WeightVersions:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
         `load_state_dict(..., assign=True)`), a module replaced, or a forward hook added or removed
         (the model's own or a global one), or its config edited (model/config_snapshot.py) since: a
-        model this loop can no longer run as it was built. About 70 us for a 32-layer Llama's 423
-        modules (on this project's CPU), read at each admission."""
+        model this loop can no longer run as it was built. About 100 us for a 32-layer Llama's 423
+        modules and its config (on this project's CPU), read at each admission."""
         return (self._hook_keys() != self._hooks
                 or any(table.get(name) is not t for table, name, t in self._slots)
                 or any(table.get(name) is not child for table, name, child in self._children)
