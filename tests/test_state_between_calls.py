@@ -161,3 +161,16 @@ def test_graphs_of_a_model_running_user_code_are_captured_afresh_each_call():
         scale["value"] = -2.0
         engine.generate(PROMPTS, params)
         assert engine.graphs._graphs and not any(engine.graphs._graphs.get(k) is g for k, g in first.items())
+
+
+@pytest.mark.parametrize("where", ["model", "layer"])
+def test_a_compiled_forward_set_on_an_instance_keeps_the_prefix_cache(where):
+    """torch.compile's wrapper copies the metadata of what it wraps: it is judged by what it wraps
+    (the class's own forward here), not taken for the user's code."""
+    model = _llama()
+    expected = _generate(model)  # (before compiling: the engine sets the compiled wrapper aside)
+    module = model if where == "model" else model.model.layers[0]
+    module.forward = torch.compile(module.forward)
+    for _ in range(2):
+        assert torch.equal(_generate(model, batching="sync"), expected)
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] > 0

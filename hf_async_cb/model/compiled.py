@@ -32,7 +32,7 @@ def _dynamo_wrapped(fn) -> bool:
     return callable(fn) and hasattr(fn, "_torchdynamo_orig_callable")
 
 
-def _unwrapped(fn):
+def unwrapped(fn):
     """The callable under dynamo's wrappers (torch.compile of a compiled function wraps twice)."""
     while _dynamo_wrapped(fn):
         fn = fn._torchdynamo_orig_callable
@@ -81,7 +81,7 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
                 undo.append(lambda m=m, c=compiled_call: setattr(m, "_compiled_call_impl", c))
             forward = state.get("forward")
             if _dynamo_wrapped(forward):
-                state["forward"] = _unwrapped(forward)
+                state["forward"] = unwrapped(forward)
                 undo.append(lambda state=state, f=forward: state.__setitem__("forward", f))
             for child_name, child in list(m.named_children()):
                 if _is_optimized_module(child):

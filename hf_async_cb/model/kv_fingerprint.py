@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.compiled import unwrapped
 from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numeric_context import model_numeric_context, numeric_context
@@ -66,6 +67,7 @@ def _patched(module: torch.nn.Module) -> bool:
     forward = module.__dict__.get("forward")
     if forward is None or getattr(module, "_hf_hook", None) is not None:  # (accelerate's, whatever it wraps)
         return False
+    forward = unwrapped(forward)  # torch.compile's wrapper (it copies the metadata of what it wraps)
     if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
             type(module).forward, "__func__", type(module).forward):
         return False  # (its own class's forward, bound: stored by some wrappers)
