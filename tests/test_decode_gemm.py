@@ -77,16 +77,21 @@ def test_routed_forward_matches_stock(fused, kernel_calls):
     assert kernel_calls == []
 
 
+def _routed_logits(model, ids):
+    """The model's logits with every projection routed (EveryShape), then the model given back."""
+    gemms = DecodeGemms(model, None, EveryShape())
+    gemms.attach()
+    try:
+        return _logits(model, ids)
+    finally:
+        gemms.detach()
+
+
 def test_more_than_256_rows_use_linear(kernel_calls):
     model = copy.deepcopy(tiny_model("llama")).to(DEVICE)
     ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(2))
     expected = _logits(model, ids)
-    gemms = DecodeGemms(model, None, EveryShape())
-    gemms.attach()
-    try:
-        got = _logits(model, ids)
-    finally:
-        gemms.detach()
+    got = _routed_logits(model, ids)
     assert kernel_calls == []
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -98,12 +103,7 @@ def test_autocast_multiplies_as_stock_does(kernel_calls):
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         expected = _logits(model, ids)
-        gemms = DecodeGemms(model, None, EveryShape())
-        gemms.attach()
-        try:
-            got = _logits(model, ids)
-        finally:
-            gemms.detach()
+        got = _routed_logits(model, ids)
     assert kernel_calls == [] and got.dtype == expected.dtype == torch.bfloat16
     assert torch.equal(got, expected)
 

@@ -317,12 +317,13 @@ class Engine:
         (model/kv_fingerprint.py, which reads that context too). Graphs replay no Python: a model
         running the user's hooks or patched forwards, which may read a setting changed since, has
         its graphs captured afresh in each call."""
-        if self.graphs is not None:
+        fingerprint = kv_fingerprint(self.model) if self.prefix_cache is not None else None
+        if self.graphs is not None:  # (a fingerprint of None: the user's code runs, or no cache reads it)
             context = numeric_context(self.device.type)
-            self.graphs.keep_for((context, object()) if runs_user_code(self.model) else context)
+            user_code = fingerprint is None and runs_user_code(self.model)
+            self.graphs.keep_for((context, object()) if user_code else context)
         if self.prefix_cache is None:
             return
-        fingerprint = kv_fingerprint(self.model)
         changed = fingerprint is None or fingerprint != self._kv_fingerprint
         if self.tensor_parallel is not None:  # every rank clears if any must: their schedules stay alike
             changed = self.tensor_parallel.agree_min(0 if changed else 1) == 0
