@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -19,7 +20,7 @@ from triton.runtime.jit import JITFunction
 
 import hf_async_cb
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model
-from hf_async_cb.tools.phases import PHASE_SECONDS, time_phases
+from hf_async_cb.tools.phases import PHASE_SECONDS, PHASE_SPANS, time_phases, timeline
 
 COMPILES: list[dict] = []
 _original = JITFunction._do_compile
@@ -87,14 +88,19 @@ def runtime_of(model):
     return runtime._RUNTIMES.get(model)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def call(model, n, prompt, new, sample):
-    ids = torch.tensor(_prompts(n, prompt, model.config.vocab_size), device="cuda")
+    ids = torch.tensor(_prompts(n, prompt, model.config.vocab_size), device=model.device)
     decoding = dict(SAMPLING) if sample else dict(do_sample=False)
-    torch.cuda.synchronize()
+    _sync(model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, batching="async",
                    batching_config=hf_async_cb.BatchingConfig(seed=0), pad_token_id=0, **decoding)
-    torch.cuda.synchronize()
+    _sync(model.device)
     return time.perf_counter() - start
 
 
@@ -104,16 +110,31 @@ def main() -> None:
     parser.add_argument("--calls", default="64:128:256:s,7:128:256:s,64:128:256:g,48:300:64:g",
                         help="rows:prompt:new:(s)ampled|(g)reedy, comma-separated")
     parser.add_argument("--json")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script (the interpreter compiles nothing)")
+    parser.add_argument("--sample", action="store_true",
+                        help="sample the first call's stack (benchmarks/wall_sampler.py) and print its phases' timeline")
     args = parser.parse_args()
     time_phases()
     t0 = time.perf_counter()
-    model = build_model(args.shape, torch.device("cuda"), torch.bfloat16)
+    model = build_model(args.shape, torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32)
     report = dict(shape=args.shape, build_s=round(time.perf_counter() - t0, 2), calls=[])
     for spec in args.calls.split(","):
         n, prompt, new, kind = spec.split(":")
         before = len(COMPILES)
         PHASE_SECONDS.clear()
-        seconds = call(model, int(n), int(prompt), int(new), kind == "s")
+        PHASE_SPANS.clear()
+        sampler = None
+        started = time.perf_counter()
+        if args.sample and not report["calls"]:
+            import sys
+
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from wall_sampler import WallSampler
+
+            with WallSampler() as sampler:
+                seconds = call(model, int(n), int(prompt), int(new), kind == "s")
+        else:
+            seconds = call(model, int(n), int(prompt), int(new), kind == "s")
         new_compiles = COMPILES[before:]
         report["calls"].append(dict(call=spec, seconds=round(seconds, 3), compiles=new_compiles,
                                     compile_s=round(sum(c["seconds"] for c in new_compiles), 2),
@@ -124,13 +145,18 @@ def main() -> None:
             print(f"   {c['seconds']:6.2f} s  {c['kernel']:<40} {c['constexprs']}", flush=True)
         if PHASE_SECONDS:
             print("   phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in PHASE_SECONDS.items()), flush=True)
+        if sampler is not None:
+            report["calls"][-1]["timeline"] = timeline(started)
+            print("   timeline (s after the call's start):", flush=True)
+            for label, a, b in timeline(started):
+                print(f"     {a:7.3f} - {b:7.3f}  {label}", flush=True)
+            report["calls"][-1]["sampled"] = sampler.report()
+            print(sampler.report(), flush=True)
         ahead = getattr(getattr(runtime_of(model), "engine", None), "_precompile", None)
         if ahead is not None and "precompile" not in report:  # kernels/precompile.py, at the runtime's build
             report["precompile"] = ahead.summary()
             report["precompiled_keys"] = _precompiled_keys(ahead)
             print(f"   compiled ahead: {report['precompile']}", flush=True)
-    import os
-
     from triton import knobs
 
     folder = os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir

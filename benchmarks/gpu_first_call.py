@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3.2-1b")
     parser.add_argument("--calls", default="64:128:256:s,7:128:256:s,64:128:256:g")
     parser.add_argument("--json")
+    parser.add_argument("--sample", action="store_true", help="sample each first call's stack and print its timeline")
     args = parser.parse_args()
     census = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_compile_census.py")
     cache = tempfile.mkdtemp(prefix="triton-first-call-")
@@ -34,7 +35,8 @@ def main() -> None:
     for run in ("cold", "warm"):
         out = os.path.join(cache, f"{run}.json")
         print(f"--- {run} Triton cache ({cache})", flush=True)
-        subprocess.run([sys.executable, census, "--shape", args.shape, "--calls", args.calls, "--json", out],
+        subprocess.run([sys.executable, census, "--shape", args.shape, "--calls", args.calls, "--json", out]
+                       + ["--sample"] * args.sample,
                        env=env, check=True)
         with open(out) as f:
             report[run] = json.load(f)

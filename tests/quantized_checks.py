@@ -81,7 +81,7 @@ def engine_launches_and_listing(monkeypatch, model, kernels=None) -> tuple[list,
     launches = interpreter_launches(monkeypatch)
     listed = set()
 
-    def listing(engine, model):
+    def listing(engine, model, ahead=None):
         listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
 
     monkeypatch.setattr(engine_module, "precompile", listing)

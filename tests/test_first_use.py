@@ -1,5 +1,5 @@
 """First use on a GPU: a fresh process with an empty Triton cache compiles every kernel variant its
-model can need in its first generate() call (kernels/precompile.py), and none in 20 later calls of
+model can need (and its launcher) in its first generate() call (kernels/precompile.py), and none in 20 later calls of
 random batch sizes (1..256) and prompt lengths (1..4K), greedy and sampled. A 2-layer model of the
 Llama-3.2-1B widths (its vocabulary, heads and head size set the variants) keeps it to a few
 minutes on an H200. Skipped without CUDA."""
@@ -44,7 +44,16 @@ def variants():
     return sum(len(keys) for keys in compiled_keys().values())
 
 
+# C launchers built in this process (Triton <= 3.6 compiles one per kernel signature at its first launch,
+# with the host's C compiler: the workers build them into the disk cache beside the kernels).
+from triton.runtime import build
+launchers = []
+_build = build._build
+build._build = lambda name, *args, **kwargs: launchers.append(name) or _build(name, *args, **kwargs)
+
+
 report = dict(first_s=call(64, 128, True, 32))
+report["launchers_first"] = launchers.count("__triton_launcher")
 precompiled = runtime._RUNTIMES[model].engine._precompile
 report.update(listed=len(precompiled.variants), loaded=precompiled.loaded, failed=precompiled.failed,
               summary=precompiled.summary(), after_first=variants())
@@ -58,6 +67,7 @@ for i in range(20):
     report["later"].append(dict(rows=rows, length=length, sampled=sampled, seconds=round(seconds, 3),
                                 compiled={name: len(k) for name, k in new.items() if k}))
 report["after_later"] = variants()
+report["launchers_later"] = launchers.count("__triton_launcher") - report["launchers_first"]
 print("REPORT " + json.dumps(report))
 """
 
@@ -77,3 +87,5 @@ def test_a_fresh_process_compiles_everything_in_its_first_call_and_nothing_after
     compiled_later = [c for c in report["later"] if c["compiled"]]
     assert not compiled_later, compiled_later
     assert report["after_later"] == report["after_first"]
+    # No C launcher is compiled in the serving process (each one 0.3-1 s on its first launch): the workers built them.
+    assert report["launchers_first"] == 0 and report["launchers_later"] == 0, report

@@ -54,7 +54,7 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
 
     listed = set()
 
-    def listing(engine, model):  # what the build hands the precompile on CUDA, at that very point of it
+    def listing(engine, model, ahead=None):  # what the build hands the precompile on CUDA, at that very point of it
         listed.update(variant_key(v) for v in model_variants(facts_of(engine, model)))
 
     monkeypatch.setattr(engine_module, "precompile", listing)
@@ -87,6 +87,56 @@ def test_the_listed_variants_cover_every_launch(family, dtype, launches, monkeyp
         assert "shared_prefix_attention._shared_prefix_kernel" in names
 
 
+@pytest.mark.parametrize("family, dtype", [("llama", torch.bfloat16), ("mistral", torch.float32), ("gpt2", torch.float32)])
+def test_the_variants_listed_before_preparation_are_among_the_builds(family, dtype, monkeypatch):
+    """What compiles while the model is prepared (facts_before_preparation: its attention and draws)
+    is among what the build then lists for the prepared model, which leaves it out: a variant listed
+    early but not launched would be a compile for nothing."""
+    from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.kernels.model_variants import facts_before_preparation, facts_of, model_variants
+
+    listed = set()
+    monkeypatch.setattr(engine_module, "precompile", lambda engine, model, ahead=None: listed.update(
+        v.identity() for v in model_variants(facts_of(engine, model))))
+    model = copy.deepcopy(tiny_model(family)).to(dtype)
+    config = BatchingConfig(attention="triton", page_size=8, mode="sync", trust_untested_model=True)
+    early = model_variants(facts_before_preparation(model, config.page_size, "triton"))
+    names = {v.name for v in early}
+    assert {"paged_attention._paged_attention_kernel", "draw_sampled._resolve_kernel",
+            "draw_greedy._greedy_parts_kernel", "store_kv._store_kv_kernel"} <= names
+    with Engine(model, config):
+        assert listed
+    missing = [v.name for v in early if v.identity() not in listed]
+    assert not missing, f"listed before preparation, not by the build: {missing}"
+    # The reference attention launches no attention kernels: none are listed for it.
+    assert not facts_before_preparation(model, 8, "reference").attention
+
+
+def test_precompiles_take_turns_in_the_order_they_were_started():
+    """The checks' kernels, which the preparation waits for, compile before the engine's started after
+    them; a precompile that never took its turn does not hold up the ones after it."""
+    import threading
+
+    from hf_async_cb.kernels.precompile import _Turns
+
+    turns, order = _Turns(), []
+    first, second, given_up, third = (turns.ticket() for _ in range(4))
+
+    def run(ticket, name):
+        with turns.turn(ticket):
+            order.append(name)
+
+    later = [threading.Thread(target=run, args=(t, n)) for t, n in ((third, "third"), (second, "second"))]
+    for t in later:
+        t.start()
+    run(first, "first")
+    turns.done(given_up)
+    for t in later:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    assert order == ["first", "second", "third"]
+
+
 def test_nothing_is_compiled_ahead_off_cuda():
     from hf_async_cb.kernels.precompile import precompile
 
@@ -110,26 +160,42 @@ with compiling_for(sm90()):
         assert not [c for c in ahead.compiled if c.error], ahead.compiled
         again = Precompile(variants, torch.device("cpu"), workers=2).wait()  # all in this process's JIT now
         assert again.compiled == [] and again.loaded == 0, again.summary()
-    else:  # another process: the disk cache has them all, under the keys this JIT looks up
+    elif sys.argv[1] == "load":  # another process: the disk cache has them all, under the keys this JIT looks up
         before = files()
         for v in variants:
             assert v.warmup() is not None
         assert files() == before, (before, files())  # found there; nothing compiled anew
+    elif sys.argv[1] == "precompile again":  # another process precompiling them: all on disk, no workers
+        before = files()
+        ahead = Precompile(variants, torch.device("cpu"), workers=2).wait()
+        assert ahead.on_disk and ahead.compiled == [] and ahead.loaded == 3 and not ahead.failed, ahead.summary()
+        assert files() == before, (before, files())
+    else:  # the entries gone, the marker left: loading compiles them here, still right
+        import shutil
+        root = os.environ["TRITON_CACHE_DIR"]
+        for entry in os.listdir(root):
+            if entry != "hf_async_cb-precompiled":
+                shutil.rmtree(os.path.join(root, entry))
+        ahead = Precompile(variants, torch.device("cpu"), workers=2).wait()
+        assert ahead.on_disk and ahead.loaded == 3 and not ahead.failed, ahead.summary()
+        assert all(v.warmup() is not None for v in variants)
 print("files", files())
 """
 
 
 def test_compile_workers_fill_the_disk_cache_another_process_then_reads(tmp_path):
+    """...and a later process precompiling the same variants finds them all there without starting workers."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    for step in ("compile", "load"):
+    for step in ("compile", "load", "precompile again", "entries gone"):
         result = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD, step], env=env, capture_output=True, text=True,
                                 timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert int(result.stdout.split("files")[-1]) >= 3 * 5  # each compile left its IR, binary and metadata
+    assert len(os.listdir(tmp_path / "hf_async_cb-precompiled")) == 1  # one list of variants, compiled once
 
 
 def test_a_slow_first_use_is_said_once(caplog):

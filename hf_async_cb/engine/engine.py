@@ -42,7 +42,7 @@ from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import precompile
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import text_config_of
+from hf_async_cb.model.checks import model_dtype, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
@@ -55,13 +55,6 @@ from hf_async_cb.model.vision import media_embeds
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
-
-
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 _LOGGED_DEFAULTS: set = set()
@@ -109,7 +102,8 @@ class Engine:
         with as_in_eval(model, warn=False):  # its checks run the stock forward: without dropout (model/eval_mode.py)
             if prepared is None:
                 prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
-                                         self.config.fuse_elementwise, self.config.skinny_gemm)
+                                         self.config.fuse_elementwise, self.config.skinny_gemm,
+                                         engine_config=self.config)
             self.prepared_model = prepared
             try:
                 self._build_and_check(model, max_pages_needed)
@@ -120,8 +114,9 @@ class Engine:
 
     def _build_and_check(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self._build(model, max_pages_needed)
-        if self._precompile is not None:  # its kernels compiled during the build: loaded before any runs
-            self._precompile.wait()
+        for ahead in (self.prepared_model.kernels_ahead, self._precompile):  # loaded before any kernel runs
+            if ahead is not None:
+                ahead.wait()
         decode_gemms = self.prepared_model.decode_gemms
         if self.config.skinny_gemm and decode_gemms is not None:
             measured = decode_gemms.tune(self.config.max_running_requests)
@@ -139,7 +134,7 @@ class Engine:
         if resolved is not self.config:
             _log_device_defaults(self.config, resolved, self.device)
         self.config = resolved
-        self.dtype = _model_dtype(model)
+        self.dtype = model_dtype(model)
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
         self.layout = measured_layout(model, self.dtype, self.device)  # raises ValueError with the reason
         self._model_config = text_config
@@ -165,7 +160,8 @@ class Engine:
                                    self.config.max_running_requests, self.config.mixed_prefill_tokens,
                                    prefix_cache=self.prefix_cache)
         self.attention_backend = attention.resolve_backend(self.config.attention, self.device)
-        self._precompile = precompile(self, model)  # every kernel variant it can need, compiled in workers meanwhile
+        # Every kernel variant it can need, compiled in workers meanwhile (less those compiled while it was prepared)
+        self._precompile = precompile(self, model, ahead=self.prepared_model.kernels_ahead)
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
                                     attention_backend=self.attention_backend)
         self.streams = Streams(self.device)

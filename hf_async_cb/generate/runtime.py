@@ -58,7 +58,7 @@ class ModelRuntime:
     def __init__(self, model: torch.nn.Module, config: BatchingConfig) -> None:
         self.structure = _structure(config)
         self.prepared = PreparedModel(model, config.trust_untested_model, config.fuse_projections,
-                                      config.fuse_elementwise, config.skinny_gemm)
+                                      config.fuse_elementwise, config.skinny_gemm, engine_config=self.structure)
         self.engine: Engine | None = None
         self._page_cap = 0  # the pages the engine was asked for (it may have got fewer: memory)
         self.calls = 0

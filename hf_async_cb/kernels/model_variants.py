@@ -121,7 +121,7 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
 def _unique(variants: list[Variant]) -> list[Variant]:
     seen, out = set(), []
     for v in variants:
-        key = (id(v.kernel), repr(v.args), repr(sorted(v.constexprs.items())), repr(sorted(v.options.items())))
+        key = v.identity()
         if key not in seen:
             seen.add(key)
             out.append(v)
@@ -136,18 +136,7 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
     output = model.get_output_embeddings()
     vocab = output.weight.shape[0] if output is not None and getattr(output, "weight", None) is not None \
         else engine.vocab_size
-    attention = ()
-    if engine.attention_backend == "triton":
-        window = bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None) or ())
-        softcap = bool(getattr(text, "attn_logit_softcapping", None))
-        sinks = next((m.sinks.dtype for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)),
-                     None)
-        alibi = next((m.hf_async_cb_alibi_slopes.dtype for m in model.modules()
-                      if isinstance(getattr(m, "hf_async_cb_alibi_slopes", None), torch.Tensor)), None)
-        attention = tuple(AttentionKind(query_heads(text, layer.key_heads), _meta(k), _meta(v), window, softcap,
-                                        sinks, alibi)
-                          for k, v, layer in zip(engine.cache.keys, engine.cache.values, engine.layout.layers)
-                          if not layer.gathered)
+    attention = _attention_kinds(model, text, engine.cache) if engine.attention_backend == "triton" else ()
     norms, add_norms, rotary, mlps = _elementwise_facts(prepared.elementwise, engine)
     gemms = []
     if prepared.decode_gemms is not None:
@@ -162,6 +151,43 @@ def facts_of(engine, model: torch.nn.Module) -> ModelFacts:
         device_type=engine.device.type, dtype=engine.dtype, vocab=vocab, page_size=config.page_size,
         attention=attention, norms=norms, add_norms=add_norms, rotary=rotary, mlps=mlps,
         gemms=tuple(dict.fromkeys(gemms)), llm_int8=llm_int8_, draws=engine.attention_backend == "triton")
+
+
+def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_backend: str) -> ModelFacts:
+    """The part of `model`'s facts known before it is prepared (its masks read, weights fused,
+    element-wise kernels checked: seconds of a first call): the paged attention over the pool, from the
+    measured K/V layout, and the draws over its logits. These are also the longest variants to
+    compile, so they compile in workers while the model is prepared, and the build compiles the rest
+    (model/prepared.py). Best effort: a fact that turns out otherwise only leaves its variant to the
+    build. `attention_backend` as resolved for the model's device (attention.resolve_backend)."""
+    from hf_async_cb.model.checks import model_dtype, text_config_of
+    from hf_async_cb.model.kv_cache import PagedKVCache
+    from hf_async_cb.model.kv_layout import measured_layout
+
+    device = next(model.parameters()).device
+    dtype = model_dtype(model)
+    text = text_config_of(model.config)
+    attention = ()
+    if attention_backend == "triton":
+        layout = measured_layout(model, dtype, device)  # (measured once per family: the build then reads it)
+        attention = _attention_kinds(model, text, PagedKVCache(layout, 1, page_size, dtype, torch.device("meta")))
+    output = model.get_output_embeddings()
+    weight = getattr(output, "weight", None) if output is not None else None
+    return ModelFacts(device_type=device.type, dtype=dtype, vocab=weight.shape[0] if weight is not None else 0,
+                      page_size=page_size, attention=attention,
+                      draws=attention_backend == "triton" and weight is not None)
+
+
+def _attention_kinds(model: torch.nn.Module, text, cache) -> tuple[AttentionKind, ...]:
+    """The attention kinds of `model`'s layers over the pools of `cache` (a PagedKVCache; its pools
+    may be meta tensors), layers attending over gathered contexts left out."""
+    window = bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    softcap = bool(getattr(text, "attn_logit_softcapping", None))
+    sinks = next((m.sinks.dtype for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)), None)
+    alibi = next((m.hf_async_cb_alibi_slopes.dtype for m in model.modules()
+                  if isinstance(getattr(m, "hf_async_cb_alibi_slopes", None), torch.Tensor)), None)
+    return tuple(AttentionKind(query_heads(text, layer.key_heads), _meta(k), _meta(v), window, softcap, sinks, alibi)
+                 for k, v, layer in zip(cache.keys, cache.values, cache.layout.layers) if not layer.gathered)
 
 
 def query_heads(text_config, key_heads: int) -> int:

@@ -9,11 +9,16 @@ new batch size could compile for 20 s mid-run. The variants follow from the mode
 into the JIT's in-process cache (milliseconds each), so that no step of any later call compiles or
 even reads the disk. Engine.__init__ waits for it before the first kernel runs (the parity check).
 
-Timeline of an engine's build on CUDA:
+Timeline of a model's first engine on CUDA (model/prepared.py, engine/engine.py):
 
-    main thread    : pool, scheduler, graphs ... | wait | decode GEMM tuning, parity check, steps
-    precompile     : list variants, fork workers --compile in parallel-- load each into the JIT
-    workers (N-1)  :                 compile, compile, ...   (exit)
+    main thread    : prepare the model (masks, fusion, element-wise checks) | build: pool, graphs | wait | parity, steps
+    precompile     : the checks' kernels, then the attention and the draws | the rest the build lists
+    workers (N-1)  : compile, compile, ...                                    | compile ...
+
+The attention and draw kernels (most of the compiling) follow from the model before it is prepared
+(model_variants.facts_before_preparation), so they compile while it is; the build lists everything and
+compiles what was not compiled already. Precompiles take turns in the order they were started, so the
+checks' kernels, which the preparation waits for, come first.
 
 On the CPU (Triton's interpreter) nothing is compiled, so nothing is done. HF_ASYNC_CB_COMPILE_WORKERS
 sets the number of workers, or with 0 turns compiling ahead off (A/B runs).
@@ -22,6 +27,7 @@ sets the number of workers, or with 0 turns compiling ahead off (A/B runs).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -33,11 +39,48 @@ from hf_async_cb.kernels.compile_workers import Compiled, compile_in_workers, de
 from hf_async_cb.kernels.variant import Variant, settle_cache_keys
 
 logger = logging.getLogger(__name__)
-_ONE_AT_A_TIME = threading.Lock()
 _LOAD_IS_A_COMPILE = 0.3  # seconds: a load from the disk cache takes milliseconds, a compile far longer
 # Compile workers: unset for one per core but one; a number for that many; 0 for none (compile
 # as steps need them, as before: for A/B runs).
 WORKERS_VARIABLE = "HF_ASYNC_CB_COMPILE_WORKERS"
+
+
+class _Turns:
+    """Precompiles compile one at a time, in the order they were started (each takes its turn when
+    the one before it has compiled): engines built together (one per GPU) share the disk cache, so
+    the later finds it full; a preparation's checks come before the engine's kernels started after."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._next = 0  # the ticket whose turn it is
+        self._issued = 0
+        self._done: set[int] = set()  # tickets done (or given up) before their turn came
+
+    def ticket(self) -> int:
+        with self._changed:
+            self._issued += 1
+            return self._issued - 1
+
+    @contextlib.contextmanager
+    def turn(self, ticket: int):
+        with self._changed:
+            self._changed.wait_for(lambda: self._next == ticket)
+        try:
+            yield
+        finally:
+            self.done(ticket)
+
+    def done(self, ticket: int) -> None:
+        """`ticket` needs no turn (any more): the next one may go."""
+        with self._changed:
+            self._done.add(ticket)
+            while self._next in self._done:
+                self._done.discard(self._next)
+                self._next += 1
+            self._changed.notify_all()
+
+
+_TURNS = _Turns()
 
 
 class Precompile:
@@ -56,19 +99,32 @@ class Precompile:
         self.loaded = 0
         self.failed: list[str] = []
         self.compiled_on_load: list[str] = []  # variants the workers compiled but this process compiled again
+        self.on_disk = False  # every variant missing here was compiled by an earlier process: no workers started
         self.seconds = 0.0
         with _on(device):
             self._target = driver.active.get_current_target()
         settle_cache_keys({id(v.kernel): v.kernel for v in variants}.values())  # before any launch can key them
-        self._thread = threading.Thread(target=self._run, name="hf_async_cb-precompile", daemon=True)
+        ticket = _TURNS.ticket()
+        self._thread = threading.Thread(target=self._run, args=(ticket,), name="hf_async_cb-precompile", daemon=True)
         self._started = time.perf_counter()
-        self._thread.start()
-
-    def _run(self) -> None:
         try:
-            with _ONE_AT_A_TIME:  # engines built together (one per GPU) share the disk cache: the later finds it full
-                missing = _not_loaded(self.variants, self.device)
-                if missing:
+            self._thread.start()
+        except BaseException:
+            _TURNS.done(ticket)  # (later precompiles must not wait for a turn never taken)
+            raise
+
+    def identities(self) -> set[tuple]:
+        """The variants this precompile covers (Variant.identity), for a later one to leave out."""
+        return {v.identity() for v in self.variants}
+
+    def _run(self, ticket: int) -> None:
+        missing: list[Variant] = []
+        try:
+            with _TURNS.turn(ticket):
+                missing, keys = _not_loaded(self.variants, self.device)
+                marker = _marker(missing, keys, self._target)
+                self.on_disk = marker is not None and os.path.exists(marker)
+                if missing and not self.on_disk:
                     self.compiled = compile_in_workers(missing, self._target, self.workers)
                     self.failed += [f"{c.name} ({c.described}) in a worker: {c.error}" for c in self.compiled if c.error]
             with _on(self.device):
@@ -82,6 +138,8 @@ class Precompile:
                                                          f"{time.perf_counter() - start:.2f} s")
                     except Exception as e:  # noqa: BLE001 (it raises again where the step launches it)
                         self.failed.append(f"{variant.name} ({variant.describe()}): {type(e).__name__}")
+            if missing and marker is not None and not self.on_disk and not self.failed and not self.compiled_on_load:
+                _write_marker(marker)
         except Exception:  # noqa: BLE001 (the steps compile what is missing, as without precompiling)
             logger.exception("hf_async_cb: compiling the kernels ahead failed; steps compile them as they need them")
         finally:
@@ -98,8 +156,11 @@ class Precompile:
     def summary(self) -> str:
         """One line: how many variants, compiled in how many workers, how long."""
         work = sum(c.seconds for c in self.compiled)
-        text = (f"{len(self.compiled)} of {len(self.variants)} kernel variants compiled on {self.workers} workers "
-                f"in {self.seconds:.1f} s ({work:.1f} s of compiling)")
+        if self.on_disk:
+            text = f"{self.loaded} of {len(self.variants)} kernel variants loaded from the disk cache in {self.seconds:.1f} s"
+        else:
+            text = (f"{len(self.compiled)} of {len(self.variants)} kernel variants compiled on {self.workers} workers "
+                    f"in {self.seconds:.1f} s ({work:.1f} s of compiling)")
         if self.failed:
             text += f"; {len(self.failed)} failed: {', '.join(self.failed[:3])}"
         if self.compiled_on_load:
@@ -107,10 +168,11 @@ class Precompile:
         return text
 
 
-def precompile(engine, model: torch.nn.Module) -> Precompile | None:
+def precompile(engine, model: torch.nn.Module, ahead: Precompile | None = None) -> Precompile | None:
     """Start compiling every kernel variant `model` can need on `engine`, which Engine._build calls
     once its pool and attention backend exist (CUDA only; None elsewhere: the interpreter compiles
-    nothing). The engine waits for it before its first kernel runs."""
+    nothing), leaving out those `ahead` covers (started while the model was prepared). The engine
+    waits for both before its first kernel runs."""
     if engine.device.type != "cuda" or os.environ.get(WORKERS_VARIABLE, "").strip() == "0":
         return None
     try:
@@ -125,6 +187,9 @@ def precompile(engine, model: torch.nn.Module) -> Precompile | None:
         logger.warning("hf_async_cb: could not compile %s's kernels ahead; its first steps will compile them",
                        type(model).__name__, exc_info=True)
         return None
+    if ahead is not None:
+        covered = ahead.identities()
+        variants = [v for v in variants if v.identity() not in covered]
     logger.info("hf_async_cb: compiling up to %d kernel variants ahead, in worker processes", len(variants))
     return precompile_variants(variants, engine.device, f"{type(model).__name__} on {engine.device}")
 
@@ -144,22 +209,23 @@ def precompile_variants(variants: list[Variant], device: torch.device, what: str
         return None
 
 
-def _not_loaded(variants: list[Variant], device: torch.device) -> list[Variant]:
+def _not_loaded(variants: list[Variant], device: torch.device) -> tuple[list[Variant], list[str]]:
     """The variants not yet in their kernel's in-process JIT cache on `device` (a later engine of the
-    same model finds them all there). Asked through Triton's cache hook, which sees exactly the
-    launches that would compile; it answers only for this thread, so that other threads' launches
-    compile as usual meanwhile."""
+    same model finds them all there), and their JIT keys. Asked through Triton's cache hook, which
+    sees exactly the launches that would compile; it answers only for this thread, so that other
+    threads' launches compile as usual meanwhile."""
     from triton import knobs
 
     me = threading.get_ident()
     saved = knobs.runtime.jit_cache_hook
     missing: list[Variant] = []
-    asked: list[bool] = []
+    keys: list[str] = []
+    asked: list[str] = []
 
     def hook(**kwargs):
         if threading.get_ident() != me:
             return saved(**kwargs) if saved is not None else None
-        asked.append(True)
+        asked.append(str(kwargs.get("key")))
         return True  # not compiled here: the workers do it
 
     knobs.runtime.jit_cache_hook = hook
@@ -170,9 +236,48 @@ def _not_loaded(variants: list[Variant], device: torch.device) -> list[Variant]:
                 variant.warmup()
                 if asked:
                     missing.append(variant)
+                    keys.append(asked[0])
     finally:
         knobs.runtime.jit_cache_hook = saved
-    return missing
+    return missing, keys
+
+
+_MARKERS = "hf_async_cb-precompiled"  # a folder of Triton's cache folder
+
+
+def _marker(variants: list[Variant], keys: list[str], target) -> str | None:
+    """A file in Triton's cache folder named for these variants (each kernel's source hash and JIT key),
+    the target, Triton's version and the settings that change its binaries: written once workers have
+    compiled them all into that folder, so that a later process needing the same list loads them from
+    the disk cache without starting workers (forking them and setting up their compiler cost about
+    0.3 s per precompile, for nothing when everything is on disk). Should an entry be gone all the
+    same, loading compiles it here: slower, never wrong. None where there is nothing to name."""
+    if not variants:
+        return None
+    try:
+        import triton
+        from triton import knobs
+
+        try:
+            from triton._C.libtriton import get_cache_invalidating_env_vars
+
+            settings = sorted(get_cache_invalidating_env_vars().items())
+        except Exception:  # noqa: BLE001 (an internal that moved)
+            settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "LLVM_", "MLIR_")))
+        named = sorted((str(getattr(v.kernel, "cache_key", v.name)), key) for v, key in zip(variants, keys))
+        digest = hashlib.sha256(repr((triton.__version__, str(target), settings, named)).encode()).hexdigest()
+        return os.path.join(knobs.cache.dir, _MARKERS, digest)
+    except Exception:  # noqa: BLE001 (no marker: workers compile, as without it)
+        return None
+
+
+def _write_marker(path: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w"):
+            pass
+    except OSError:  # a read-only cache folder: the next process starts workers again
+        pass
 
 
 def _on(device: torch.device):

@@ -45,6 +45,12 @@ class Variant:
         items = {**self.constexprs, **self.options}
         return ", ".join(f"{k}={v}" for k, v in items.items())
 
+    def identity(self) -> tuple:
+        """What tells two listed variants apart (the same kernel, arguments, constexprs and options
+        are one variant), without asking Triton for its key."""
+        return (id(self.kernel), repr(self.args), repr(sorted(self.constexprs.items())),
+                repr(sorted(self.options.items())))
+
     def warmup(self):
         """Compile (or load from Triton's disk cache) into the kernel's JIT cache; launch nothing."""
         return self.kernel.warmup(*self.args, grid=(1,), **self.constexprs, **self.options)

@@ -73,6 +73,14 @@ def tensor_parallel_size(model: torch.nn.Module) -> int:
     return getattr(model, "_tp_size", None) or 1
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's activations: its first floating-point parameter's (float32 if none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
 def text_config_of(config):
     """The config of the language model: the config itself, or a composite config's text part."""
     get = getattr(config, "get_text_config", None)

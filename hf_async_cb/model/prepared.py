@@ -180,18 +180,43 @@ def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
     return precompile_variants(variants, device, f"{type(model).__name__}'s element-wise checks")
 
 
+def _compile_engine_kernels(model: torch.nn.Module, device: torch.device, page_size: int, attention_choice: str):
+    """Start compiling the kernels an engine will launch that are known before the model is prepared
+    (its attention and draws: most of the compiling; kernels/model_variants.py), after the checks'
+    kernels; None if nothing is compiled ahead. The engine's build compiles the rest."""
+    try:
+        from hf_async_cb.kernels.model_variants import facts_before_preparation, model_variants
+        from hf_async_cb.kernels.precompile import precompile_variants
+    except ImportError:  # no Triton
+        return None
+    try:
+        backend = attention.resolve_backend(attention_choice, device)
+        variants = model_variants(facts_before_preparation(model, page_size, backend))
+    except Exception:  # noqa: BLE001 (the build lists and compiles them, or says why the model cannot run)
+        logger.debug("hf_async_cb: the engine's kernels are not compiled before the build", exc_info=True)
+        return None
+    return precompile_variants(variants, device, f"{type(model).__name__} on {device}")
+
+
 class PreparedModel:
     """A model checked and fused for the engine; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, trust_untested_model: bool = False,
                  fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
-                 skinny_gemm: bool | None = None) -> None:
+                 skinny_gemm: bool | None = None, engine_config=None) -> None:
+        """`engine_config`: the BatchingConfig of the engine to come, whose attention and draw
+        kernels then compile while the model is prepared (`kernels_ahead`)."""
         check_model_supported(model, trust_untested_model)
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
         checks = None
-        if on_cuda and fuse_elementwise is not False and tensor_parallel_size(model) <= 1:
-            checks = _compile_check_kernels(model, self.device)  # in workers, during the forwards below
+        self.kernels_ahead = None  # a kernels/precompile.Precompile the engine's build waits for
+        if on_cuda and tensor_parallel_size(model) <= 1:
+            if fuse_elementwise is not False:
+                checks = _compile_check_kernels(model, self.device)  # in workers, during the forwards below
+            if engine_config is not None:  # after the checks' kernels (precompiles take turns)
+                self.kernels_ahead = _compile_engine_kernels(model, self.device, engine_config.page_size,
+                                                             engine_config.attention)
         with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
             apply_masks(model)
         self._model = weakref.ref(model)

@@ -32,6 +32,7 @@ PHASES = [
     ("hf_async_cb.engine.cuda_graphs", "_Graph._capture"),
 ]
 PHASE_SECONDS: dict[str, float] = {}
+PHASE_SPANS: list[tuple[str, float, float]] = []  # (phase, start, end) in perf_counter seconds, for a timeline
 _installed = False
 
 
@@ -62,7 +63,9 @@ def _timed(fn, label: str):
         try:
             return fn(*args, **kwargs)
         finally:
-            PHASE_SECONDS[label] = PHASE_SECONDS.get(label, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            PHASE_SECONDS[label] = PHASE_SECONDS.get(label, 0.0) + end - start
+            PHASE_SPANS.append((label, start, end))
     return timed
 
 
@@ -70,4 +73,12 @@ def taken() -> dict[str, float]:
     """The phases' seconds so far, rounded, and the sums cleared."""
     found = {k: round(v, 3) for k, v in PHASE_SECONDS.items()}
     PHASE_SECONDS.clear()
+    PHASE_SPANS.clear()
     return found
+
+
+def timeline(since: float) -> list[tuple[str, float, float]]:
+    """The phases recorded so far as (phase, start, end) in seconds after `since`, in order of start
+    (what ran one after the other and what overlapped, where the sums of taken() cannot say)."""
+    return sorted(((label, round(a - since, 3), round(b - since, 3)) for label, a, b in PHASE_SPANS),
+                  key=lambda span: span[1])
