@@ -16,6 +16,10 @@ if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+# Parity passes are not kept on disk between test processes (engine/parity_store.py; its own tests
+# turn it on in a folder of their own): tests patch the engine or the model's code and expect the check to run.
+os.environ["HF_ASYNC_CB_KEEP_PARITY"] = "0"
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 import hf_async_cb  # noqa: E402,F401  (installs the hook)

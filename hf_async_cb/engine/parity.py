@@ -14,7 +14,8 @@ computes without changing those (tensor-subclass weights and their layout, quant
 and their settings, PEFT adapters and which are active, merged or disabled, compiled wrappers:
 model/numerics_key.py) and the engine's own path (fusions, attention backend), so the check costs
 nothing after the first engine and a verdict is never borrowed from a model that computes otherwise;
-BatchingConfig(trust_untested_model=True) skips it. The probe runs in eval mode (a
+BatchingConfig(trust_untested_model=True) skips it. A pass is also kept on disk for later processes
+(engine/parity_store.py). The probe runs in eval mode (a
 model left in train mode would fail on its dropout); a model with forward hooks is checked with
 them, per engine, its verdict kept for no other model.
 """
@@ -27,11 +28,13 @@ import logging
 
 import torch
 
+from hf_async_cb.engine import parity_store
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.model.attention import own_configs
 from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import has_hooks
+from hf_async_cb.model.kv_fingerprint import runs_user_code
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.weight_kinds import versions
@@ -78,8 +81,16 @@ def check_parity(engine) -> None:
     hooked = sum(map(has_hooks, model.modules()))  # this instance's own: its verdict is not the family's
     # Modules on configs of their own (a layer deep-copied in) make the instance its own case too.
     own = hooked or bool(own_configs(model, model.config))
+    # Not kept across processes: a model running the user's code (hooks, a patched instance forward),
+    # which may change between processes under the same names.
+    stored = None if own or key in _VERDICTS or runs_user_code(model) else \
+        parity_store.path_for(key, model, engine.device)
     if key in _VERDICTS and not own:
         reason = _VERDICTS[key]
+    elif parity_store.passed_before(stored):
+        reason = _VERDICTS[key] = None
+        logger.info("hf_async_cb: %s passed the parity check in an earlier process (%s; kept in %s)",
+                    type(model).__name__, engine.dtype, parity_store.folder())
     else:
         before = versions(model.parameters())
         # The family is judged in fp32 arithmetic of its own dtype, without dropout: whatever mode the
@@ -92,6 +103,8 @@ def check_parity(engine) -> None:
                            "thread?, so it compared two different models; call again once they are still)")
         elif (reason is not None or whole) and not own:  # a pass on shortened prompts is this engine's only
             _VERDICTS[key] = reason
+            if reason is None:
+                parity_store.keep_pass(stored, model)
         if reason is None:
             logger.info("hf_async_cb: %s passed the parity check (%s)", type(model).__name__, engine.dtype)
     if reason is not None:

@@ -46,8 +46,9 @@ WIN_MARGIN = 0.03  # the kernel must beat cuBLAS by 3% to be chosen: a tie is no
 def cache_path() -> Path:
     """$HF_ASYNC_CB_CACHE (the package's cache directory, as for the demo model) or ~/.cache/hf_async_cb,
     then gemm_choices.json."""
-    root = os.environ.get("HF_ASYNC_CB_CACHE") or Path.home() / ".cache" / "hf_async_cb"
-    return Path(root) / "gemm_choices.json"
+    from hf_async_cb.cache_folder import cache_folder
+
+    return cache_folder() / "gemm_choices.json"
 
 
 @functools.lru_cache(maxsize=8)

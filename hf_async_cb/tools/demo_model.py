@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -33,8 +32,9 @@ def gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("HF_ASYNC_CB_CACHE") or Path.home() / ".cache" / "hf_async_cb"
-    return Path(root) / "smollm2-135m-instruct"
+    from hf_async_cb.cache_folder import cache_folder
+
+    return cache_folder() / "smollm2-135m-instruct"
 
 
 def needs_conversion() -> bool:
