@@ -121,6 +121,13 @@ def _warm_up_compiler(target) -> None:
         make_backend(target).hash()
     except Exception:  # noqa: BLE001 (an internal that moved: each worker then computes its own)
         pass
+    try:  # where a launcher links from (`ldconfig -p`, cached per process), for _build_launcher
+        from triton.backends.nvidia import driver as nvidia
+
+        if hasattr(nvidia, "make_launcher"):
+            nvidia.library_dirs()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 # Rough compile cost by kernel (the H200 host's seconds are about a third of these), for the order.
