@@ -394,3 +394,24 @@ def test_a_closed_engine_frees_its_pool_without_the_garbage_collector():
         assert pool() is None
     finally:
         gc.enable()
+
+
+def test_the_pool_size_collects_garbage_only_while_a_pool_is_not_freed(monkeypatch):
+    """Sizing a pool on CUDA runs the garbage collector (a tenth of a second and more with transformers
+    loaded) for a dropped engine's pool still waiting in a reference cycle: only while some pool of
+    the process is not freed, so not on a process's first build."""
+    import gc
+
+    from hf_async_cb.model.kv_cache import pools_alive
+
+    gc.collect()
+    before = pools_alive()
+    engine = Engine(tiny_model("llama"), BatchingConfig(mode="sync"))
+    assert pools_alive() == before + 1
+    cycle = {"engine": engine}
+    cycle["self"] = cycle  # dropped in a reference cycle: alive until collected
+    engine.close()
+    del engine, cycle
+    assert pools_alive() == before + 1
+    gc.collect()
+    assert pools_alive() == before

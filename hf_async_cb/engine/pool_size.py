@@ -14,6 +14,7 @@ import logging
 import torch
 
 from hf_async_cb.config import BatchingConfig
+from hf_async_cb.model.kv_cache import pools_alive
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch
         return config.num_pages
     bytes_per_page = layout.bytes_per_token(dtype) * config.page_size
     if device.type == "cuda":
-        gc.collect()  # a dropped engine's pool may still wait in a reference cycle of the caller's
+        if pools_alive():  # a dropped engine's pool may still wait in a reference cycle of the caller's
+            gc.collect()  # (a tenth of a second or more with transformers loaded: not on a first build)
         free, _ = torch.cuda.mem_get_info(device)
         # Memory torch's allocator caches but does not use is free for the pool too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

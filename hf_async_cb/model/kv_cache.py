@@ -17,11 +17,20 @@ metadata.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from transformers.cache_utils import Cache
 
 from hf_async_cb.model.kv_layout import KVLayout
+
+
+_POOLS: "weakref.WeakSet[PagedKVCache]" = weakref.WeakSet()  # every pool not yet freed, in use or not
+
+
+def pools_alive() -> int:
+    """Pools of this process not yet freed: in use, or dropped but waiting in a reference cycle."""
+    return len(_POOLS)
 
 
 class PagedKVCache(Cache):
@@ -47,6 +56,8 @@ class PagedKVCache(Cache):
         self.values = [self._pool(num_pages * page_size, kv.value_heads, kv.value_dim, dtype, device)
                        for kv in layout.layers]
         self.step = None
+        if device.type != "meta":
+            _POOLS.add(self)
 
     def _pool(self, slots: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # torch.empty: slots are always written before they are read.
