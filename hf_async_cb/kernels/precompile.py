@@ -100,6 +100,7 @@ class Precompile:
         self.failed: list[str] = []
         self.compiled_on_load: list[str] = []  # variants the workers compiled but this process compiled again
         self.on_disk = False  # every variant missing here was compiled by an earlier process: no workers started
+        self.missing: int | None = None  # variants not in this process's JIT when its turn came
         self.seconds = 0.0
         with _on(device):
             self._target = driver.active.get_current_target()
@@ -122,6 +123,7 @@ class Precompile:
         try:
             with _TURNS.turn(ticket):
                 missing, keys = _not_loaded(self.variants, self.device)
+                self.missing = len(missing)
                 marker = _marker(missing, keys, self._target)
                 self.on_disk = marker is not None and os.path.exists(marker)
                 if missing and not self.on_disk:
@@ -158,6 +160,8 @@ class Precompile:
         work = sum(c.seconds for c in self.compiled)
         if self.on_disk:
             text = f"{self.loaded} of {len(self.variants)} kernel variants loaded from the disk cache in {self.seconds:.1f} s"
+        elif self.missing == 0:
+            text = f"all {len(self.variants)} kernel variants were loaded already"
         else:
             text = (f"{len(self.compiled)} of {len(self.variants)} kernel variants compiled on {self.workers} workers "
                     f"in {self.seconds:.1f} s ({work:.1f} s of compiling)")
