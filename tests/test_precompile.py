@@ -112,29 +112,34 @@ def test_the_variants_listed_before_preparation_are_among_the_builds(family, dty
     assert not facts_before_preparation(model, 8, "reference").attention
 
 
-def test_precompiles_take_turns_in_the_order_they_were_started():
-    """The checks' kernels, which the preparation waits for, compile before the engine's started after
-    them; a precompile that never took its turn does not hold up the ones after it."""
+def test_precompiles_of_the_same_variants_take_turns_and_others_compile_at_once():
+    """Engines built together (one per GPU) list the same variants: the later waits for the earlier's
+    compile and finds them on disk. A preparation's checks and the engine's attention and draws list
+    different ones: they compile at the same time. A precompile that gave up holds up none."""
     import threading
 
     from hf_async_cb.kernels.precompile import _Turns
 
     turns, order = _Turns(), []
-    first, second, given_up, third = (turns.ticket() for _ in range(4))
+    first = turns.enter(frozenset({"norm", "rotary"}))
+    other = turns.enter(frozenset({"attention"}))  # nothing in common with the first
+    given_up = turns.enter(frozenset({"rotary"}))
+    same = turns.enter(frozenset({"rotary", "draw"}))  # shares "rotary" with the first and the given up
+    assert first[0] == [] and other[0] == [] and given_up[0] == [first[1]] and same[0] == [first[1], given_up[1]]
 
-    def run(ticket, name):
-        with turns.turn(ticket):
+    def run(place, name):
+        with turns.turn(*place):
             order.append(name)
 
-    later = [threading.Thread(target=run, args=(t, n)) for t, n in ((third, "third"), (second, "second"))]
-    for t in later:
-        t.start()
+    waiting = threading.Thread(target=run, args=(same, "same"))
+    waiting.start()
+    run(other, "other")  # at once
+    given_up[1].set()
+    assert order == ["other"] and waiting.is_alive()
     run(first, "first")
-    turns.done(given_up)
-    for t in later:
-        t.join(timeout=10)
-        assert not t.is_alive()
-    assert order == ["first", "second", "third"]
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and order == ["other", "first", "same"]
+    assert turns.enter(frozenset({"norm"}))[0] == []  # (the finished ones are forgotten)
 
 
 def test_nothing_is_compiled_ahead_off_cuda():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -108,9 +109,17 @@ def compile_in_workers(variants: list[Variant], target, workers: int | None = No
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+_WARMING = threading.Lock()  # (two precompiles at once: the second waits for the first's hashes)
+
+
 def _warm_up_compiler(target) -> None:
     """Import the compiler and compute what every compile needs once per process (the hash of
     Triton's own files, ~0.5-1.5 s; the backend's), here, so that no worker repeats it."""
+    with _WARMING:
+        _warm_up(target)
+
+
+def _warm_up(target) -> None:
     import triton.compiler.compiler  # noqa: F401
 
     try:

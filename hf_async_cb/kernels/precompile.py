@@ -12,13 +12,14 @@ even reads the disk. Engine.__init__ waits for it before the first kernel runs (
 Timeline of a model's first engine on CUDA (model/prepared.py, engine/engine.py):
 
     main thread    : prepare the model (masks, fusion, element-wise checks) | build: pool, graphs | wait | parity, steps
-    precompile     : the checks' kernels, then the attention and the draws | the rest the build lists
-    workers (N-1)  : compile, compile, ...                                    | compile ...
+    precompile 1   : the checks' kernels (the preparation waits for them)
+    precompile 2   : the attention and the draws                           | 3: the rest the build lists
+    workers        : compile, compile, ... (each precompile its own)
 
 The attention and draw kernels (most of the compiling) follow from the model before it is prepared
 (model_variants.facts_before_preparation), so they compile while it is; the build lists everything and
-compiles what was not compiled already. Precompiles take turns in the order they were started, so the
-checks' kernels, which the preparation waits for, come first.
+compiles what was not compiled already. Precompiles of different variants compile at the same time;
+one listing a variant an earlier one lists waits for it (kernels/precompile._Turns).
 
 On the CPU (Triton's interpreter) nothing is compiled, so nothing is done. HF_ASYNC_CB_COMPILE_WORKERS
 sets the number of workers, or with 0 turns compiling ahead off (A/B runs).
@@ -46,41 +47,38 @@ WORKERS_VARIABLE = "HF_ASYNC_CB_COMPILE_WORKERS"
 
 
 class _Turns:
-    """Precompiles compile one at a time, in the order they were started (each takes its turn when
-    the one before it has compiled): engines built together (one per GPU) share the disk cache, so
-    the later finds it full; a preparation's checks come before the engine's kernels started after."""
+    """A precompile compiles once every precompile started before it that lists one of its variants
+    has compiled: engines built together (one per GPU) list the same variants, and the later then
+    finds them in the disk cache. Precompiles of different variants (a preparation's element-wise
+    checks, the engine's attention and draws) compile at the same time, each on its workers."""
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._next = 0  # the ticket whose turn it is
-        self._issued = 0
-        self._done: set[int] = set()  # tickets done (or given up) before their turn came
+        self._lock = threading.Lock()
+        self._running: list[tuple[frozenset, threading.Event]] = []
 
-    def ticket(self) -> int:
-        with self._changed:
-            self._issued += 1
-            return self._issued - 1
+    def enter(self, identities: frozenset) -> tuple[list[threading.Event], threading.Event]:
+        """Take a place: the events of the earlier precompiles to wait for, and this one's own, to set
+        when it has compiled (or given up)."""
+        own = threading.Event()
+        with self._lock:
+            self._running = [(ids, done) for ids, done in self._running if not done.is_set()]
+            before = [done for ids, done in self._running if ids & identities]
+            self._running.append((identities, own))
+        return before, own
 
     @contextlib.contextmanager
-    def turn(self, ticket: int):
-        with self._changed:
-            self._changed.wait_for(lambda: self._next == ticket)
+    def turn(self, before: list[threading.Event], own: threading.Event):
         try:
+            for done in before:
+                done.wait()
             yield
         finally:
-            self.done(ticket)
-
-    def done(self, ticket: int) -> None:
-        """`ticket` needs no turn (any more): the next one may go."""
-        with self._changed:
-            self._done.add(ticket)
-            while self._next in self._done:
-                self._done.discard(self._next)
-                self._next += 1
-            self._changed.notify_all()
+            own.set()
 
 
 _TURNS = _Turns()
+_DRIVER = threading.Lock()  # Triton's active driver is made on first use, by one thread at a time
+_HOOK = threading.Lock()  # Triton's JIT cache hook, swapped by one precompile at a time (_not_loaded)
 
 
 class Precompile:
@@ -89,8 +87,6 @@ class Precompile:
 
     def __init__(self, variants: list[Variant], device: torch.device, what: str = "the model",
                  workers: int | None = None) -> None:
-        from triton.runtime.driver import driver
-
         self.what = what
         self.device = device
         self.variants = variants
@@ -102,26 +98,31 @@ class Precompile:
         self.on_disk = False  # every variant missing here was compiled by an earlier process: no workers started
         self.missing: int | None = None  # variants not in this process's JIT when its turn came
         self.seconds = 0.0
-        with _on(device):
-            self._target = driver.active.get_current_target()
         settle_cache_keys({id(v.kernel): v.kernel for v in variants}.values())  # before any launch can key them
-        ticket = _TURNS.ticket()
-        self._thread = threading.Thread(target=self._run, args=(ticket,), name="hf_async_cb-precompile", daemon=True)
+        before, own = _TURNS.enter(frozenset(self.identities()))
+        self._thread = threading.Thread(target=self._run, args=(before, own), name="hf_async_cb-precompile",
+                                        daemon=True)
         self._started = time.perf_counter()
         try:
             self._thread.start()
         except BaseException:
-            _TURNS.done(ticket)  # (later precompiles must not wait for a turn never taken)
+            own.set()  # (later precompiles must not wait for a turn never taken)
             raise
 
     def identities(self) -> set[tuple]:
         """The variants this precompile covers (Variant.identity), for a later one to leave out."""
         return {v.identity() for v in self.variants}
 
-    def _run(self, ticket: int) -> None:
+    def _run(self, before: list[threading.Event], own: threading.Event) -> None:
+        from triton.runtime.driver import driver
+
         missing: list[Variant] = []
         try:
-            with _TURNS.turn(ticket):
+            with _TURNS.turn(before, own):
+                with _DRIVER, _on(self.device):
+                    # (here, not in the caller's thread: on a new machine Triton 3.6 first compiles its
+                    # driver module, 0.26 s on an H200's host, which the caller's forwards now overlap)
+                    self._target = driver.active.get_current_target()
                 missing, keys = _not_loaded(self.variants, self.device)
                 self.missing = len(missing)
                 marker = _marker(missing, keys, self._target)
@@ -221,7 +222,6 @@ def _not_loaded(variants: list[Variant], device: torch.device) -> tuple[list[Var
     from triton import knobs
 
     me = threading.get_ident()
-    saved = knobs.runtime.jit_cache_hook
     missing: list[Variant] = []
     keys: list[str] = []
     asked: list[str] = []
@@ -232,17 +232,19 @@ def _not_loaded(variants: list[Variant], device: torch.device) -> tuple[list[Var
         asked.append(str(kwargs.get("key")))
         return True  # not compiled here: the workers do it
 
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        with _on(device):
-            for variant in variants:
-                asked.clear()
-                variant.warmup()
-                if asked:
-                    missing.append(variant)
-                    keys.append(asked[0])
-    finally:
-        knobs.runtime.jit_cache_hook = saved
+    with _HOOK:  # (one precompile at a time swaps the process-wide hook: another would restore it midway)
+        saved = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = hook
+        try:
+            with _on(device):
+                for variant in variants:
+                    asked.clear()
+                    variant.warmup()
+                    if asked:
+                        missing.append(variant)
+                        keys.append(asked[0])
+        finally:
+            knobs.runtime.jit_cache_hook = saved
     return missing, keys
 
 
