@@ -209,6 +209,29 @@ def test_a_slow_first_use_is_said_once(caplog):
     assert len(lines) == 1 and "TinyModel on cuda:7 took 3.0 s (compiling its kernels)" in lines[0]
 
 
+def test_a_first_use_is_said_in_one_line_for_all_its_precompiles(caplog, monkeypatch):
+    """A model's first engine waits for up to three precompiles (the checks' kernels, the attention and
+    draws, the rest): a slow first use is one line, with their totals, once."""
+    from types import SimpleNamespace
+
+    from hf_async_cb.kernels import precompile as module
+
+    monkeypatch.setattr(module, "_NOTED", set())
+    compiled = [SimpleNamespace(seconds=0.5)] * 4
+    checks = SimpleNamespace(compiled=compiled[:2], workers=2, seconds=1.2, on_disk=False, loaded=2, failed=[])
+    ahead = SimpleNamespace(compiled=compiled[2:], workers=15, seconds=2.5, on_disk=False, loaded=2, failed=[])
+    with caplog.at_level("WARNING", logger=module.__name__):
+        module.note_first_use("TinyModel on cuda:7", 3.4, [checks, ahead, None])
+        module.note_first_use("TinyModel on cuda:7", 5.0, [checks, ahead, None])
+        on_disk = SimpleNamespace(compiled=[], workers=15, seconds=0.2, on_disk=True, loaded=28, failed=[])
+        module.note_first_use("OtherModel on cuda:7", 1.4, [None, on_disk, None])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "TinyModel on cuda:7 took 3.4 s" in lines[0] and "4 kernel variants compiled on up to 15 workers in 2.5 s" \
+        in lines[0] and "(2.0 s of compiling)" in lines[0]
+    assert "OtherModel on cuda:7 took 1.4 s" in lines[1] and "28 kernel variants loaded from the disk cache" in lines[1]
+
+
 @pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16), ("phi3", torch.float32)])
 def test_the_checks_variants_cover_the_element_wise_checks(family, dtype, launches):
     """What the preparation compiles ahead for fuse_elementwise's checks (model/elementwise_fusion.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 import weakref
 from typing import Sequence
 
@@ -40,7 +41,7 @@ from hf_async_cb.engine.scheduler import Scheduler
 from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests  # noqa: F401 (data_parallel's)
 from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
-from hf_async_cb.kernels.precompile import precompile
+from hf_async_cb.kernels.precompile import note_first_use, precompile
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import model_dtype, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
@@ -98,6 +99,7 @@ class Engine:
         self._closed = False
         self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
+        started = time.perf_counter()
         self._owns_preparation = prepared is None
         with as_in_eval(model, warn=False):  # its checks run the stock forward: without dropout (model/eval_mode.py)
             if prepared is None:
@@ -111,12 +113,14 @@ class Engine:
                 if self._owns_preparation:
                     prepared.restore()
                 raise
+        if self._owns_preparation:
+            self.note_first_use(time.perf_counter() - started)
 
     def _build_and_check(self, model: torch.nn.Module, max_pages_needed: int | None) -> None:
         self._build(model, max_pages_needed)
         for ahead in (self.prepared_model.kernels_ahead, self._precompile):  # loaded before any kernel runs
             if ahead is not None:
-                ahead.wait()
+                ahead.wait(note=False)  # (said once, by the preparation's owner: note_first_use)
         decode_gemms = self.prepared_model.decode_gemms
         if self.config.skinny_gemm and decode_gemms is not None:
             measured = decode_gemms.tune(self.config.max_running_requests)
@@ -190,6 +194,13 @@ class Engine:
         ) if use_graphs else None
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
+
+    def note_first_use(self, seconds: float) -> None:
+        """Say once per process, if it took over a second, how long the model's preparation, this engine's
+        build and check took and what of it went to the kernels (one line for every precompile)."""
+        prepared = self.prepared_model
+        note_first_use(f"{type(self.model).__name__} on {self.device}", seconds,
+                       [prepared.checks_ahead, prepared.kernels_ahead, self._precompile])
 
     @property
     def model(self) -> torch.nn.Module:

@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 import weakref
 from typing import Iterator
 
@@ -56,6 +57,7 @@ class ModelRuntime:
     """One model's preparation and engine, reused by its generate calls (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: BatchingConfig) -> None:
+        self._started = time.perf_counter()  # (the first engine's build says how long it all took)
         self.structure = _structure(config)
         self.prepared = PreparedModel(model, config.trust_untested_model, config.fuse_projections,
                                       config.fuse_elementwise, config.skinny_gemm, engine_config=self.structure)
@@ -87,6 +89,8 @@ class ModelRuntime:
             self.engine = Engine(model, self.structure, max_pages_needed=cap, prepared=self.prepared)
             self._page_cap = cap
             self.builds += 1
+            if self.builds == 1:
+                self.engine.note_first_use(time.perf_counter() - self._started)
             logger.info("hf_async_cb runtime for %s: %s", type(model).__name__, self.describe())
         self.engine.config = config.for_device(self.engine.device)
         self.calls += 1

@@ -148,12 +148,14 @@ class Precompile:
         finally:
             self.seconds = time.perf_counter() - self._started
 
-    def wait(self) -> "Precompile":
-        """Block until every variant is compiled and loaded (or failed); say so once if it was slow."""
+    def wait(self, note: bool = True) -> "Precompile":
+        """Block until every variant is compiled and loaded (or failed); say so once if it was slow
+        (`note`; an engine's first use says it once for all its precompiles: note_first_use)."""
         self._thread.join()
         if self.compiled:
             logger.info("hf_async_cb: %s", self.summary())
-        note_slow_preparation(self.what, self.seconds, f"compiling its kernels: {self.summary()}")
+        if note:
+            note_slow_preparation(self.what, self.seconds, f"compiling its kernels: {self.summary()}")
         return self
 
     def summary(self) -> str:
@@ -289,6 +291,25 @@ def _write_marker(path: str) -> None:
 def _on(device: torch.device):
     """`device` as the current CUDA device (where the JIT files what it loads); nothing elsewhere."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def note_first_use(what: str, seconds: float, precompiles: list[Precompile | None]) -> None:
+    """Say once, when a model's first engine took more than a second to prepare, build and check, how
+    long and how much of it went to its kernels (every precompile it waited for, in one line)."""
+    ran = [p for p in precompiles if p is not None]
+    compiled = sum(len(p.compiled) for p in ran)
+    if compiled:
+        work = sum(c.seconds for p in ran for c in p.compiled)
+        kernels = (f"{compiled} kernel variants compiled on up to {max(p.workers for p in ran)} workers in "
+                   f"{max(p.seconds for p in ran):.1f} s ({work:.1f} s of compiling)")
+    elif any(p.on_disk for p in ran):
+        kernels = f"{sum(p.loaded for p in ran)} kernel variants loaded from the disk cache"
+    else:
+        kernels = "no kernel compiled"
+    failed = [f for p in ran for f in p.failed]
+    if failed:
+        kernels += f"; {len(failed)} failed: {', '.join(failed[:3])}"
+    note_slow_preparation(what, seconds, f"preparing the model, its engine and their kernels: {kernels}")
 
 
 _NOTED: set[str] = set()

@@ -211,9 +211,10 @@ class PreparedModel:
         on_cuda = self.device.type == "cuda"
         checks = None
         self.kernels_ahead = None  # a kernels/precompile.Precompile the engine's build waits for
+        self.checks_ahead = None  # the element-wise checks' (waited for below)
         if on_cuda and tensor_parallel_size(model) <= 1:
             if fuse_elementwise is not False:
-                checks = _compile_check_kernels(model, self.device)  # in workers, during the forwards below
+                checks = self.checks_ahead = _compile_check_kernels(model, self.device)  # in workers meanwhile
             if engine_config is not None:  # after the checks' kernels (precompiles take turns)
                 self.kernels_ahead = _compile_engine_kernels(model, self.device, engine_config.page_size,
                                                              engine_config.attention)
@@ -235,7 +236,7 @@ class PreparedModel:
                 from hf_async_cb.model.elementwise_fusion import fuse_elementwise as fuse  # imports Triton
 
                 if checks is not None:
-                    checks.wait()
+                    checks.wait(note=False)  # (said with the engine's first use: precompile.note_first_use)
                 self.elementwise = fuse(model)
             if on_cuda if skinny_gemm is None else skinny_gemm:
                 from hf_async_cb.model.decode_gemm import DecodeGemms  # imports Triton
