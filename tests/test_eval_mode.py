@@ -110,3 +110,41 @@ def test_calls_of_several_threads_give_the_modes_back_once_the_last_has_ended():
         first.join()
         assert not any(_modes(model))  # the other call has ended; this one still runs in eval mode
     assert seen == [[False, False, False]] and all(_modes(model))
+
+
+def test_an_engine_call_waiting_for_a_stock_call_leaves_its_modes_alone():
+    """An engine call takes the model's guard before it switches the model to eval mode: a stock call
+    of another thread still running (in train mode, dropping) keeps its modes to the end, and the
+    engine call then runs as in eval mode and gives the modes back."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = _dropping("gpt2").train()
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    class Pause(LogitsProcessor):  # holds the stock call inside its generation
+        def __call__(self, input_ids, scores):
+            if not inside.is_set():
+                inside.set()
+                release.wait(timeout=30)
+            seen.append(_modes(model))
+            return scores
+
+    ids, mask = left_pad(PROMPTS)
+    stock = threading.Thread(target=lambda: model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, batching="off",
+        logits_processor=LogitsProcessorList([Pause()])))
+    stock.start()
+    assert inside.wait(timeout=30)
+    results = []
+    engine_call = threading.Thread(target=lambda: results.append(model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, batching="sync")))
+    engine_call.start()
+    engine_call.join(timeout=2)  # it waits for the model's guard meanwhile
+    assert engine_call.is_alive() and all(_modes(model))
+    release.set()
+    stock.join(timeout=60)
+    engine_call.join(timeout=120)
+    assert not stock.is_alive() and not engine_call.is_alive()
+    assert seen and all(all(modes) for modes in seen)  # every stock step in train mode
+    assert all(_modes(model))
+    assert torch.equal(results[0], _eval_tokens(model.eval()))

@@ -28,13 +28,17 @@ from hf_async_cb.generate.stock_options import CallOptions, call_options, penalt
 from hf_async_cb.generate.streaming import LockstepStreamer
 from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
+from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.vision import merged_prompts
 
 
 @torch.no_grad()
 @torch.inference_mode(False)  # what the runtime keeps (fused weights, pool, graphs) outlives the caller's mode
 def engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):
-    with as_in_eval(model):  # the images' merge and the checks too, as the steps (model/eval_mode.py)
+    # The model's guard for the whole call, then eval mode (model/eval_mode.py) for the images' merge,
+    # the checks and the steps: taken in this order, a stock call still running in another thread keeps
+    # the modes it started with.
+    with model_guard(model).held("generate", kind="outer"), as_in_eval(model):
         return _engine_generate(model, mode, batching_config, generation_config, arguments)
 
 

@@ -121,28 +121,28 @@ class ModelRuntime:
 @contextlib.contextmanager
 def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed: int,
                    row_pages: int = 0) -> Iterator[Engine]:
-    """The model's engine for one generate call, under the model's guard for the whole call."""
-    with model_guard(model).held("generate", kind="outer"):
-        runtime = _RUNTIMES.get(model)
-        if runtime is not None and not runtime.fits(model, config):
-            logger.info("hf_async_cb: the model or BatchingConfig changed since the last call; rebuilding its runtime")
-            runtime.close()
-            runtime = None
-            with _RUNTIMES_LOCK:
-                _RUNTIMES.pop(model, None)
-        if runtime is None:
-            runtime = ModelRuntime(model, config)  # raises with the model as it was found
-            with _RUNTIMES_LOCK:
-                _RUNTIMES[model] = runtime
-        runtime.check_row_fits(row_pages)  # (refused, the runtime kept as it is)
-        try:
-            engine = runtime.engine_for(model, config, pages_needed)
-        except BaseException:
-            runtime.close()
-            with _RUNTIMES_LOCK:
-                _RUNTIMES.pop(model, None)
-            raise
-        yield engine
+    """The model's engine for one generate call; the caller holds the model's guard for the whole call
+    (`model_guard(model).held("generate", kind="outer")`, as engine_generate does)."""
+    runtime = _RUNTIMES.get(model)
+    if runtime is not None and not runtime.fits(model, config):
+        logger.info("hf_async_cb: the model or BatchingConfig changed since the last call; rebuilding its runtime")
+        runtime.close()
+        runtime = None
+        with _RUNTIMES_LOCK:
+            _RUNTIMES.pop(model, None)
+    if runtime is None:
+        runtime = ModelRuntime(model, config)  # raises with the model as it was found
+        with _RUNTIMES_LOCK:
+            _RUNTIMES[model] = runtime
+    runtime.check_row_fits(row_pages)  # (refused, the runtime kept as it is)
+    try:
+        engine = runtime.engine_for(model, config, pages_needed)
+    except BaseException:
+        runtime.close()
+        with _RUNTIMES_LOCK:
+            _RUNTIMES.pop(model, None)
+        raise
+    yield engine
 
 
 def release(model: torch.nn.Module) -> bool:
