@@ -162,13 +162,20 @@ def _feed(digest, value) -> None:
         digest.update(repr(value).encode())
 
 
+@functools.lru_cache(maxsize=None)
+def _code_digest(code: types.CodeType) -> str:
+    """A code object's digest (code objects are immutable: each is hashed once, however many classes
+    inherit the function; a patched function brings another code object)."""
+    digest = hashlib.sha256()
+    _feed(digest, code)
+    return digest.hexdigest()[:16]
+
+
 def _code_of(value) -> str:
     """A function's code (its bytecode, constants and names, by hash) and where it comes from; for a
     class, the same for each function in its own namespace and its bases' (torch's own left out)."""
     if isinstance(value, types.FunctionType):
-        digest = hashlib.sha256()
-        _feed(digest, value.__code__)
-        return f"{value.__module__}.{value.__qualname__}:{digest.hexdigest()[:16]}"
+        return f"{value.__module__}.{value.__qualname__}:{_code_digest(value.__code__)}"
     if isinstance(value, type):
         parts = []
         for base in value.__mro__:

@@ -75,16 +75,22 @@ def _build_launcher(compiled) -> None:
     a process; built here, the serving process's first launch loads it in milliseconds. Newer Triton
     launches every kernel through one module compiled with the driver: nothing to build then. Best
     effort: a launcher not built here is built at the first launch, as without workers."""
-    try:
-        from triton.backends.nvidia import driver as nvidia
-    except ImportError:
-        return
-    if compiled is None or not hasattr(nvidia, "make_launcher"):
+    nvidia = _c_launchers()
+    if compiled is None or nvidia is None:
         return
     try:
         nvidia.CudaLauncher(compiled.src, compiled.metadata)  # (no CUDA call: generated C, compiled and loaded)
     except Exception:  # noqa: BLE001
         pass
+
+
+def _c_launchers():
+    """Triton's NVIDIA driver module where it compiles a C launcher per kernel signature (<= 3.6), else None."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return None
+    return nvidia if hasattr(nvidia, "make_launcher") else None
 
 
 def compile_in_workers(variants: list[Variant], target, workers: int | None = None) -> list[Compiled]:
@@ -131,9 +137,8 @@ def _warm_up(target) -> None:
     except Exception:  # noqa: BLE001 (an internal that moved: each worker then computes its own)
         pass
     try:  # where a launcher links from (`ldconfig -p`, cached per process), for _build_launcher
-        from triton.backends.nvidia import driver as nvidia
-
-        if hasattr(nvidia, "make_launcher"):
+        nvidia = _c_launchers()
+        if nvidia is not None:
             nvidia.library_dirs()
     except Exception:  # noqa: BLE001
         pass

@@ -182,7 +182,7 @@ def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
 
 def _compile_engine_kernels(model: torch.nn.Module, device: torch.device, page_size: int, attention_choice: str):
     """Start compiling the kernels an engine will launch that are known before the model is prepared
-    (its attention and draws: most of the compiling; kernels/model_variants.py), after the checks'
+    (its attention and draws: most of the compiling; kernels/model_variants.py), beside the checks'
     kernels; None if nothing is compiled ahead. The engine's build compiles the rest."""
     try:
         from hf_async_cb.kernels.model_variants import facts_before_preparation, model_variants
@@ -215,7 +215,7 @@ class PreparedModel:
         if on_cuda and tensor_parallel_size(model) <= 1:
             if fuse_elementwise is not False:
                 checks = self.checks_ahead = _compile_check_kernels(model, self.device)  # in workers meanwhile
-            if engine_config is not None:  # after the checks' kernels (precompiles take turns)
+            if engine_config is not None:  # beside the checks' kernels (different variants: at once)
                 self.kernels_ahead = _compile_engine_kernels(model, self.device, engine_config.page_size,
                                                              engine_config.attention)
         with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
