@@ -189,17 +189,37 @@ class _Graph:
             self._capture(pool, stream)
 
     def _capture(self, pool, stream) -> None:
-        # Warm-up on the capture stream itself, so that per-stream state (cuBLAS workspaces, lazy
-        # kernels) exists before the capture begins; it writes the same K/V as the step itself
-        # will, at the same slots, so it changes nothing.
+        self._warm_up(stream)
+        self._record(pool, stream)
+
+    def _warm_up(self, stream) -> None:
+        """One eager run on the capture stream itself, so that per-stream state (cuBLAS workspaces, a
+        kernel's first load into the process) exists before the capture begins; it writes the same
+        K/V as the step itself will, at the same slots, so it changes nothing."""
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             self._fn()
         current.wait_stream(stream)
+
+    def _record(self, pool, stream) -> None:
+        """The capture, begun and ended on the graph itself rather than through `torch.cuda.graph`,
+        whose entry synchronizes the device and empties the caching allocator (and, in older torch,
+        collects garbage) to free memory for the graph: in the middle of a call that drains the
+        pipeline and makes the next eager steps allocate their memory from the driver again, for
+        nothing, since every graph of the engine shares one pool. Its exit only ends the capture."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = self._fn()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = self._fn()
+            except BaseException:
+                try:  # leave the stream out of capture mode; the step's own error is the one to see
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                raise
+            graph.capture_end()
         self.graph, self.out = graph, out
 
     def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
