@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
-# Issue 29's remaining figures in one device call (about 5 minutes on an H200): the 8B shape's first
-# calls in a fresh process, cold and warm Triton cache (first greedy <= 8 s, a sampled call after it
-# <= +1 s; benchmarks/gpu_first_call.py), and what a later call's graph captures cost on the 1B shape,
-# with and without the eager warm-up before each (benchmarks/gpu_capture_cost.py). Results in $OUT.
+# Issue 29's open figures in one device call (about 8 minutes on an H200; STEPS picks some of them):
+#  tests    tests/test_first_use.py (a fresh process compiles every variant in its first call, none
+#           later, and builds no Triton C launcher itself);
+#  first1b  the 1B shape's first calls, cold and warm Triton cache (benchmarks/gpu_first_call.py;
+#           64 x 128 -> 256 sampled, then 7 rows twice: a new batch size, then the same call warm);
+#  capture  what a later call's graph captures cost on the 1B shape, with and without the eager
+#           warm-up before each (benchmarks/gpu_capture_cost.py);
+#  first8b  the 8B shape's first calls, cold and warm (first greedy <= 8 s, a sampled call after it
+#           <= +1 s).
+# The first use A/B against an earlier commit is benchmarks/gpu_first_use_ab.sh. Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-git log --oneline -1 2>/dev/null | tee "$OUT/commit.txt"
-timeout ${CAPTURE_TIMEOUT:-200} python3 benchmarks/gpu_capture_cost.py --json "$OUT/capture_cost.json" 2>&1 \
-  | grep -v -i warn > "$OUT/capture_cost.txt"; tail -22 "$OUT/capture_cost.txt"
-timeout ${FIRST_TIMEOUT:-330} python3 benchmarks/gpu_first_call.py --shape llama3-8b \
-  --calls ${CALLS_8B:-32:128:128:g,32:128:128:s,7:128:128:s} --json "$OUT/first_call_8b.json" 2>&1 \
-  | grep -v -i warn > "$OUT/first_call_8b.txt"; grep -E "^(cold|warm):|compiled ahead:|phases:|^[0-9]+:" "$OUT/first_call_8b.txt"
+STEPS=${STEPS:-tests first1b capture first8b}
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+for step in $STEPS; do
+  echo "=== $step"
+  case $step in
+    tests)
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -s tests/test_first_use.py -p no:cacheprovider --tb=short -rf 2>&1 \
+        | grep -v -i warn | tail -40 > "$OUT/tests.txt"; grep -E "passed|failed|launchers|Error|assert" "$OUT/tests.txt" | head -12 ;;
+    first1b)
+      timeout ${FIRST_TIMEOUT:-150} python3 benchmarks/gpu_first_call.py --shape llama3.2-1b \
+        --calls 64:128:256:s,7:128:256:s,7:128:256:s --json "$OUT/first_call_1b.json" 2>&1 | grep -v -i warn \
+        > "$OUT/first_call_1b.txt"; grep -E "^(cold|warm):|compiled ahead:|phases:|^[0-9]+:" "$OUT/first_call_1b.txt" | cut -c1-400 ;;
+    capture)
+      timeout ${CAPTURE_TIMEOUT:-120} python3 benchmarks/gpu_capture_cost.py --json "$OUT/capture_cost.json" 2>&1 \
+        | grep -v -i warn > "$OUT/capture_cost.txt"; tail -22 "$OUT/capture_cost.txt" ;;
+    first8b)
+      timeout ${FIRST8B_TIMEOUT:-200} python3 benchmarks/gpu_first_call.py --shape llama3-8b \
+        --calls ${CALLS_8B:-32:128:128:g,32:128:128:s,7:128:128:s} --json "$OUT/first_call_8b.json" 2>&1 \
+        | grep -v -i warn > "$OUT/first_call_8b.txt"; grep -E "^(cold|warm):|compiled ahead:|phases:|^[0-9]+:" "$OUT/first_call_8b.txt" | cut -c1-400 ;;
+  esac
+done

@@ -22,6 +22,11 @@ os.environ["HF_ASYNC_CB_KEEP_PARITY"] = "0"
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_patch import skip_nested_patches  # noqa: E402
+
+    skip_nested_patches()  # (a nested jit helper's call re-patched triton.language each time)
+
 import hf_async_cb  # noqa: E402,F401  (installs the hook)
 
 import pytest  # noqa: E402
