@@ -345,6 +345,38 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     assert sum("capture failed" in r.message for r in caplog.records) == 1  # warned once
 
 
+def test_only_a_threads_first_capture_warms_up_and_a_failure_without_it_retries_with_it(monkeypatch):
+    """The eager warm-up before a capture runs once per thread (its cuBLAS workspace on the capture
+    stream); a later capture without it that fails (a kernel loading lazily inside the capture) is
+    captured again with it, not given up."""
+    from hf_async_cb.engine import cuda_graphs
+
+    calls = []
+    original = cuda_graphs._Graph.__init__
+
+    def recording(self, *args, warm_up=True, **kwargs):
+        calls.append(warm_up)
+        if not warm_up and calls.count(False) == 2:  # the second capture without a warm-up fails
+            raise RuntimeError("operation not permitted when stream is capturing")
+        original(self, *args, warm_up=warm_up, **kwargs)
+
+    monkeypatch.setattr(cuda_graphs._Graph, "__init__", recording)
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 40, seed=4)
+    engine = Engine(model, BatchingConfig(mode="sync", cuda_graphs=True, max_batch_tokens=64))
+    outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    graphs = engine.graphs
+    assert len(graphs) >= 3 and not graphs.failed and graphs.num_warm_up_retries == 1
+    assert calls[0] is True and calls.count(True) == 2  # the first capture, and the retry
+    assert calls[calls.index(False, calls.index(False) + 1) + 1] is True  # right after the failure
+    monkeypatch.setattr(cuda_graphs, "WARM_UP_EVERY_CAPTURE", True)
+    calls.clear()
+    engine.graphs.keep_for(("another arithmetic",))  # graphs dropped: captured again, each warmed up
+    engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert calls and all(calls)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real capture needs CUDA")
 def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
     """A capture that raises midway (here: a host read inside it, as bitsandbytes' LLM.int8() does)

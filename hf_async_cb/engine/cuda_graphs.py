@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from operator import add
@@ -59,6 +60,12 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 # up to this many tokens (or twice its own): at that size a small model's padded replay still costs
 # less GPU time than an eager step's launches cost the host.
 PADDED_BUCKET_MAX_TOKENS = 256
+# Whether every capture runs its step eagerly first. The first capture of a thread does (it creates the
+# thread's cuBLAS handle and its workspace on the capture stream, which a capture must not allocate);
+# later ones skip it and retry with it where the capture fails (a kernel loading lazily, say). The
+# warm-up cost as much host time as the recording itself: a later call with a new batch size spent
+# half of its captures' time in it (benchmarks/gpu_capture_cost.py compares the two).
+WARM_UP_EVERY_CAPTURE = False
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
@@ -143,8 +150,9 @@ class _Static:
 
 class _Graph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
-                 max_previous: int, pool, stream, decode: bool = True) -> None:
+                 max_previous: int, pool, stream, decode: bool = True, warm_up: bool = True) -> None:
         """Static tensors start as this step's inputs, so the warm-up and the capture run on real data.
+        warm_up: run the step eagerly on the capture stream before recording it.
 
         The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
         are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
@@ -184,12 +192,14 @@ class _Graph:
         self._fn = functools.partial(runner.step, static, self.previous)
         self.out: torch.Tensor | None = None
         self.graph = None
+        self.warmed_up = warm_up
         self.load(inputs, previous_tokens)
         if device.type == "cuda":
             self._capture(pool, stream)
 
     def _capture(self, pool, stream) -> None:
-        self._warm_up(stream)
+        if self.warmed_up:
+            self._warm_up(stream)
         self._record(pool, stream)
 
     def _warm_up(self, stream) -> None:
@@ -279,6 +289,8 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_padded_up = 0  # steps replayed in a larger captured bucket than their own (at the cap)
         self.capture_seconds: list[float] = []  # wall time of each capture, warm-up included
+        self.warm_threads: set[int] = set()  # threads that captured after a warm-up (WARM_UP_EVERY_CAPTURE)
+        self.num_warm_up_retries = 0  # captures without a warm-up that failed and succeeded with one
         self.context: tuple | None = None  # the arithmetic they were captured in (keep_for)
 
     @property
@@ -392,9 +404,7 @@ class DecodeGraphs:
         if graph is None:
             started = time.perf_counter()
             try:
-                # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
-                graph = _Graph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
-                               decode=key.tokens == 0)
+                graph = self._capture(key, inputs, previous_tokens)
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 if not self.failed:
                     logger.warning("CUDA graph capture failed (%s: %s); steps of that shape run eagerly",
@@ -411,6 +421,25 @@ class DecodeGraphs:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1
         return graph.replay()
+
+    def _capture(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> _Graph:
+        """A new graph for `key`, warmed up first where this thread has not captured one after a
+        warm-up yet (or WARM_UP_EVERY_CAPTURE); a capture without it that fails is tried once with it."""
+        thread = threading.get_ident()
+        warm_up = WARM_UP_EVERY_CAPTURE or thread not in self.warm_threads
+        # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
+        capture = functools.partial(_Graph, self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool,
+                                    self.stream, decode=key.tokens == 0)
+        if not warm_up:
+            try:
+                return capture(warm_up=False)
+            except RuntimeError as e:
+                logger.debug("a capture without a warm-up failed (%s); again with one", e)
+                release_generators_after_failed_capture()
+                self.num_warm_up_retries += 1
+        graph = capture(warm_up=True)
+        self.warm_threads.add(thread)
+        return graph
 
     def keep_for(self, context: tuple) -> None:
         """Before a call (or a serving admission) in arithmetic `context` (model/numeric_context.py):
