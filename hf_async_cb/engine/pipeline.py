@@ -15,7 +15,8 @@
     - N has finished already: the device is idle, launching first would overlap nothing;
     - N samples some request's first token and N+1 runs eagerly: that time to first token would
       take the whole eager launch;
-    - N+1 captures a graph: a capture synchronizes the device anyway.
+    - N+1 captures a graph: recording it takes the host far longer than N's GPU time, so launching
+      first would keep N's tokens waiting for the whole capture and overlap at most one step.
     On the CPU stand-ins every step has finished when the next one is built, so the async loop
     hands each step's tokens out after as many steps as the sync loop does, while it still builds
     the next step with carried-over tokens.
