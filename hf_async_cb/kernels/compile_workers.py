@@ -11,10 +11,15 @@ imported (a fresh interpreter would import torch and transformers first: seconds
 A forked child must not touch CUDA; it does not: the JIT compiles for the target it is given
 (variant.TargetDriver), which a compile needs and nothing else. Each variant is compiled through
 the kernel's own JIT (Variant.warmup), under the very cache key the serving process will look up.
+
+Forks are taken one thread at a time (two precompiles may start their workers at once), and a fork
+that raises is tried again: filelock (imported with transformers) hooks every fork and refuses one
+while another thread's fork or lock is between states; that refusal had made a whole precompile fail.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -24,6 +29,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from hf_async_cb.kernels.variant import Variant, from_pickled, settle_cache_keys
+
+logger = logging.getLogger(__name__)
+
+_FORKING = threading.Lock()  # (one thread forks its workers at a time)
+FORK_ATTEMPTS = 6  # a refused fork is tried again after 10, 30, 90, 270 and 810 ms
 
 
 @dataclass
@@ -106,13 +116,35 @@ def compile_in_workers(variants: list[Variant], target, workers: int | None = No
     ordered = sorted(variants, key=_expected_cost, reverse=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (forking a process with threads: see the module doc)
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_start_worker, initargs=(target,))
+        pool, first = forked_pool(workers, _start_worker, (target,), _compile, ordered[0].pickled())
         try:
-            futures = [pool.submit(_compile, v.pickled()) for v in ordered]
+            futures = [first] + [pool.submit(_compile, v.pickled()) for v in ordered[1:]]
             return [future.result() for future in as_completed(futures)]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def forked_pool(workers: int, initializer, initargs: tuple, fn, arg):
+    """A pool of `workers` forked processes and the future of its first job, `fn(arg)`. The pool forks
+    its workers at that first submit: under _FORKING, and again after a short wait where a fork
+    raised (the workers forked before it are stopped first)."""
+    delay = 0.01
+    for attempt in range(1, FORK_ATTEMPTS + 1):
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=initializer, initargs=initargs)
+        try:
+            with _FORKING:
+                return pool, pool.submit(fn, arg)
+        except RuntimeError as e:  # (OSError too, out of processes: not a passing state, raised at once)
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()  # (blocked on the job queue with no manager thread to stop them)
+                process.join()
+            pool.shutdown(wait=False, cancel_futures=True)
+            if attempt == FORK_ATTEMPTS:
+                raise
+            logger.info("forking a compile worker failed (%s); again in %.0f ms", e, 1e3 * delay)
+            time.sleep(delay)
+            delay *= 3
 
 
 _WARMING = threading.Lock()  # (two precompiles at once: the second waits for the first's hashes)
