@@ -54,9 +54,10 @@ build._build = lambda name, *args, **kwargs: launchers.append(name) or _build(na
 
 report = dict(first_s=call(64, 128, True, 32))
 report["launchers_first"] = launchers.count("__triton_launcher")
-precompiled = runtime._RUNTIMES[model].engine._precompile
-report.update(listed=len(precompiled.variants), loaded=precompiled.loaded, failed=precompiled.failed,
-              summary=precompiled.summary(), after_first=variants())
+engine = runtime._RUNTIMES[model].engine  # the precompile started while the model was prepared, and the build's
+ran = [p for p in (engine.prepared_model.checks_ahead, engine.prepared_model.kernels_ahead, engine._precompile) if p]
+report.update(listed=sum(len(p.variants) for p in ran), loaded=sum(p.loaded for p in ran),
+              failed=[f for p in ran for f in p.failed], summary=[p.summary() for p in ran], after_first=variants())
 keys = compiled_keys()
 rng = random.Random(0)
 report["later"] = []
