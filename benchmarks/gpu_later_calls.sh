@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29's open figures in one device call (about 8 minutes on an H200; STEPS picks some of them):
+# Issue 29's open figures in one device call (about 8-9 minutes; STEPS picks some of them, in its order):
 #  tests    tests/test_first_use.py (a fresh process compiles every variant in its first call, none
 #           later, and builds no Triton C launcher itself);
 #  first1b  the 1B shape's first calls, cold and warm Triton cache (benchmarks/gpu_first_call.py;
@@ -12,7 +12,7 @@
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-tests first1b capture first8b}
+STEPS=${STEPS:-tests first8b first1b capture}  # (the 8B first: its targets are the ones never measured)
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 for step in $STEPS; do
   echo "=== $step"
