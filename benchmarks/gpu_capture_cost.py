@@ -22,14 +22,11 @@ import time
 import torch
 
 import hf_async_cb
+from hf_async_cb.devices import synchronize
 from hf_async_cb.engine import cuda_graphs
 from hf_async_cb.generate import runtime
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model
 from hf_async_cb.tools.phases import PHASE_SECONDS, time_phases
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _call(model, n, prompt, new, sample):
@@ -38,11 +35,11 @@ def _call(model, n, prompt, new, sample):
     graphs = getattr(getattr(runtime._RUNTIMES.get(model), "engine", None), "graphs", None)
     before = graphs.num_captured if graphs is not None else 0
     PHASE_SECONDS.clear()
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, batching="async",
                          batching_config=hf_async_cb.BatchingConfig(seed=0), pad_token_id=0, **decoding)
-    _sync(model.device)
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     graphs = runtime._RUNTIMES[model].engine.graphs
     return out.cpu(), dict(seconds=round(seconds, 4), captured=graphs.num_captured - before if graphs else 0,

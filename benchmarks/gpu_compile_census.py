@@ -19,6 +19,7 @@ import torch
 from triton.runtime.jit import JITFunction
 
 import hf_async_cb
+from hf_async_cb.devices import synchronize
 from hf_async_cb.tools.bench import SAMPLING, _prompts, build_model
 from hf_async_cb.tools.phases import PHASE_SECONDS, PHASE_SPANS, time_phases, timeline
 
@@ -88,19 +89,14 @@ def runtime_of(model):
     return runtime._RUNTIMES.get(model)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def call(model, n, prompt, new, sample):
     ids = torch.tensor(_prompts(n, prompt, model.config.vocab_size), device=model.device)
     decoding = dict(SAMPLING) if sample else dict(do_sample=False)
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, batching="async",
                    batching_config=hf_async_cb.BatchingConfig(seed=0), pad_token_id=0, **decoding)
-    _sync(model.device)
+    synchronize(model.device)
     return time.perf_counter() - start
 
 

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from hf_async_cb.devices import synchronize
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -23,11 +25,6 @@ DEMO_PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Why is the sky blue?",
 ]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 DEMO_RUNS = {"off": "stock generate", "sync": 'batching="sync"', "async": 'batching="async"'}
@@ -49,10 +46,10 @@ def _timed_generate(model, inputs, mode: str, new: int, label: str) -> tuple[tor
     from hf_async_cb.config import BatchingConfig
 
     kwargs = {} if mode == "off" else {"batching_config": BatchingConfig(progress=label)}
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=new, do_sample=False, batching=mode, **kwargs)
-    _sync(model.device)
+    synchronize(model.device)
     return out, time.perf_counter() - start
 
 

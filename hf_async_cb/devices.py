@@ -19,6 +19,12 @@ def num_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for everything queued on `device` (nothing to wait for off CUDA): around a timed call."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _NoEvent:
     def record(self, stream=None) -> None:
         pass
