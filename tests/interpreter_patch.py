@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
-
-logger = logging.getLogger(__name__)
 
 _held: list[frozenset] = []  # the language modules the launch in progress patched (kernels launch no kernels)
 
