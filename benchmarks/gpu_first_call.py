@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--calls", default="64:128:256:s,7:128:256:s,64:128:256:g")
     parser.add_argument("--json")
     parser.add_argument("--sample", action="store_true", help="sample each first call's stack and print its timeline")
+    parser.add_argument("--warm-with", default="", metavar="VAR=VALUE,...",
+                        help="after the warm run, one more warm process per setting, each with that variable set "
+                             "(an A/B in one run, e.g. HF_ASYNC_CB_LOAD_AHEAD=0,HF_ASYNC_CB_LOAD_AHEAD=1)")
     args = parser.parse_args()
     census = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_compile_census.py")
     cache = tempfile.mkdtemp(prefix="triton-first-call-")
@@ -33,16 +36,20 @@ def main() -> None:
     env = dict(os.environ, TRITON_CACHE_DIR=cache, HF_ASYNC_CB_CACHE=os.path.join(cache, "hf_async_cb"))
     env.pop("TRITON_INTERPRET", None)
     report = {}
-    for run in ("cold", "warm"):
-        out = os.path.join(cache, f"{run}.json")
+    runs = {"cold": {}, "warm": {}}
+    for setting in filter(None, args.warm_with.split(",")):
+        name, value = setting.split("=", 1)
+        runs[f"warm {setting}"] = {name: value}
+    for i, (run, extra) in enumerate(runs.items()):
+        out = os.path.join(cache, f"run{i}.json")
         print(f"--- {run} Triton cache ({cache})", flush=True)
         subprocess.run([sys.executable, census, "--shape", args.shape, "--calls", args.calls, "--json", out]
                        + ["--sample"] * args.sample,
-                       env=env, check=True)
+                       env={**env, **extra}, check=True)
         with open(out) as f:
             report[run] = json.load(f)
     print()
-    for run in ("cold", "warm"):
+    for run in runs:
         calls = report[run]["calls"]
         print(f"{run}: model built in {report[run]['build_s']:.1f} s; first call {calls[0]['seconds']:.2f} s "
               f"({len(calls[0]['compiles'])} variants, {calls[0]['compile_s']:.1f} s in the JIT); later calls: "

@@ -57,8 +57,15 @@ report["launchers_first"] = launchers.count("__triton_launcher")
 engine = runtime._RUNTIMES[model].engine  # the precompile started while the model was prepared, and the build's
 ran = [p for p in (engine.prepared_model.checks_ahead, engine.prepared_model.kernels_ahead, engine._precompile) if p]
 report.update(listed=sum(len(p.variants) for p in ran), loaded=sum(p.loaded for p in ran),
+              on_device=sum(p.on_device for p in ran),
               failed=[f for p in ran for f in p.failed], summary=[p.summary() for p in ran], after_first=variants())
 keys = compiled_keys()
+# Binaries loaded onto the device by later calls' first launches (inside their graph captures): none, when
+# the precompile loaded every variant ahead (HF_ASYNC_CB_LOAD_AHEAD, on unless "0").
+from triton.runtime.driver import driver
+loads = []
+_load = driver.active.utils.load_binary
+driver.active.utils.load_binary = lambda name, *args: loads.append(name) or _load(name, *args)
 rng = random.Random(0)
 report["later"] = []
 for i in range(20):
@@ -69,6 +76,7 @@ for i in range(20):
                                 compiled={name: len(k) for name, k in new.items() if k}))
 report["after_later"] = variants()
 report["launchers_later"] = launchers.count("__triton_launcher") - report["launchers_first"]
+report["loads_later"] = sorted(set(loads))
 print("REPORT " + json.dumps(report))
 """
 
@@ -90,3 +98,5 @@ def test_a_fresh_process_compiles_everything_in_its_first_call_and_nothing_after
     assert report["after_later"] == report["after_first"]
     # No C launcher is compiled in the serving process (each one 0.3-1 s on its first launch): the workers built them.
     assert report["launchers_first"] == 0 and report["launchers_later"] == 0, report
+    # Every variant was loaded onto the device ahead, so no later call loads one inside a capture.
+    assert report["on_device"] == report["loaded"] and report["loads_later"] == [], report

@@ -258,3 +258,24 @@ def test_a_failing_listing_leaves_the_checks_to_compile_as_they_run(monkeypatch)
 
     monkeypatch.setattr(elementwise_fusion, "check_variants", fails)
     assert prepared._compile_check_kernels(tiny_model("llama"), torch.device("cuda")) is None
+
+
+def test_loading_a_variant_onto_the_device_ahead_is_done_once_and_never_raises():
+    """The precompile loads each variant onto the device (Triton's CompiledKernel._init_handles) so that
+    its first launch, perhaps inside a graph capture, does not; a Triton without that step, or a variant
+    that cannot load (too much shared memory), is left to its launch, which raises there by name."""
+    from hf_async_cb.kernels.precompile import _load_onto_device
+
+    class Kernel:
+        def __init__(self, fails=False):
+            self.loads, self.fails = 0, fails
+
+        def _init_handles(self):
+            self.loads += 1
+            if self.fails:
+                raise RuntimeError("out of resources: shared memory")
+
+    loaded, failing = Kernel(), Kernel(fails=True)
+    assert _load_onto_device(loaded) and loaded.loads == 1
+    assert not _load_onto_device(failing) and failing.loads == 1
+    assert not _load_onto_device(object())  # (no such step in this Triton)

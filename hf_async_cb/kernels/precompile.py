@@ -44,6 +44,9 @@ _LOAD_IS_A_COMPILE = 0.3  # seconds: a load from the disk cache takes millisecon
 # Compile workers: unset for one per core but one; a number for that many; 0 for none (compile
 # as steps need them, as before: for A/B runs).
 WORKERS_VARIABLE = "HF_ASYNC_CB_COMPILE_WORKERS"
+# Loading each variant onto the device (its module, its launcher) in the precompile's thread: "0" leaves
+# it to the variant's first launch, which may fall inside a call's graph capture (A/B runs).
+LOAD_VARIABLE = "HF_ASYNC_CB_LOAD_AHEAD"
 
 
 class _Turns:
@@ -93,6 +96,7 @@ class Precompile:
         self.workers = min(len(variants), workers or default_workers())
         self.compiled: list[Compiled] = []
         self.loaded = 0
+        self.on_device = 0  # variants also loaded onto the device here (LOAD_VARIABLE), not at a first launch
         self.failed: list[str] = []
         self.compiled_on_load: list[str] = []  # variants the workers compiled but this process compiled again
         self.on_disk = False  # every variant missing here was compiled by an earlier process: no workers started
@@ -130,12 +134,15 @@ class Precompile:
                 if missing and not self.on_disk:
                     self.compiled = compile_in_workers(missing, self._target, self.workers)
                     self.failed += [f"{c.name} ({c.described}) in a worker: {c.error}" for c in self.compiled if c.error]
+            load_ahead = self.device.type == "cuda" and os.environ.get(LOAD_VARIABLE, "1").strip() != "0"
             with _on(self.device):
                 for variant in missing:
                     try:
                         start = time.perf_counter()
-                        variant.warmup()  # from the disk cache the workers filled
+                        kernel = variant.warmup()  # from the disk cache the workers filled
                         self.loaded += 1
+                        if load_ahead and _load_onto_device(kernel):
+                            self.on_device += 1
                         if time.perf_counter() - start > _LOAD_IS_A_COMPILE:  # the workers' entry was not found
                             self.compiled_on_load.append(f"{variant.name} ({variant.describe()}): "
                                                          f"{time.perf_counter() - start:.2f} s")
@@ -168,6 +175,8 @@ class Precompile:
         else:
             text = (f"{len(self.compiled)} of {len(self.variants)} kernel variants compiled on {self.workers} workers "
                     f"in {self.seconds:.1f} s ({work:.1f} s of compiling)")
+        if self.on_device:
+            text += f"; {self.on_device} loaded onto the device"
         if self.failed:
             text += f"; {len(self.failed)} failed: {', '.join(self.failed[:3])}"
         if self.compiled_on_load:
@@ -286,6 +295,22 @@ def _write_marker(path: str) -> None:
             pass
     except OSError:  # a read-only cache folder: the next process starts workers again
         pass
+
+
+def _load_onto_device(kernel) -> bool:
+    """Load a compiled variant's binary onto the current device and import its launcher, as its first
+    launch would (Triton's CompiledKernel._init_handles, 10-20 ms each on an H100 host): done here, in
+    the precompile's thread, it is not done inside the first call's graph captures, where it added
+    about 0.1 s to a later call with a new batch size. False where this Triton has no such step or it
+    failed (the first launch then loads it, as before, and raises there if it must)."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is None:
+        return False
+    try:
+        init()
+    except Exception:  # noqa: BLE001 (e.g. out of shared memory: raised again, by name, at its launch)
+        return False
+    return True
 
 
 def _on(device: torch.device):
