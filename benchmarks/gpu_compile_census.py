@@ -69,6 +69,12 @@ def _differences(entries: list[dict]) -> dict:
             if len({json.dumps(e.get(k), sort_keys=True, default=str) for e in entries}) > 1}
 
 
+def _graph_counts(model) -> tuple[int, int]:
+    """(graphs captured, greedy steps lent a sampled graph) so far by the model's runtime engine."""
+    graphs = getattr(getattr(runtime_of(model), "engine", None), "graphs", None)
+    return (graphs.num_captured, graphs.num_lent) if graphs is not None else (0, 0)
+
+
 def _precompiled_keys(ahead) -> dict[str, list[str]]:
     """The JIT keys of the variants compiled ahead, per kernel: a compile in a call whose key is not
     among them is a variant the list missed (or a launch specialised otherwise)."""
@@ -117,6 +123,7 @@ def main() -> None:
     for spec in args.calls.split(","):
         n, prompt, new, kind = spec.split(":")
         before = len(COMPILES)
+        graphs_before = _graph_counts(model)
         PHASE_SECONDS.clear()
         PHASE_SPANS.clear()
         sampler = None
@@ -132,11 +139,14 @@ def main() -> None:
         else:
             seconds = call(model, int(n), int(prompt), int(new), kind == "s")
         new_compiles = COMPILES[before:]
+        captured, lent = (a - b for a, b in zip(_graph_counts(model), graphs_before))
         report["calls"].append(dict(call=spec, seconds=round(seconds, 3), compiles=new_compiles,
                                     compile_s=round(sum(c["seconds"] for c in new_compiles), 2),
+                                    captured=captured, lent=lent,
                                     phases={k: round(v, 3) for k, v in PHASE_SECONDS.items()}))
         print(f"{spec:<16} {seconds:8.2f} s, {len(new_compiles)} compiles "
-              f"({sum(c['seconds'] for c in new_compiles):.1f} s)", flush=True)
+              f"({sum(c['seconds'] for c in new_compiles):.1f} s), {captured} graphs captured, "
+              f"{lent} greedy steps on sampled graphs", flush=True)
         for c in new_compiles:
             print(f"   {c['seconds']:6.2f} s  {c['kernel']:<40} {c['constexprs']}", flush=True)
         if PHASE_SECONDS:

@@ -3,7 +3,8 @@
 #  tests    tests/test_first_use.py (a fresh process compiles every variant in its first call, none
 #           later, and builds no Triton C launcher itself);
 #  first1b  the 1B shape's first calls, cold and warm Triton cache (benchmarks/gpu_first_call.py;
-#           64 x 128 -> 256 sampled, then 7 rows twice: a new batch size, then the same call warm),
+#           64 x 128 -> 256 sampled, then 7 rows twice: a new batch size, then the same call warm, then
+#           7 rows greedy twice: steps lent the sampled graphs, LEND_SAMPLED_STEPS),
 #           then warm again without and with loading the variants onto the device ahead (the A/B of
 #           HF_ASYNC_CB_LOAD_AHEAD: the warm first call, and the 7-row call's capture);
 #  capture  what a later call's graph captures cost on the 1B shape, with and without the eager
@@ -24,7 +25,7 @@ for step in $STEPS; do
         | grep -v -i warn | tail -40 > "$OUT/tests.txt"; grep -E "passed|failed|launchers|Error|assert" "$OUT/tests.txt" | head -12 ;;
     first1b)
       timeout ${FIRST_TIMEOUT:-220} python3 benchmarks/gpu_first_call.py --shape llama3.2-1b \
-        --calls 64:128:256:s,7:128:256:s,7:128:256:s \
+        --calls 64:128:256:s,7:128:256:s,7:128:256:s,7:128:256:g,7:128:256:g \
         --warm-with ${WARM_WITH:-HF_ASYNC_CB_LOAD_AHEAD=0,HF_ASYNC_CB_LOAD_AHEAD=1,HF_ASYNC_CB_LOAD_AHEAD=0} --json "$OUT/first_call_1b.json" 2>&1 | grep -v -i warn \
         > "$OUT/first_call_1b.txt"; grep -E "^(cold|warm)[^:]*:|compiled ahead:|phases:|^[0-9]+:" "$OUT/first_call_1b.txt" | cut -c1-400 ;;
     capture)

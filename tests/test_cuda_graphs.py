@@ -447,3 +447,30 @@ def test_the_pool_size_collects_garbage_only_while_a_pool_is_not_freed(monkeypat
     assert pools_alive() == before + 1
     gc.collect()
     assert pools_alive() == before
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_steps_after_sampled_ones_replay_the_sampled_graphs_then_capture_their_own(mode, monkeypatch):
+    """A greedy call after sampled ones replays the buckets' sampled graphs (every row drawn greedily)
+    instead of capturing in its first steps, with stock's tokens; after LEND_SAMPLED_STEPS such replays
+    a bucket captures its greedy graph, and the tokens stay stock's."""
+    from hf_async_cb import SamplingParams
+    from hf_async_cb.engine import cuda_graphs
+
+    model = tiny_model("llama")
+    prompts = random_prompts(5, 3, 30, seed=7)
+    engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=True, seed=3, page_size=4, max_batch_tokens=48))
+    sampled = [SamplingParams(max_new_tokens=12, do_sample=True, top_k=5, temperature=0.9)] * len(prompts)
+    engine.generate(prompts, sampled)
+    sampled_keys = set(engine.graphs._graphs)
+    assert all(k.sampled for k in sampled_keys)
+
+    outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))  # the same buckets, greedy
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    assert set(engine.graphs._graphs) == sampled_keys and engine.graphs.num_lent > 0
+
+    monkeypatch.setattr(cuda_graphs, "LEND_SAMPLED_STEPS", 0)  # no more lending: the buckets capture their own
+    outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
+    own = set(engine.graphs._graphs) - sampled_keys
+    assert own and not any(k.sampled for k in own)

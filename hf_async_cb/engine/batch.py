@@ -158,12 +158,14 @@ class BatchBuilder:
         return processor_rows, history_rows, blocked, keep_rows
 
     def build(self, plan: StepPlan, slot: IOSlot, carry_rows: dict[int, int],
-              pad_to: tuple[int, int, int] | None = None) -> StepInputs:
+              pad_to: tuple[int, int, int] | None = None, sampled: bool = False) -> StepInputs:
         """`carry_rows` maps id(request) -> its row in the sampled tokens of the step in flight.
 
         `pad_to` = (batch, context, tokens): a step padded to a CUDA-graph bucket (tokens 0: a decode
         step, one token per request). Padding requests write to and read from the trash page: one
         token each, the last one all the tokens left. Logits rows are padded to `batch` too.
+        `sampled`: the bucket's graph takes sampling parameters (a greedy step may replay a sampled
+        graph: DecodeGraphs._lent_sampled), so they are uploaded even where no row samples.
         """
         ps = self.page_size
         ids, carry_at, carry_from = self._token_ids(plan, carry_rows)
@@ -223,14 +225,18 @@ class BatchBuilder:
         if not plan.plain:
             processor_rows, history_rows, blocked, keep_rows = self._row_options(plan, sample_requests, carry_rows)
             params = [r.params for r in sample_requests]
-            if any(p.do_sample for p in params):
+            if sampled or any(p.do_sample for p in params):
                 # Index of the token each row samples in its request's output (what seeded sampling hashes).
                 token_index = [r.num_sampled for r in sample_requests]
                 if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
                     pads = len(logits_rows) - len(params)
                     params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
-                sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
+                sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index, always=True)
             unseeded = any(p.unseeded for p in params)
+        elif sampled:  # plain rows replaying a sampled graph: every row picks greedily
+            rows_drawn = len(logits_rows)
+            sampling_ints, sampling_floats = SamplingTensors.host_parts([_GREEDY] * rows_drawn, [0] * rows_drawn,
+                                                                        always=True)
         groups = None
         if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)

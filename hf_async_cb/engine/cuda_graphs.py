@@ -66,6 +66,12 @@ PADDED_BUCKET_MAX_TOKENS = 256
 # warm-up cost as much host time as the recording itself: a later call with a new batch size spent
 # half of its captures' time in it (benchmarks/gpu_capture_cost.py compares the two).
 WARM_UP_EVERY_CAPTURE = False
+# A greedy step whose bucket has been captured only for sampled steps replays that graph this many times
+# (its draw takes a greedy row's argmax, as the greedy graph does, plus a few launches that return at
+# once) before the bucket captures a greedy graph of its own: a greedy call after sampled ones then
+# captures nothing in its first steps (0.11 s of captures on the H200 for a 1B call), while a long run
+# of greedy steps still ends on the greedy graphs. 0 turns the lending off.
+LEND_SAMPLED_STEPS = 1024
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
@@ -292,6 +298,8 @@ class DecodeGraphs:
         self.warm_threads: set[int] = set()  # threads that captured after a warm-up (WARM_UP_EVERY_CAPTURE)
         self.num_warm_up_retries = 0  # captures without a warm-up that failed and succeeded with one
         self.context: tuple | None = None  # the arithmetic they were captured in (keep_for)
+        self.num_lent = 0  # greedy steps that replayed their bucket's sampled graph (LEND_SAMPLED_STEPS)
+        self._lent: dict[GraphKey, int] = {}
 
     @property
     def num_captured(self) -> int:
@@ -355,7 +363,21 @@ class DecodeGraphs:
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 return self._padded_into_captured(key, plan)
+        if not key.sampled and key not in self._graphs:
+            key = self._lent_sampled(key)
         return None if key in self.failed else key
+
+    def _lent_sampled(self, key: GraphKey) -> GraphKey:
+        """The sampled graph of a greedy step's bucket, where only that one is captured (and it has
+        been lent fewer than LEND_SAMPLED_STEPS times); else the step's own key. The batch then
+        uploads every row's sampling parameters, greedy (StepBatchBuilder.build's `sampled`)."""
+        lent = dataclasses.replace(key, sampled=True)
+        times = self._lent.get(key, 0)
+        if lent not in self._graphs or times >= LEND_SAMPLED_STEPS:
+            return key
+        self._lent[key] = times + 1
+        self.num_lent += 1
+        return lent
 
     def _prefill_batch(self, size: int) -> int:
         """A prefill/mixed bucket's request count: a power of 4 (within the graphs' row limit, else of

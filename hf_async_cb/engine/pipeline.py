@@ -165,7 +165,8 @@ class Pipeline:
         previous = self.in_flight[-1] if self.in_flight else None
         carry_rows = {id(r): i for i, r in enumerate(previous.sample_requests)} if previous else {}
         key = self.graphs.key_for(plan) if self.graphs is not None else None
-        inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context, key.tokens) if key else None)
+        inputs = self.builder.build(plan, slot, carry_rows, (key.batch, key.context, key.tokens) if key else None,
+                                    sampled=key is not None and key.sampled)
         if key is not None and inputs.meta.group_start is not None:  # rows that share prefixes: their own graph
             key = dataclasses.replace(key, shared=True)
         for chunk in plan.chunks:

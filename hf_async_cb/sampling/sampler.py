@@ -55,11 +55,12 @@ class SamplingTensors:
     unseeded: bool = True  # host: some sampled row has no seed (else no multinomial draw is made)
 
     @staticmethod
-    def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None
-                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Host arrays (ints, floats) to upload; empty when no row samples. Each request keeps its
-        row ready (SamplingParams.sampler_ints / sampler_floats), so a step only stacks them."""
-        if not any(p.do_sample for p in params):
+    def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None,
+                   always: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host arrays (ints, floats) to upload; empty when no row samples, unless `always` (a graph
+        that takes them replays the step). Each request keeps its row ready
+        (SamplingParams.sampler_ints / sampler_floats), so a step only stacks them."""
+        if not always and not any(p.do_sample for p in params):
             return [], []
         ints = np.empty((3, len(params)), dtype=np.int64)
         ints[:2] = np.frombuffer(b"".join([p.sampler_ints for p in params]), dtype="<i8").reshape(-1, 2).T
