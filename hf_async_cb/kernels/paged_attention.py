@@ -288,37 +288,24 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_ptr, m_ptr, l_ptr, o_ptr, num_splits, num_heads,
+    part_ptr, m_ptr, l_ptr, o_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The splits' partial results merged (a runtime count, up to MAX_SPLITS: one variant for all), for
-    BLOCK_H heads of one token per program: one program per (token, head) was 8,192 programs of a few
-    hundred bytes each at 256 rows x 32 heads, 15 us a layer on an H100, bound by launching them."""
+    """The splits' partial results merged (a runtime count, up to MAX_SPLITS: one variant for all)."""
     t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
+    h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     splits = tl.arange(0, _MAX_SPLITS)
     ours = splits < num_splits
-    ml_at = splits[:, None] * stride_ms + t * stride_mt + heads[None, :]  # [splits, heads]
-    ml_ok = ours[:, None] & h_ok[None, :]
-    m = tl.load(m_ptr + ml_at, mask=ml_ok, other=float("-inf"))
-    l = tl.load(l_ptr + ml_at, mask=ml_ok, other=0.0)
-    top = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(h_ok, top, 0.0)[None, :])  # (a head past the last: weights 0, never stored)
-    part = tl.load(part_ptr + splits[:, None, None] * stride_ps + t * stride_pt + heads[None, :, None] * stride_ph
-                   + offs_d[None, None, :], mask=ml_ok[:, :, None] & d_ok[None, None, :], other=0.0)
-    total = tl.sum(l * w, 0)
-    out = tl.sum(part * w[:, :, None], 0) / tl.where(h_ok, total, 1.0)[:, None]
-    tl.store(o_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
-
-
-def merge_heads(block_d: int) -> int:
-    """Heads per merge program: as many as keep its [MAX_SPLITS, heads, BLOCK_D] tile at 4,096 values."""
-    return max(1, 4096 // (MAX_SPLITS * block_d))
+    m = tl.load(m_ptr + splits * stride_ms + t * stride_mt + h, mask=ours, other=float("-inf"))
+    l = tl.load(l_ptr + splits * stride_ms + t * stride_mt + h, mask=ours, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+                   mask=ours[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -468,10 +455,9 @@ def paged_attention_triton(
         launch_shared_prefix(q, key_pool, value_pool, part, m, l, meta, qk_scale, cap_log2, splits, psplits, group,
                              softcap is not None, query.dtype == torch.float32)
     if slots > 1:
-        block_h = merge_heads(block_dv)
-        _merge_splits_kernel[(total, -(-num_heads // block_h))](
-            part, m, l, out, slots, num_heads, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
-            HEAD_DIM=head_dim_v, BLOCK_D=block_dv, BLOCK_H=block_h,
+        _merge_splits_kernel[(total, num_heads)](
+            part, m, l, out, slots, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
+            HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
         )
     return out[None]
 
@@ -519,7 +505,7 @@ def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, p
         found.append(dataclasses.replace(found[1], constexprs={**found[1].constexprs, "KV_START": True}))
         found.append(prefix_variant(group, key_pool, value_pool, page_size, dtype, softcap))
     if splits:
-        found.append(Variant(_merge_splits_kernel, (f32, f32, f32, dtype, 2, num_heads, 0, num_heads * head_dim_v,
-                                                    head_dim_v, 0, num_heads, num_heads * head_dim_v, head_dim_v),
-                             dict(HEAD_DIM=head_dim_v, BLOCK_D=block_dv, BLOCK_H=merge_heads(block_dv))))
+        found.append(Variant(_merge_splits_kernel, (f32, f32, f32, dtype, 2, 0, num_heads * head_dim_v, head_dim_v, 0,
+                                                    num_heads, num_heads * head_dim_v, head_dim_v),
+                             dict(HEAD_DIM=head_dim_v, BLOCK_D=block_dv)))
     return found

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The split merge taking several heads per program (kernels/paged_attention._merge_splits_kernel), A/B in
-# one device call: A = the tree in .ab/base (carry .ab; e.g. `git archive <commit> | tar -x -C .ab/base`),
-# B = this tree. Each side: the decode attention of a 1B group step (256 rows in groups of 8 over a
+# A change to the decode attention kernels, A/B in one device call (first used for a split merge taking
+# several heads per program, which changed nothing: docs/benchmarks.md, 2026-12-05, seventh session).
+# A = the tree in .ab/base (carry .ab; e.g. `git archive <commit> | tar -x -C .ab/base`), B = this tree. Each side: the decode attention of a 1B group step (256 rows in groups of 8 over a
 # 1,024-token shared prefix + 192 own) and of an 8B step of 32 rows over 4K tokens (split contexts),
 # in CUDA graphs with cold L2 (benchmarks/shared_prefix_attention.py); then the 1B group workload on a
 # held Engine (benchmarks/group_step_probe.py --quick: caching on / off, ms per decode step). Then the
