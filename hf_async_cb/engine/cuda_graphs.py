@@ -370,7 +370,7 @@ class DecodeGraphs:
     def _lent_sampled(self, key: GraphKey) -> GraphKey:
         """The sampled graph of a greedy step's bucket, where only that one is captured (and it has
         been lent fewer than LEND_SAMPLED_STEPS times); else the step's own key. The batch then
-        uploads every row's sampling parameters, greedy (StepBatchBuilder.build's `sampled`)."""
+        uploads every row's sampling parameters, greedy (BatchBuilder.build's `sampled`)."""
         lent = dataclasses.replace(key, sampled=True)
         times = self._lent.get(key, 0)
         if lent not in self._graphs or times >= LEND_SAMPLED_STEPS:

@@ -299,10 +299,10 @@ def _write_marker(path: str) -> None:
 
 def _load_onto_device(kernel) -> bool:
     """Load a compiled variant's binary onto the current device and import its launcher, as its first
-    launch would (Triton's CompiledKernel._init_handles, 10-20 ms each on an H100 host): done here, in
-    the precompile's thread, it is not done inside the first call's graph captures, where it added
-    about 0.1 s to a later call with a new batch size. False where this Triton has no such step or it
-    failed (the first launch then loads it, as before, and raises there if it must)."""
+    launch would (Triton's CompiledKernel._init_handles): done here, in the precompile's thread, it is
+    never done inside a later call's graph capture (where one H100 host spent 0.1 s of a 7-row call's
+    captures; another host showed no difference: docs/benchmarks.md). False where this Triton has no
+    such step or it failed (the first launch then loads it, as before, and raises there if it must)."""
     init = getattr(kernel, "_init_handles", None)
     if init is None:
         return False
