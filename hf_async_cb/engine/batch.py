@@ -222,21 +222,20 @@ class BatchBuilder:
         carry[carry_at] = carry_from
         processor_rows, history_rows, blocked, keep_rows = [], [], [], []
         sampling_ints, sampling_floats, unseeded = [], [], False
+        params = None  # (a plain step, greedy and in no sampled graph, looks at no row's options)
         if not plan.plain:
             processor_rows, history_rows, blocked, keep_rows = self._row_options(plan, sample_requests, carry_rows)
             params = [r.params for r in sample_requests]
-            if sampled or any(p.do_sample for p in params):
-                # Index of the token each row samples in its request's output (what seeded sampling hashes).
-                token_index = [r.num_sampled for r in sample_requests]
-                if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
-                    pads = len(logits_rows) - len(params)
-                    params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
-                sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index, always=True)
             unseeded = any(p.unseeded for p in params)
-        elif sampled:  # plain rows replaying a sampled graph: every row picks greedily
-            rows_drawn = len(logits_rows)
-            sampling_ints, sampling_floats = SamplingTensors.host_parts([_GREEDY] * rows_drawn, [0] * rows_drawn,
-                                                                        always=True)
+        elif sampled:  # plain rows replaying a sampled graph (DecodeGraphs._lent_sampled): each picks greedily
+            params = [_GREEDY] * len(sample_requests)
+        if params is not None and (sampled or any(p.do_sample for p in params)):
+            # Index of the token each row samples in its request's output (what seeded sampling hashes).
+            token_index = [r.num_sampled for r in sample_requests]
+            if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
+                pads = len(logits_rows) - len(params)
+                params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
+            sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index, always=True)
         groups = None
         if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)
