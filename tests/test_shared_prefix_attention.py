@@ -145,13 +145,30 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (14, 2)])  # one head per tile row; 7 per KV head: 2 programs
 @pytest.mark.parametrize("splits", [1, 2])
-def test_grouped_decode_matches_reference(name, heads, kv_heads, splits):
+@pytest.mark.parametrize("psplits", [1, 2])  # one: the prefix program joins the partials itself; two: the merge
+def test_grouped_decode_matches_reference(name, heads, kv_heads, splits, psplits, monkeypatch):
     page = 16
+    monkeypatch.setattr(shared_kernel, "prefix_splits", lambda *args: psplits)
     lists, lens, total = pages_of(LAYOUTS[name], page, seed=splits)
     query, keys, values, meta, table = decode_step(lists, lens, page, total, heads, kv_heads, 32)
     expected = paged_attention_reference(query, keys, values, meta, None)
+    merges = []
+    real_merge = triton_paged._merge_splits_kernel
+    monkeypatch.setattr(triton_paged, "_merge_splits_kernel", _Counted(real_merge, merges))
     got = triton_paged.paged_attention_triton(query, keys, values, grouped(meta, table), None, num_splits=splits)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(merges) == (psplits > 1)  # one prefix split: no merge launched
+
+
+class _Counted:
+    """A kernel whose launches (`kernel[grid](...)`) are counted into `launches`."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("variant", ["softcap", "sinks", "new_kv"])
@@ -215,7 +232,7 @@ def test_repeated_prompts_read_their_prefix_once_and_give_stock_tokens(monkeypat
     real = shared_kernel.launch_shared_prefix
 
     def counted(*args, **kwargs):
-        launches.append(args[6].shared_len.max().item())
+        launches.append(args[7].shared_len.max().item())  # (meta)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shared_kernel, "launch_shared_prefix", counted)
@@ -231,18 +248,18 @@ def test_repeated_prompts_read_their_prefix_once_and_give_stock_tokens(monkeypat
 
 
 def test_prefix_kernel_compiles_for_sm90_and_fits_an_h200():
-    """The prefix kernel's bf16 tiles (head sizes 128 and 256, groups of 4 and 8 query heads)
-    compile for an H200 without a GPU (CI has none) and fit its shared memory."""
+    """The prefix kernel's bf16 tiles (head sizes 128 and 256, groups of 4 and 8 query heads, joining
+    the rows' partials itself or not) compile for an H200 without a GPU (CI has none) and fit its shared memory."""
     from sm90 import assert_compiles_for_sm90
 
-    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
+    pointers = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
     pointers.update({n: "*fp32" for n in ("part_ptr", "m_ptr", "l_ptr")})
     pointers.update({n: "*i64" for n in ("block_table_ptr", "group_start_ptr", "group_rows_ptr", "shared_len_ptr")})
     scalars = {"qk_scale": "fp32", "cap_log2": "fp32", "slot0": "i32", "num_psplits": "i32"}
     strides = {n: "i64" for n in ("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ps stride_pt "
-                                  "stride_ph stride_ms stride_mt stride_bt").split()}
+                                  "stride_ph stride_ms stride_mt stride_bt stride_ot stride_oh").split()}
     kernels = [("hf_async_cb.kernels.shared_prefix_attention", "_shared_prefix_kernel", {**pointers, **scalars, **strides},
-                shared_kernel._constexprs(group, head_dim, head_dim, 16, softcap, False), shared_kernel.LAUNCH)
-               for group, head_dim, softcap in ((4, 128, False), (8, 256, True))]
+                shared_kernel._constexprs(group, head_dim, head_dim, 16, softcap, False, merge), shared_kernel.LAUNCH)
+               for group, head_dim, softcap in ((4, 128, False), (8, 256, True)) for merge in (True, False)]
     sizes = assert_compiles_for_sm90(kernels)
     assert max(sizes) <= 232448, sizes  # the H200's shared memory per block

@@ -398,7 +398,7 @@ def paged_attention_triton(
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
     # Rows that share a prefix (meta.group_start): its keys read once per group, into split slots
-    # after the rows' own (shared_prefix_attention.py).
+    # after the rows' own, or with one prefix split joined with them there (shared_prefix_attention.py).
     cascade = (decode and meta.group_start is not None and sliding_window is None and alibi_slopes is None
                and chunks == 1)
     psplits = 0
@@ -408,13 +408,16 @@ def paged_attention_triton(
         psplits = prefix_splits(num_seqs, num_kv_heads, meta.max_context, num_sms(query.device) or 1)
     splits = min(splits, MAX_SPLITS - psplits)
     slots = splits + psplits
+    # One prefix split joins the rows' partials itself (MERGE): it needs no slot of its own.
+    merged_by_prefix = psplits == 1
     out = torch.empty(total, num_heads, head_dim_v, dtype=query.dtype, device=query.device)
     if slots > 1:
         # Each split's rows padded to a multiple of 16 tokens: the merge's split strides are then
         # multiples of 16 at any token count (one compiled variant, aligned loads).
         padded = -(-total // 16) * 16
-        part = torch.empty(slots, padded, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
-        m = torch.empty(slots, padded, num_heads, dtype=torch.float32, device=query.device)
+        written = splits if merged_by_prefix else slots
+        part = torch.empty(written, padded, num_heads, head_dim_v, dtype=torch.float32, device=query.device)
+        m = torch.empty(written, padded, num_heads, dtype=torch.float32, device=query.device)
         l = torch.empty_like(m)
         target, part_strides, ml_strides = part, part.stride(), m.stride()[:2]
     else:
@@ -452,9 +455,9 @@ def paged_attention_triton(
         ALIGNED_INPUTS=aligned_inputs, KV_START=cascade, **launch,
     )
     if cascade:
-        launch_shared_prefix(q, key_pool, value_pool, part, m, l, meta, qk_scale, cap_log2, splits, psplits, group,
-                             softcap is not None, query.dtype == torch.float32)
-    if slots > 1:
+        launch_shared_prefix(q, key_pool, value_pool, part, m, l, out, meta, qk_scale, cap_log2, splits, psplits,
+                             group, softcap is not None, query.dtype == torch.float32)
+    if slots > 1 and not merged_by_prefix:
         _merge_splits_kernel[(total, num_heads)](
             part, m, l, out, slots, *part.stride()[:3], *m.stride()[:2], *out.stride()[:2],
             HEAD_DIM=head_dim_v, BLOCK_D=block_dv,
@@ -503,7 +506,7 @@ def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, p
         from hf_async_cb.kernels.shared_prefix_attention import prefix_variant  # imports this module
 
         found.append(dataclasses.replace(found[1], constexprs={**found[1].constexprs, "KV_START": True}))
-        found.append(prefix_variant(group, key_pool, value_pool, page_size, dtype, softcap))
+        found += [prefix_variant(group, key_pool, value_pool, page_size, dtype, softcap, merge) for merge in (True, False)]
     if splits:
         found.append(Variant(_merge_splits_kernel, (f32, f32, f32, dtype, 2, 0, num_heads * head_dim_v, head_dim_v, 0,
                                                     num_heads, num_heads * head_dim_v, head_dim_v),

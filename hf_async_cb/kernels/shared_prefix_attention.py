@@ -9,8 +9,13 @@ per 8B layer with the prefix pages shared and 338 us with every row on pages of 
 L2 does not catch the repeats. Here one program per (group, KV head, split of the prefix) loads
 each prefix tile once and scores it against the queries of every row of the group (rows x query
 heads in one tile); the paged kernel then takes only each row's own keys after the prefix
-(`kv_start`), and the split merge joins both partial results per row (exact: the same online
-softmax over disjoint key sets).
+(`kv_start`), and the partial results of both are joined per row (exact: the same online softmax
+over disjoint key sets). Where the prefix takes one program per (group, KV head), the usual case
+at 64+ rows, that program joins them itself (MERGE: it reads the rows' own partials, which the
+paged kernel launched before it has written, and writes the output), so the step launches no
+split merge: on the H100 the merge took 15 us of a 1B group step's ~92 us of attention per layer,
+a launch of 8,192 small programs whatever their shape (docs/benchmarks.md, 2026-12-05). With
+several prefix splits, the split merge joins every partial as before.
 
 The step's groups come from the host (engine/shared_prefix_groups.py: decode rows whose block
 tables start with the same full pages): group_rows [R] (the rows in the groups' order), group_start
@@ -52,17 +57,21 @@ def prefix_splits(num_requests: int, num_kv_heads: int, max_context: int, sms: i
     return 1 << (splits.bit_length() - 1)
 
 
-@triton.jit(do_not_specialize=["slot0", "num_psplits", "stride_qt", "stride_qh", "stride_bt"],
+@triton.jit(do_not_specialize=["slot0", "num_psplits", "stride_qt", "stride_qh", "stride_bt", "stride_ot",
+                               "stride_oh"],
             do_not_specialize_on_alignment=["block_table_ptr", "group_start_ptr", "group_rows_ptr", "shared_len_ptr"])
 def _shared_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, m_ptr, l_ptr, block_table_ptr, group_start_ptr, group_rows_ptr, shared_len_ptr,
-    qk_scale, cap_log2, slot0, num_psplits,
+    q_ptr, k_ptr, v_ptr, part_ptr, m_ptr, l_ptr, o_ptr, block_table_ptr, group_start_ptr, group_rows_ptr,
+    shared_len_ptr, qk_scale, cap_log2, slot0, num_psplits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_bt, stride_ot, stride_oh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
+    """MERGE (one prefix split): the rows' own partials are in slots 0 .. slot0 - 1; the program joins
+    them with its own as the split merge would and writes the rows' output to o_ptr."""
     g = tl.program_id(0) // CHUNKS
     chunk = tl.program_id(0) % CHUNKS
     kv_head = tl.program_id(1)
@@ -107,19 +116,36 @@ def _shared_prefix_kernel(
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
             acc = _accumulate(acc, alpha, p, v, IEEE)
-        slot_at = slot0 + split
-        tl.store(part_ptr + slot_at * stride_ps + row[:, None] * stride_pt + head[:, None] * stride_ph
-                 + offs_dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
-        ml = slot_at * stride_ms + row * stride_mt + head
-        tl.store(m_ptr + ml, m_i, mask=row_ok)
-        tl.store(l_ptr + ml, l_i, mask=row_ok)
+        tile_ok = row_ok[:, None] & dv_ok[None, :]
+        at_row = row[:, None] * stride_pt + head[:, None] * stride_ph + offs_dv[None, :]
+        ml_row = row * stride_mt + head
+        if MERGE:
+            top = m_i  # the largest running max over every partial of the row, as the merge weighs them
+            for own in range(slot0):
+                top = tl.maximum(top, tl.load(m_ptr + own * stride_ms + ml_row, mask=row_ok, other=float("-inf")))
+            w = tl.exp2(m_i - top)
+            num = acc * w[:, None]
+            den = l_i * w
+            for own in range(slot0):
+                w = tl.exp2(tl.load(m_ptr + own * stride_ms + ml_row, mask=row_ok, other=float("-inf")) - top)
+                num += tl.load(part_ptr + own * stride_ps + at_row, mask=tile_ok, other=0.0) * w[:, None]
+                den += tl.load(l_ptr + own * stride_ms + ml_row, mask=row_ok, other=0.0) * w
+            out = num / den[:, None]
+            tl.store(o_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=tile_ok)
+        else:
+            slot_at = slot0 + split
+            tl.store(part_ptr + slot_at * stride_ps + at_row, acc, mask=tile_ok)
+            tl.store(m_ptr + slot_at * stride_ms + ml_row, m_i, mask=row_ok)
+            tl.store(l_ptr + slot_at * stride_ms + ml_row, l_i, mask=row_ok)
 
 
-def _constexprs(group: int, head_dim: int, head_dim_v: int, page_size: int, softcap: bool, ieee: bool) -> dict:
+def _constexprs(group: int, head_dim: int, head_dim_v: int, page_size: int, softcap: bool, ieee: bool,
+                merge: bool) -> dict:
     block_m, rows, chunks = tile_rows(group, max(head_dim, head_dim_v))
     return dict(PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 HEAD_DIM_V=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), GROUP=group, ROWS=rows,
-                CHUNKS=chunks, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap, IEEE=ieee)
+                CHUNKS=chunks, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap, IEEE=ieee, MERGE=merge)
 
 
 BLOCK_N = 64  # keys per tile
@@ -127,27 +153,29 @@ LAUNCH = dict(num_warps=4, num_stages=2)
 
 
 def prefix_variant(group: int, key_pool: torch.Tensor, value_pool: torch.Tensor, page_size: int, dtype: torch.dtype,
-                   softcap: bool) -> Variant:
-    """The prefix kernel's compiled variant for one kind of layer (paged_attention.variants)."""
+                   softcap: bool, merge: bool) -> Variant:
+    """The prefix kernel's compiled variant for one kind of layer (paged_attention.variants), joining
+    the rows' partials itself or not (`merge`)."""
     num_heads, head_dim_v = group * key_pool.shape[1], value_pool.shape[-1]
     i64, f32 = torch.int64, torch.float32
-    args = (dtype, key_pool.dtype, value_pool.dtype, f32, f32, f32, i64, i64, i64, i64, 0.5, 0.5, 0, 2, 0, 0,
+    args = (dtype, key_pool.dtype, value_pool.dtype, f32, f32, f32, dtype, i64, i64, i64, i64, 0.5, 0.5, 0, 2, 0, 0,
             key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
-            0, num_heads * head_dim_v, head_dim_v, 0, num_heads, 0)
+            0, num_heads * head_dim_v, head_dim_v, 0, num_heads, 0, 0, 0)
     return Variant(_shared_prefix_kernel, args,
-                   _constexprs(group, key_pool.shape[-1], head_dim_v, page_size, softcap, dtype == f32), LAUNCH)
+                   _constexprs(group, key_pool.shape[-1], head_dim_v, page_size, softcap, dtype == f32, merge), LAUNCH)
 
 
-def launch_shared_prefix(q, key_pool, value_pool, part, m, l, meta, qk_scale: float, cap_log2: float, slot0: int,
-                         psplits: int, group: int, softcap: bool, ieee: bool) -> None:
+def launch_shared_prefix(q, key_pool, value_pool, part, m, l, out, meta, qk_scale: float, cap_log2: float,
+                         slot0: int, psplits: int, group: int, softcap: bool, ieee: bool) -> None:
     """The prefix partials of every group of `meta` (meta.group_start, group_rows, shared_len) into split
-    slots slot0 .. slot0 + psplits - 1 of part/m/l. q: [T, H, Dk] (one token per row)."""
+    slots slot0 .. slot0 + psplits - 1 of part/m/l; with one split, joined with the rows' own partials
+    in slots 0 .. slot0 - 1 into `out` [T, H, Dv] instead. q: [T, H, Dk] (one token per row)."""
     head_dim, head_dim_v = key_pool.shape[-1], value_pool.shape[-1]
-    constexprs = _constexprs(group, head_dim, head_dim_v, meta.page_size, softcap, ieee)
+    constexprs = _constexprs(group, head_dim, head_dim_v, meta.page_size, softcap, ieee, psplits == 1)
     grid = (meta.num_requests * constexprs["CHUNKS"], key_pool.shape[1], psplits)
     _shared_prefix_kernel[grid](
-        q, key_pool, value_pool, part, m, l, meta.block_table, meta.group_start, meta.group_rows, meta.shared_len,
-        qk_scale, cap_log2, slot0, psplits,
+        q, key_pool, value_pool, part, m, l, out, meta.block_table, meta.group_start, meta.group_rows,
+        meta.shared_len, qk_scale, cap_log2, slot0, psplits,
         q.stride(0), q.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0), value_pool.stride(1),
-        *part.stride()[:3], *m.stride()[:2], meta.block_table.stride(0), **constexprs, **LAUNCH,
+        *part.stride()[:3], *m.stride()[:2], meta.block_table.stride(0), *out.stride()[:2], **constexprs, **LAUNCH,
     )
