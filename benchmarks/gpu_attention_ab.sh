@@ -5,12 +5,12 @@
 # 1,024-token shared prefix + 192 own) and of an 8B step of 32 rows over 4K tokens (split contexts),
 # in CUDA graphs with cold L2 (benchmarks/shared_prefix_attention.py); then the 1B group workload on a
 # held Engine (benchmarks/group_step_probe.py --quick: caching on / off, ms per decode step). Then the
-# attention tests on the device (B only). Results in $OUT.
+# attention tests on the device (B only; TESTS=0 skips them). ROUNDS=1: one round. Results in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
-for round in 1 2; do
+for round in ${ROUNDS:-1 2}; do
   for side in A B; do
     root=.; [ $side = A ] && root=.ab/base
     echo "=== round $round, $side ($root)"
@@ -22,6 +22,7 @@ for round in 1 2; do
       | grep -E "^(async|wall)" | cut -c1-200
   done
 done
+[ "${TESTS:-1}" = 0 ] && exit 0
 echo "=== tests (B)"
 PYTHONPATH=. timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
   tests/test_shared_prefix_attention.py 2>&1 | tail -3
