@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import generated_rows, random_prompts, stock_generate, tiny_model
+from models import generated_rows, random_prompts, scaled, stock_generate, tiny_model
 
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.engine import shared_prefix_groups as groups_module
@@ -160,6 +160,21 @@ def test_grouped_decode_matches_reference(name, heads, kv_heads, splits, psplits
     assert len(merges) == (psplits > 1)  # one prefix split: no merge launched
 
 
+@pytest.mark.parametrize("heads, head_dim", [(72, 16), (40, 256), (64, 16), (32, 256)])
+def test_groups_of_more_query_heads_than_a_prefix_tile_holds(heads, head_dim, monkeypatch):
+    """One KV head for 72 query heads (Falcon-7B has 71) or 40 of size 256: more than a prefix tile
+    holds (64; 32 over 128), so the paged kernel takes the whole context; 64 and 32 still group."""
+    page = 16
+    lists, lens, total = pages_of(LAYOUTS["two groups and a row alone"], page, seed=1)
+    query, keys, values, meta, table = decode_step(lists, lens, page, total, heads, 1, head_dim)
+    expected = paged_attention_reference(query, keys, values, meta, None)
+    launches = []
+    monkeypatch.setattr(shared_kernel, "_shared_prefix_kernel", _Counted(shared_kernel._shared_prefix_kernel, launches))
+    got = triton_paged.paged_attention_triton(query, keys, values, grouped(meta, table), None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert bool(launches) == shared_kernel.holds_group(heads, head_dim) == (heads in (64, 32))
+
+
 class _Counted:
     """A kernel whose launches (`kernel[grid](...)`) are counted into `launches`."""
 
@@ -245,6 +260,27 @@ def test_repeated_prompts_read_their_prefix_once_and_give_stock_tokens(monkeypat
     # Counted: each grouped step's copies skip their prefix (2 of 3 rows per prompt, at most).
     assert stats["grouped_decode_steps"] > 0 and stats["keys_read_once"] >= 16 * stats["grouped_decode_steps"]
     assert stats["keys_read_once"] <= stats["grouped_decode_steps"] * 4 * max(map(len, prompts))
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU end-to-end run of the interpreted kernels (CUDA runs test_gpu.py)")
+def test_a_model_whose_query_groups_no_prefix_tile_holds_groups_no_step(monkeypatch):
+    """72 query heads on one KV head (a Falcon-7B-like group): repeated prompts on the Triton kernels
+    give stock's tokens, and no decode step is built with groups nor counted as one."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=144, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=72, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = scaled(transformers.LlamaForCausalLM(config).eval())
+    monkeypatch.setattr(groups_module, "MIN_SHARED_TOKENS", 16)
+    prompts = [p for p in random_prompts(2, 36, 50, seed=5) for _ in range(3)]
+    expected = stock_generate(model, prompts, max_new_tokens=4, eos_token_id=[2], pad_token_id=0)
+    with Engine(model, BatchingConfig(mode="async", attention="triton", page_size=8, num_pages=96)) as engine:
+        outs = engine.generate(prompts, max_new_tokens=4, eos_token_ids=(2,))
+        stats = engine.prefix_cache_stats()
+    assert [o.output_token_ids for o in outs] == generated_rows(expected, max(map(len, prompts)), 0, (2,))
+    assert stats["hit_tokens"] > 0 and stats["grouped_decode_steps"] == 0
 
 
 def test_prefix_kernel_compiles_for_sm90_and_fits_an_h200():

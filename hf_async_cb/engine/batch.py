@@ -77,11 +77,14 @@ def _split(items: list, *sizes: int) -> list[list]:
 
 class BatchBuilder:
     def __init__(self, page_size: int, trash_slot: int, page_table: PageTable,
-                 attention_backend: str = "reference") -> None:
+                 attention_backend: str = "reference", groups_prefixes: bool = True) -> None:
         """`trash_slot`: the first slot of a page outside the pool, written by padding rows, never read.
-        `page_table`: the scheduler's mirror of the running requests' pages (the block tables' source)."""
+        `page_table`: the scheduler's mirror of the running requests' pages (the block tables' source).
+        `groups_prefixes`: whether some layer's attention reads a shared prefix once per group
+        (Engine: the Triton kernels, where a prefix tile holds the layer's query heads per KV head)."""
         self.page_size = page_size
         self.attention_backend = attention_backend
+        self.groups_prefixes = groups_prefixes and attention_backend == "triton"
         self.trash_page = trash_slot // page_size
         self.page_table = page_table
         # Decode steps built with shared-prefix groups, and the keys per layer their rows did not read
@@ -237,7 +240,7 @@ class BatchBuilder:
                 params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
             sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index, always=True)
         groups = None
-        if num_tokens == rows and self.attention_backend == "triton":  # a decode step on the Triton kernels
+        if num_tokens == rows and self.groups_prefixes:  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)
             if groups is not None:
                 self.grouped_steps += 1

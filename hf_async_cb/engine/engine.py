@@ -42,6 +42,7 @@ from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests 
 from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import note_first_use, precompile
+from hf_async_cb.kernels.shared_prefix_attention import prefix_tiles_hold
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import model_dtype, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
@@ -167,7 +168,8 @@ class Engine:
         # Every kernel variant it can need, compiled in workers meanwhile (less those compiled while it was prepared)
         self._precompile = precompile(self, model, ahead=self.prepared_model.kernels_ahead)
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
-                                    attention_backend=self.attention_backend)
+                                    attention_backend=self.attention_backend,
+                                    groups_prefixes=prefix_tiles_hold(self.layout, text_config))
         self.streams = Streams(self.device)
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.prepared_model, hold_model=self._owns_preparation)

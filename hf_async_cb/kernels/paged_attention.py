@@ -403,8 +403,10 @@ def paged_attention_triton(
                and chunks == 1)
     psplits = 0
     if cascade:
-        from hf_async_cb.kernels.shared_prefix_attention import launch_shared_prefix, prefix_splits  # imports this
+        from hf_async_cb.kernels.shared_prefix_attention import holds_group, launch_shared_prefix, prefix_splits
 
+        cascade = holds_group(group, max(head_dim, head_dim_v))
+    if cascade:
         psplits = prefix_splits(num_seqs, num_kv_heads, meta.max_context, num_sms(query.device) or 1)
     splits = min(splits, MAX_SPLITS - psplits)
     slots = splits + psplits
@@ -502,9 +504,10 @@ def variants(num_heads: int, key_pool: torch.Tensor, value_pool: torch.Tensor, p
                 HEADS_FIRST=False, ALIGNED_INPUTS=head_dim % 16 == 0 and head_dim_v % 16 == 0, KV_START=False),
                 {k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning}))
     tile = tile_shape(group, head_dim, head_dim_v, 1)
-    if shared and splits and not window and alibi is None and tile["chunks"] == 1:
-        from hf_async_cb.kernels.shared_prefix_attention import prefix_variant  # imports this module
+    from hf_async_cb.kernels.shared_prefix_attention import holds_group, prefix_variant  # (imports this module)
 
+    if (shared and splits and not window and alibi is None and tile["chunks"] == 1
+            and holds_group(group, max(head_dim, head_dim_v))):
         found.append(dataclasses.replace(found[1], constexprs={**found[1].constexprs, "KV_START": True}))
         found += [prefix_variant(group, key_pool, value_pool, page_size, dtype, softcap, merge) for merge in (True, False)]
     if splits:

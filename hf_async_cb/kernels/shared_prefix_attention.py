@@ -47,6 +47,24 @@ def tile_rows(group: int, head_dim: int) -> tuple[int, int, int]:
     return block_m, rows, -(-MAX_GROUP_ROWS // rows)
 
 
+def holds_group(group: int, head_dim: int) -> bool:
+    """Whether a prefix tile holds a row's `group` query heads of one KV head (the kernel takes whole
+    rows): up to 64 heads (32 for head sizes over 128). Larger groups (Falcon-7B's 71 query heads on
+    one KV head, say) leave grouped decode steps to the paged kernel alone."""
+    return group <= tile_rows(group, head_dim)[0]
+
+
+def prefix_tiles_hold(layout, text_config) -> bool:
+    """Whether some layer of a model with this K/V `layout` (model/kv_layout.py) has query-head groups
+    a prefix tile holds (holds_group): else no decode step is worth grouping. True where the query
+    head count is not in the config (the kernel decides per layer)."""
+    heads = getattr(text_config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return True
+    return any(holds_group(max(1, heads // max(1, layer.key_heads)), max(layer.key_dim, layer.value_dim))
+               for layer in layout.layers)
+
+
 def prefix_splits(num_requests: int, num_kv_heads: int, max_context: int, sms: int) -> int:
     """Programs per group's prefix: enough that (groups of ~4 rows) x KV heads x splits give every
     SM two programs, each with at least 256 keys. Depends only on the step's bucket (a graph's
