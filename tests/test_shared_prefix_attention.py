@@ -160,6 +160,23 @@ def test_grouped_decode_matches_reference(name, heads, kv_heads, splits, psplits
     assert len(merges) == (psplits > 1)  # one prefix split: no merge launched
 
 
+# (query heads, KV heads, head size) of real models: Llama-3-8B, Llama-3.2-1B, Qwen2.5-7B (7 per KV head),
+# Qwen2-0.5B, Gemma-2-9B and Gemma-7B (256), Phi-3-mini (96, one KV head each), Phi-2 (80), GPT-BigCode
+# (48 on one), Falcon-7B (71 on one).
+REAL_SHAPES = [(32, 8, 128), (32, 8, 64), (28, 4, 128), (14, 2, 64), (16, 8, 256), (16, 16, 256), (32, 32, 96),
+               (32, 32, 80), (48, 1, 128), (71, 1, 64)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", REAL_SHAPES, ids=[f"{h}q{k}kv{d}" for h, k, d in REAL_SHAPES])
+def test_grouped_decode_of_real_head_shapes_matches_reference(heads, kv_heads, head_dim):
+    page = 16
+    lists, lens, total = pages_of(LAYOUTS["two groups and a row alone"], page, seed=2)
+    query, keys, values, meta, table = decode_step(lists, lens, page, total, heads, kv_heads, head_dim)
+    expected = paged_attention_reference(query, keys, values, meta, None)
+    got = triton_paged.paged_attention_triton(query, keys, values, grouped(meta, table), None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads, head_dim", [(72, 16), (40, 256), (64, 16), (32, 256)])
 def test_groups_of_more_query_heads_than_a_prefix_tile_holds(heads, head_dim, monkeypatch):
     """One KV head for 72 query heads (Falcon-7B has 71) or 40 of size 256: more than a prefix tile
