@@ -104,15 +104,15 @@ def _bnb(**settings):
     return _pretrained(lambda: transformers.BitsAndBytesConfig(**settings))
 
 
-def _hqq(group_size: int = 64):
+def _hqq(group_size: int = 64, nbits: int = 4):
     """HQQ's own linears put in place of the layers' projections (tests/models.hqq_in_place: transformers'
-    HqqConfig loading is not available in every release), 4 bits in groups of `group_size`."""
+    HqqConfig loading is not available in every release), `nbits` in groups of `group_size`."""
     from hqq.core import quantize
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from models import hqq_in_place
 
-    return lambda base: hqq_in_place(base(), quantize, group_size=group_size)
+    return lambda base: hqq_in_place(base(), quantize, nbits=nbits, group_size=group_size)
 
 
 FORMS = {
@@ -124,6 +124,12 @@ FORMS = {
     "bnb-int8": lambda: _bnb(load_in_8bit=True),
     "torchao-int4": lambda: _torchao("Int4WeightOnlyConfig", group_size=128),
     "torchao-float8": lambda: _torchao("Float8WeightOnlyConfig"),
+    # Forms that run the library's own kernels in our steps (docs/models.md), never measured on the GPU:
+    "quanto-int4": lambda: _quanto("qint4"),  # (no CUDA graphs: quanto's 2/4-bit kernels use the legacy stream)
+    "bnb-fp4": lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16),
+    "hqq-2bit": lambda: _hqq(64, nbits=2),
+    "hqq-3bit": lambda: _hqq(64, nbits=3),
+    "hqq-8bit": lambda: _hqq(64, nbits=8),
 }
 
 
