@@ -8,6 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import left_pad, random_prompts, stock_generate, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -273,3 +275,28 @@ def test_device_sized_defaults(monkeypatch):
 
     engine = Engine(tiny_model("llama"), BatchingConfig())
     assert engine.config.max_batch_tokens == 512 and engine.scheduler.max_batch_tokens == 512
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.booleans(), min_size=1, max_size=9), min_size=1, max_size=5).filter(
+    lambda rows: len({len(r) for r in rows}) == 1))
+def test_a_generate_mask_is_read_as_a_row_by_row_reading_reads_it(rows):
+    """generate()'s attention mask, read in torch (generate/arguments.unpad): each row's prompt and
+    padding as a reading of every token in Python gives them, and a refusal for the same masks
+    (a row all zeros, padding after a row's first token)."""
+    from hf_async_cb.generate.arguments import unpad
+
+    ids = torch.arange(len(rows) * len(rows[0])).view(len(rows), -1)
+    expected = []
+    for tokens, flags in zip(ids.tolist(), rows):
+        first = flags.index(True) if any(flags) else None
+        if first is None or not all(flags[first:]):
+            expected = None
+            break
+        expected.append((tokens[first:], tokens[:first]))
+    if expected is None:
+        with pytest.raises(ValueError, match="attention_mask"):
+            unpad(ids, torch.tensor(rows, dtype=torch.long))
+    else:
+        prompts, prefixes = unpad(ids, torch.tensor(rows, dtype=torch.long))
+        assert list(zip(prompts, prefixes)) == expected

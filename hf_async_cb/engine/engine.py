@@ -222,9 +222,19 @@ class Engine:
         (its generation config's, else the tokenizer's: engine/eos.py), as stock generate stops.
         `embeds`: embeddings fed at some prompt positions instead of their tokens' (engine/prompt_embeds.py).
         """
-        params = with_model_eos(params, self.model, self.tokenizer)
         (ids,) = as_token_lists([prompt])
-        check_prompt(ids, params, self.prompt_limits)
+        return self.make_request_from_ids(ids, params, logits_processor=logits_processor,
+                                          stopping_criteria=stopping_criteria, history_prefix=history_prefix,
+                                          on_token=on_token, embeds=embeds)
+
+    def make_request_from_ids(self, ids: list[int], params: SamplingParams, *, in_vocab: bool = False,
+                              logits_processor=None, stopping_criteria=None, history_prefix: Sequence[int] = (),
+                              on_token=None, embeds: PromptEmbeds | None = None) -> Request:
+        """make_request() for a prompt already read as a list of ints (as_token_lists; generate()'s
+        rows), which it keeps as it is: no second pass over its tokens. `in_vocab`: the caller has
+        also checked every token against the vocabulary (generate() checks its input_ids tensor)."""
+        params = with_model_eos(params, self.model, self.tokenizer)
+        check_prompt(ids, params, self.prompt_limits, tokens_in_vocab=in_vocab)
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
                                     self.prepared_model.embeddings_refusal(), self.cache)
@@ -272,8 +282,8 @@ class Engine:
         for k, (p, sp) in enumerate(zip(prompts, per_prompt)):
             leader = None
             for copy in range(n):
-                req = self.make_request(p, copy_params(sp, copy), logits_processor=logits_processor,
-                                        stopping_criteria=stopping_criteria)
+                req = self.make_request_from_ids(p, copy_params(sp, copy), logits_processor=logits_processor,
+                                                 stopping_criteria=stopping_criteria)
                 if seed_indices is not None:  # its index in the whole call
                     seed_requests([req], engine_seed, first_index=seed_indices[k] * n + copy)
                 req.share_from = leader

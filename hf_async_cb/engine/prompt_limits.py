@@ -29,9 +29,10 @@ class PromptLimits:
                    has_learned_positions(model), rope_switch_length(model))
 
 
-def check_prompt(ids: list[int], params, limits: PromptLimits) -> None:
-    """Raise ValueError when prompt `ids` with `params` (SamplingParams) cannot run within `limits`."""
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: bool = False) -> None:
+    """Raise ValueError when prompt `ids` with `params` (SamplingParams) cannot run within `limits`.
+    `tokens_in_vocab`: the caller checked the ids against the vocabulary already (no pass over them)."""
+    bad = [] if tokens_in_vocab else [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
     sequences = {"bad_words_ids": [t for w in params.bad_words_ids for t in w],

@@ -241,23 +241,28 @@ def padding_mask(input_ids: torch.Tensor, mask, gc) -> torch.Tensor:
 
 def unpad(input_ids: torch.Tensor, mask: torch.Tensor, inferred: str = "") -> tuple[list[list[int]], list[list[int]]]:
     """Left-padded rows -> (prompts, their padding). Right padding or holes would change the result:
-    refuse them (`inferred`: how the mask was made, when the caller passed none)."""
-    ids, keep = input_ids.tolist(), mask.bool().tolist()
-    prompts, prefixes = [], []
-    for row, (tokens, flags) in enumerate(zip(ids, keep)):
-        if not any(flags):
-            raise ValueError(f"row {row} of attention_mask{inferred} is all zeros: every prompt needs at least one "
-                             "token.")
-        first = flags.index(True)
-        if not all(flags[first:]):
-            raise ValueError(
-                f"row {row} of attention_mask{inferred} has padding after its first token: batching needs left "
-                "padding (tokenizer.padding_side = 'left') and no holes" +
-                (", so pass the attention_mask when a prompt holds the pad token." if inferred else ".")
-            )
-        prompts.append(tokens[first:])
-        prefixes.append(tokens[:first])
-    return prompts, prefixes
+    refuse them (`inferred`: how the mask was made, when the caller passed none). The mask is read as
+    a tensor (one pass in torch, not one per token in Python: a 256 x 1K batch is 260K tokens)."""
+    keep = mask.bool()
+    if keep.shape[1] == 0 or not keep.any(dim=1).all():
+        row = 0 if keep.shape[1] == 0 else int((~keep.any(dim=1)).nonzero()[0])
+        raise ValueError(f"row {row} of attention_mask{inferred} is all zeros: every prompt needs at least one "
+                         "token.")
+    lengths = keep.sum(dim=1)
+    width = keep.shape[1]
+    # Left padding: each row's kept positions are its last `length` ones.
+    holes = keep.long().cumsum(dim=1) != (torch.arange(1, width + 1, device=keep.device)
+                                          - (width - lengths)[:, None]).clamp(min=0)
+    if holes.any():
+        row = int(holes.any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"row {row} of attention_mask{inferred} has padding after its first token: batching needs left "
+            "padding (tokenizer.padding_side = 'left') and no holes" +
+            (", so pass the attention_mask when a prompt holds the pad token." if inferred else ".")
+        )
+    firsts = (width - lengths).tolist()
+    ids = input_ids.tolist()
+    return [tokens[first:] for tokens, first in zip(ids, firsts)], [tokens[:first] for tokens, first in zip(ids, firsts)]
 
 
 def token_list(value, name: str = "token ids") -> list[int]:

@@ -52,12 +52,15 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     pages_needed = sum(-(-(len(p) + extra + max_new) // page) for p in call.prompts) * call.copies
     _check_history_is_seen(call, options)  # before the engine is built or taken
     limits = PromptLimits.of(model, text_config_of(model.config))
-    for prompt in call.prompts:  # bad input refused before any pool is built or grown for it
-        check_prompt(prompt, options.params, limits)
+    # Bad input refused before any pool is built or grown for it. The tensor check covers every prompt
+    # token (and the padding: stock embeds every position, and fails there), so the rows' own checks
+    # and their requests' do not pass over the tokens again.
     outside = call.input_ids[(call.input_ids < 0) | (call.input_ids >= limits.vocab_size)]
-    if outside.numel():  # (in the padding too: stock embeds every position, and fails there)
+    if outside.numel():
         raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {limits.vocab_size}), padding "
                          f"included: {outside[:5].tolist()}")
+    for prompt in call.prompts:
+        check_prompt(prompt, options.params, limits, tokens_in_vocab=True)
     row_pages = max((-(-(len(p) + extra + max_new) // page) for p in call.prompts), default=0)
     with runtime_engine(model, config.with_mode(mode), pages_needed, row_pages) as engine:
         input_ids, requests, streamer = build_requests(engine, call, options)
@@ -139,9 +142,10 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
         streamer = LockstepStreamer(call.arguments["streamer"], input_ids, call.pad)
     row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
     requests: list[Request] = [
-        engine.make_request(p, params, logits_processor=processor(row_mask) if processor else None,
-                            stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
-                            on_token=streamer.on_token if streamer else None, embeds=row_embeds)
+        engine.make_request_from_ids(p, params, in_vocab=True,
+                                     logits_processor=processor(row_mask) if processor else None,
+                                     stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
+                                     on_token=streamer.on_token if streamer else None, embeds=row_embeds)
         for p, prefix, row_mask, row_embeds in zip(prompts, prefixes, row_masks, embeds)]
     if params.repetition_penalty != 1.0:
         for req, row_mask in zip(requests, row_masks):  # where stock's penalty reads this row from
