@@ -121,6 +121,18 @@ def test_split_decode_contexts_merge_to_the_reference(heads, kv_heads, head_dim,
     assert relative_error(*step, splits=splits) < 1e-5
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(71, 1, 64), (160, 1, 64), (80, 1, 256), (32, 32, 80)],
+                         ids=["falcon-7b", "160-on-one", "80-of-256-on-one", "phi-2"])
+@pytest.mark.parametrize("name", ["decode", "mixed decode and chunks"])
+def test_large_query_groups_and_odd_head_sizes_match_reference(name, heads, kv_heads, head_dim):
+    """Groups of more query heads per KV head than one program's tile holds (split over programs
+    past 128, 64 for head sizes over 128) and a head size that is no power of two."""
+    device = "cuda" if CUDA else "cpu"
+    query_lens, context_lens = SMALL[name]
+    step = make_step(query_lens, context_lens, heads, kv_heads, head_dim, 16, torch.float32, device)
+    assert relative_error(*step) < 1e-5
+
+
 LONG = {  # steps with a query of TALL_TILE_QUERY_LEN tokens or more: tall tiles by default
     "prompts": ([70, 64, 131], [70, 64, 131]),
     "chunks after cached pages, with decodes": ([1, 96, 1, 65], [300, 257, 64, 200]),
