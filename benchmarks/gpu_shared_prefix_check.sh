@@ -5,7 +5,11 @@
 #  micro   one decode step's attention, 256 rows in groups of 8 over 1,024 shared + ~64 own tokens, per
 #          8B and 1B layer: pages of its own per row, shared pages read per row, read once per group;
 #  e2e     the 8B group and few-shot workloads through model.generate(batching="async"): stock, caching
-#          off, caching on reading each prefix per row (the attention before), caching on as it ships.
+#          off, caching on reading each prefix per row (the attention before), caching on as it ships;
+#  e2e1b   the 1B group and few-shot workloads through generate (issue 28's 3x target): caching off and on;
+#  calls   per-call times of five generate calls on unseen prompts, Python's collector on and off
+#          (benchmarks/generate_call_sequence.py: why a runtime's second call trails a held Engine).
+# The next session's first check: STEPS="tests e2e1b calls" (about 4 minutes).
 set -uo pipefail
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,5 +31,10 @@ for step in $STEPS; do
         --paths stock,cache-off,cache-on-per-row,cache-on --json "$OUT/group_8b.json" 2>&1 | grep "shared-prefix"
       timeout 150 python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads few-shot \
         --paths cache-off,cache-on-per-row,cache-on --json "$OUT/fewshot_8b.json" 2>&1 | grep "shared-prefix" ;;
+    e2e1b)
+      timeout 150 python3 -m hf_async_cb.tools.shared_prefix --shape llama3.2-1b --workloads group,few-shot \
+        --paths cache-off,cache-on --json "$OUT/shared_prefix_1b.json" 2>&1 | grep "shared-prefix" ;;
+    calls)
+      timeout 150 python3 benchmarks/generate_call_sequence.py 2>&1 | grep "^collector" | tee "$OUT/calls.txt" ;;
   esac
 done
