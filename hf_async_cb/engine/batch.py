@@ -238,7 +238,7 @@ class BatchBuilder:
             if pad_to is not None:  # a graph bucket: its padding rows (and non-sampling chunks') pick greedily
                 pads = len(logits_rows) - len(params)
                 params, token_index = params + [_GREEDY] * pads, token_index + [0] * pads
-            sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index, always=True)
+            sampling_ints, sampling_floats = SamplingTensors.host_parts(params, token_index)
         groups = None
         if num_tokens == rows and self.groups_prefixes:  # a decode step on the Triton kernels
             groups = shared_prefix_groups(table, context_lens, real_rows, ps)

@@ -227,14 +227,15 @@ class Engine:
                                           stopping_criteria=stopping_criteria, history_prefix=history_prefix,
                                           on_token=on_token, embeds=embeds)
 
-    def make_request_from_ids(self, ids: list[int], params: SamplingParams, *, in_vocab: bool = False,
+    def make_request_from_ids(self, ids: list[int], params: SamplingParams, *, checked: bool = False,
                               logits_processor=None, stopping_criteria=None, history_prefix: Sequence[int] = (),
                               on_token=None, embeds: PromptEmbeds | None = None) -> Request:
         """make_request() for a prompt already read as a list of ints (as_token_lists; generate()'s
-        rows), which it keeps as it is: no second pass over its tokens. `in_vocab`: the caller has
-        also checked every token against the vocabulary (generate() checks its input_ids tensor)."""
+        rows), which it keeps as it is: no second pass over its tokens. `checked`: the caller has run
+        check_prompt on these ids and params already (generate() does, before the engine is taken)."""
         params = with_model_eos(params, self.model, self.tokenizer)
-        check_prompt(ids, params, self.prompt_limits, tokens_in_vocab=in_vocab)
+        if not checked:
+            check_prompt(ids, params, self.prompt_limits)
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
                                     self.prepared_model.embeddings_refusal(), self.cache)

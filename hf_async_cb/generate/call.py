@@ -52,9 +52,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
     pages_needed = sum(-(-(len(p) + extra + max_new) // page) for p in call.prompts) * call.copies
     _check_history_is_seen(call, options)  # before the engine is built or taken
     limits = PromptLimits.of(model, text_config_of(model.config))
-    # Bad input refused before any pool is built or grown for it. The tensor check covers every prompt
-    # token (and the padding: stock embeds every position, and fails there), so the rows' own checks
-    # and their requests' do not pass over the tokens again.
+    # Bad input refused before any pool is built or grown for it, once: the tensor check covers every
+    # prompt token (and the padding: stock embeds every position, and fails there), the rows' checks
+    # the rest; their requests (build_requests) are not checked again.
     outside = call.input_ids[(call.input_ids < 0) | (call.input_ids >= limits.vocab_size)]
     if outside.numel():
         raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {limits.vocab_size}), padding "
@@ -142,7 +142,7 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
         streamer = LockstepStreamer(call.arguments["streamer"], input_ids, call.pad)
     row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
     requests: list[Request] = [
-        engine.make_request_from_ids(p, params, in_vocab=True,
+        engine.make_request_from_ids(p, params, checked=True,
                                      logits_processor=processor(row_mask) if processor else None,
                                      stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
                                      on_token=streamer.on_token if streamer else None, embeds=row_embeds)

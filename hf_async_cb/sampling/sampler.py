@@ -55,13 +55,11 @@ class SamplingTensors:
     unseeded: bool = True  # host: some sampled row has no seed (else no multinomial draw is made)
 
     @staticmethod
-    def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None,
-                   always: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Host arrays (ints, floats) to upload; empty when no row samples, unless `always` (a graph
-        that takes them replays the step). Each request keeps its row ready
+    def host_parts(params: Sequence[SamplingParams], token_index: Sequence[int] | None = None
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host arrays (ints, floats) to upload; the caller decides whether the step takes them (a step
+        where no row samples does not, unless its graph does). Each request keeps its row ready
         (SamplingParams.sampler_ints / sampler_floats), so a step only stacks them."""
-        if not always and not any(p.do_sample for p in params):
-            return [], []
         ints = np.empty((3, len(params)), dtype=np.int64)
         ints[:2] = np.frombuffer(b"".join([p.sampler_ints for p in params]), dtype="<i8").reshape(-1, 2).T
         ints[2] = token_index if token_index is not None else 0
@@ -80,7 +78,9 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device,
               token_index: Sequence[int] | None = None) -> "SamplingTensors | None":
-        """Direct construction (tests, callers outside the pipeline)."""
+        """Direct construction (tests, callers outside the pipeline); None when no row samples."""
+        if not any(p.do_sample for p in params):
+            return None
         ints, floats = cls.host_parts(params, token_index)
         unseeded = any(p.unseeded for p in params)
         return cls.from_device([torch.from_numpy(t.copy()).to(device) for t in ints],
