@@ -259,3 +259,26 @@ def test_generate_runtime_compiles_and_captures_nothing_after_warm_up():
     assert (compiled_variants(), rt.engine.graphs.num_captured, rt.builds) == before
     assert max(rt.engine.graphs.capture_seconds) < 5.0
     assert hf_async_cb.release(model) and runtime._RUNTIMES.get(model) is None
+
+
+def test_a_pool_is_sized_from_memory_it_can_allocate_after_a_closed_engines_graphs():
+    """Memory that torch's allocator caches in a dropped CUDA graph's private pool is not free for a
+    new engine's KV pool until it is handed back: an engine sized from the default share of free
+    memory builds, runs and gives the stock tokens after such a pool took a third of the card."""
+    model = cuda_model("llama", torch.float32)
+    prompts = random_prompts(3, 4, 12, seed=7)
+    free, _ = torch.cuda.mem_get_info()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        held = torch.empty(int(free * 0.33) // 4, dtype=torch.float32, device="cuda")
+    del held, graph  # its private pool stays cached, reserved but not usable for other tensors
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > free * 0.3
+    with Engine(model, BatchingConfig()) as engine:
+        pool_bytes = engine.num_pages * engine.config.page_size * engine.layout.bytes_per_token(engine.dtype)
+        assert pool_bytes > free * 0.5
+        outs = [o.output_token_ids for o in engine.generate(prompts, max_new_tokens=6, eos_token_ids=())]
+    stock = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    assert outs == stock
+    torch.cuda.empty_cache()

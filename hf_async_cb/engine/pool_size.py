@@ -1,8 +1,12 @@
 """How many K/V pages an engine's pool gets: what the device has free, less what a step needs besides.
 
-On CUDA the pool takes `kv_memory_fraction` of the free memory (torch's cached but unused blocks
-count as free), but never the bound on a step's own transient memory (activation_bytes): a pool that
-left too little would fail the first wide step with an out-of-memory error. On the CPU the pool is
+On CUDA the pool takes `kv_memory_fraction` of the memory free on the device once torch's allocator
+has handed back the blocks it caches unused, but never the bound on a step's own transient memory
+(activation_bytes): a pool that left too little would fail the first wide step with an out-of-memory
+error. Cached blocks are handed back rather than counted as free because not all of them can hold a
+pool layer: a closed engine's CUDA graphs leave their private pools cached, which only their graphs
+could reuse, and a 1 GiB layer does not fit in the free ends of partly used segments. Counting them
+failed a second engine's build on an 80 GB card with 6 GiB "reserved but unallocated". On the CPU the pool is
 `cpu_kv_cache_bytes`. `num_pages` set in the config wins over both.
 """
 
@@ -42,9 +46,8 @@ def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch
     if device.type == "cuda":
         if pools_alive():  # a dropped engine's pool may still wait in a reference cycle of the caller's
             gc.collect()  # (a tenth of a second or more with transformers loaded: not on a first build)
+        torch.cuda.empty_cache()  # what the allocator caches unused becomes free device memory (docstring)
         free, _ = torch.cuda.mem_get_info(device)
-        # Memory torch's allocator caches but does not use is free for the pool too.
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         reserve = activation_bytes(config, model_config, dtype, vocab_size)
         budget = max(0, min(int(free * config.kv_memory_fraction), free - reserve))
         logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",
