@@ -132,6 +132,37 @@ def test_restore_gives_back_the_exact_model(family):
     assert torch.equal(logits(model, ids), expected)
 
 
+def test_restore_copies_one_group_at_a_time(monkeypatch):
+    """restore() gives each member its own storage and lets its group's fused tensor go before it
+    copies the next group: giving back an 8B model does not need a second copy of its weights (a
+    closed engine's restore ran out of memory beside a full KV pool)."""
+    import weakref
+
+    model = transformers_model("llama")
+    fused = fuse_projections(model)
+    fused_tensors = [weakref.ref(group.weight) for group in fused.groups()]
+    alive_at_copies = []
+    clone = torch.Tensor.clone
+
+    def counting_clone(tensor, *args, **kwargs):
+        alive_at_copies.append(sum(ref() is not None for ref in fused_tensors))
+        return clone(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", counting_clone)
+    fused.restore()
+    monkeypatch.undo()
+    groups = len(fused_tensors)
+    assert groups >= 4
+    members_per_group = [3, 2] * (groups // 2)  # q/k/v then gate/up, layer by layer
+    expected, left = [], groups
+    for size in members_per_group:
+        expected += [left] * size
+        left -= 1
+    assert alive_at_copies == expected
+    assert all(ref() is None for ref in fused_tensors)
+    assert_no_shared_storage(model)
+
+
 def test_context_manager_restores_on_exception():
     model = fresh("qwen2")
     before_modules, before_state = modules_by_name(model), snapshot(model)

@@ -485,6 +485,7 @@ class Engine:
         self._closed = True
         self.graphs = None
         self._pipelines.clear()
+        self.cache.free()  # before the weights get their own storage back: that copies them
         if self._owns_preparation:
             self.prepared_model.restore()
 

@@ -65,6 +65,12 @@ class _Group:
         self.linear = None  # a replacement for F.linear(x, weight, bias) (model/decode_gemm.py), or None
         self._drop()
 
+    def release(self) -> None:
+        """Drop the fused tensors (restore() has given every member its own storage or left it to
+        another fusion of the same weights): their memory goes with the last view of them."""
+        self.weight = self.bias = self.linear = None
+        self._drop()
+
     def _drop(self) -> None:
         self._x, self._version, self._outputs, self._pending = None, None, None, ()
 
@@ -158,15 +164,20 @@ class FusedProjections:
         fusion of the same weights lives (another Engine's), they stay views for it: it restores last."""
         others = [f for f in _LIVE if f is not self and f._members and
                   {id(m) for m in f.members()} & {id(m) for m in self.members()}]
+        left = {}  # per group, its members not yet given their own storage
+        for part in self._parts:
+            left[id(part.group)] = left.get(id(part.group), 0) + 1
         with torch.no_grad():
             for (parent, name, linear), part in zip(self._members, self._parts):
                 if getattr(parent, name, None) is part:
                     setattr(parent, name, linear)
-                if others:
-                    continue
-                linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
-                if linear.bias is not None:
-                    linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
+                if not others:
+                    linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
+                    if linear.bias is not None:
+                        linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
+                left[id(part.group)] -= 1
+                if not left[id(part.group)]:  # its fused tensor goes now: a copy of one group at a time
+                    part.group.release()
         self._members.clear()
         self._parts.clear()
 

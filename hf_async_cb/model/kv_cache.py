@@ -59,6 +59,12 @@ class PagedKVCache(Cache):
         if device.type != "meta":
             _POOLS.add(self)
 
+    def free(self) -> None:
+        """Let the pool's memory go now, whoever still holds this cache (a closed engine's parts, a
+        reference cycle): what runs next, such as giving the model its weights back, may need it."""
+        self.keys, self.values = [], []
+        _POOLS.discard(self)
+
     def _pool(self, slots: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # torch.empty: slots are always written before they are read.
         if self.HEAD_MAJOR:
