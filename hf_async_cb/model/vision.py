@@ -28,6 +28,7 @@ import torch
 
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, checked_embeds, content_keys
 from hf_async_cb.model.embeddings_path import input_embedding_weight
+from hf_async_cb.model.patch_embed import convolutions_as_gemms
 from hf_async_cb.model.vision_attention import packed_vision_attention
 from hf_async_cb.model.vision_dedupe import distinct_images
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
@@ -200,8 +201,9 @@ def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> d
 
     handle = language_model(model).register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        # One attention call per window length, not per window; each distinct image encoded once.
-        with packed_vision_attention(model), distinct_images(model, towers):
+        # One attention call per window length, not per window; patches embedded by a GEMM, not a
+        # convolution cuDNN runs slowly; each distinct image encoded once.
+        with packed_vision_attention(model), convolutions_as_gemms(model), distinct_images(model, towers):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
     except _Entered:
         pass
