@@ -420,10 +420,11 @@ def test_a_closed_engine_frees_its_pool_without_the_garbage_collector():
         engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
         engine.generate(random_prompts(5, 3, 30, seed=3), max_new_tokens=6)
         assert len(engine.graphs) > 0
-        engine.close()
         pool = weakref.ref(engine.cache.keys[0])
-        del engine
+        holder = engine  # a caller still holding the closed engine does not hold its pool
+        engine.close()
         assert pool() is None
+        del engine, holder
     finally:
         gc.enable()
 
@@ -436,14 +437,21 @@ def test_the_pool_size_collects_garbage_only_while_a_pool_is_not_freed(monkeypat
 
     from hf_async_cb.model.kv_cache import pools_alive
 
+    from hf_async_cb.model.kv_cache import PagedKVCache
+
     gc.collect()
     before = pools_alive()
     engine = Engine(tiny_model("llama"), BatchingConfig(mode="sync"))
     assert pools_alive() == before + 1
+    layout = engine.layout
     cycle = {"engine": engine}
-    cycle["self"] = cycle  # dropped in a reference cycle: alive until collected
+    cycle["self"] = cycle  # dropped in a reference cycle after close(): its pool is freed by close()
     engine.close()
     del engine, cycle
+    assert pools_alive() == before
+    cycle = {"cache": PagedKVCache(layout, 2, 4, torch.float32, torch.device("cpu"))}
+    cycle["self"] = cycle  # a pool dropped in a reference cycle unfreed: alive until collected
+    del cycle
     assert pools_alive() == before + 1
     gc.collect()
     assert pools_alive() == before
