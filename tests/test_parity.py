@@ -64,6 +64,28 @@ def test_a_family_the_engine_gets_wrong_is_refused_with_the_difference(monkeypat
     assert out.shape == (1, 9)
 
 
+def test_a_refused_engine_frees_its_pool_before_giving_the_weights_back(monkeypatch):
+    """The probe runs on the built pool; the refusal frees it before the fused weights are copied
+    back into storages of their own (on a GPU that copy beside a full pool ran out of memory, and
+    the user saw an out-of-memory error instead of the refusal)."""
+    from hf_async_cb.model import fusion
+    from hf_async_cb.model.kv_cache import pools_alive
+
+    broken_cache(monkeypatch)
+    model = small(transformers.Qwen2Config, use_sliding_window=False, rope_theta=5000.0)
+    pools, seen = pools_alive(), []
+    restore = fusion.FusedProjections.restore
+
+    def restore_seeing_pools(self):
+        seen.append(pools_alive())
+        restore(self)
+
+    monkeypatch.setattr(fusion.FusedProjections, "restore", restore_seeing_pools)
+    with pytest.raises(ValueError, match="differ from its own forward"):
+        Engine(model, BatchingConfig(fuse_projections=True))
+    assert seen and seen[0] == pools
+
+
 def test_a_crash_inside_the_model_is_a_refusal_not_an_internal_error(monkeypatch):
     def crash(self, *args, **kwargs):
         raise IndexError("too many indices for tensor of dimension 3")

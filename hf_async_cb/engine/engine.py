@@ -111,6 +111,8 @@ class Engine:
             try:
                 self._build_and_check(model, max_pages_needed)
             except BaseException:  # give the model back as it was found
+                if getattr(self, "cache", None) is not None:  # (a failed check after the pool was built)
+                    self.cache.free()
                 if self._owns_preparation:
                     prepared.restore()
                 raise
