@@ -2,7 +2,8 @@
 it has not seen (the shared-prefix tool's timed call is a runtime's second call): whether a call's
 place in the sequence costs it time (issue 28: the tool's timed call ~50 ms over a held Engine), and
 how much of it is Python's garbage collector (collections per generation during each call, and the
-same sequence with the collector off). Group workload, caching on and off.
+same sequence with the collector off), and what else a call paid for (in brackets, from the second call
+on: runtime builds, graph captures and their milliseconds, prefix-cache evictions). Group workload, caching on and off.
 
     python benchmarks/generate_call_sequence.py [--shape llama3.2-1b] [--calls 5]
 """
@@ -34,10 +35,26 @@ def on_gc(phase, info):
 
 
 gc.callbacks.append(on_gc)
+
+
+def state() -> dict:
+    """What a call may have paid for beyond its steps: runtime builds, graph captures (and their
+    seconds), prefix-cache evictions."""
+    from hf_async_cb.generate import runtime
+
+    rt = runtime._RUNTIMES.get(model)
+    engine = None if rt is None else rt.engine
+    graphs = None if engine is None else engine.graphs
+    stats = (engine.prefix_cache_stats() if engine is not None else None) or {}
+    return {"builds": 0 if rt is None else rt.builds,
+            "captures": 0 if graphs is None else graphs.num_captured,
+            "capture_ms": 0 if graphs is None else round(sum(graphs.capture_seconds) * 1e3),
+            "evictions": stats.get("evictions", 0)}
 for collector in ("on", "off"):
     for caching in (True, False):
         config = hf_async_cb.BatchingConfig(prefix_caching=caching, seed=0)
         line = []
+        before = state()
         for i in range(args.calls):
             prompts, new = shared_prefix.workload_prompts(args.workload, model.config.vocab_size, seed=10 + i)
             ids = torch.tensor(prompts, device=device)
@@ -49,6 +66,10 @@ for collector in ("on", "off"):
                 batching="async", batching_config=config, eos_token_id=None, pad_token_id=0), device)
             gc.enable()
             full = [s for g, s in collections if g == 2]
-            line.append(f"{seconds:.3f}" + (f" (gc2 x{len(full)} {sum(full) * 1e3:.0f} ms)" if full else ""))
+            now = state()
+            moved = {k: now[k] - before[k] for k in now if now[k] != before[k]}
+            before = now
+            line.append(f"{seconds:.3f}" + (f" (gc2 x{len(full)} {sum(full) * 1e3:.0f} ms)" if full else "")
+                        + (" [" + " ".join(f"{k} +{v:g}" for k, v in moved.items()) + "]" if moved and i else ""))
         hf_async_cb.release(model)
         print(f"collector {collector}, caching {'on ' if caching else 'off'}: " + ", ".join(line), flush=True)
