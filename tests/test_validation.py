@@ -300,3 +300,19 @@ def test_a_generate_mask_is_read_as_a_row_by_row_reading_reads_it(rows):
     else:
         prompts, prefixes = unpad(ids, torch.tensor(rows, dtype=torch.long))
         assert list(zip(prompts, prefixes)) == expected
+
+
+@pytest.mark.parametrize("value", [2, 0.5, -1])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_mask_holding_other_values_than_0_and_1_is_refused(value, mode):
+    """Stock generate takes a mask's values into its position ids (mask.cumsum): a mask of 2s runs
+    with doubled positions. The engine reads a padding mask; any other value is refused by name, not
+    read as 1 (which gave neither stock's tokens nor a refusal)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.ones_like(ids, dtype=torch.float if isinstance(value, float) else torch.long)
+    mask[1, 2] = value
+    with pytest.raises(ValueError, match=r"row 1 of attention_mask holds .*1 for a token and 0 for padding"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, batching=mode)
+    float_ones = torch.ones_like(ids, dtype=torch.float)  # 1.0 and 0.0 are a padding mask
+    assert model.generate(ids, attention_mask=float_ones, max_new_tokens=2, batching=mode).shape == (2, 6)

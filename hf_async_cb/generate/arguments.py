@@ -243,6 +243,14 @@ def unpad(input_ids: torch.Tensor, mask: torch.Tensor, inferred: str = "") -> tu
     """Left-padded rows -> (prompts, their padding). Right padding or holes would change the result:
     refuse them (`inferred`: how the mask was made, when the caller passed none). The mask is read as
     a tensor (one pass in torch, not one per token in Python: a 256 x 1K batch is 260K tokens)."""
+    if mask.dtype != torch.bool:  # stock reads other values as weights of positions (mask.cumsum)
+        odd = (mask != 0) & (mask != 1)
+        if odd.any():
+            row = int(odd.any(dim=1).nonzero()[0])
+            value = mask[row][odd[row]][0].item()
+            raise ValueError(f"row {row} of attention_mask{inferred} holds {value!r}: a padding mask holds 1 for a "
+                             "token and 0 for padding, nothing else (stock generate would take other values into "
+                             "its position ids).")
     keep = mask.bool()
     if keep.shape[1] == 0 or not keep.any(dim=1).all():
         row = 0 if keep.shape[1] == 0 else int((~keep.any(dim=1)).nonzero()[0])
