@@ -53,6 +53,21 @@ def test_inputs_embeds_match_stock(family, with_ids):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_inputs_embeds_in_another_dtype_than_the_models_are_refused(mode):
+    """Stock generate runs the prompt in the embeddings' dtype (its rotary tables follow them) and the
+    new tokens in the model's; the engine would run both in the model's: other tokens. Refused, with
+    the cast to make; cast, they match stock."""
+    model = _model()
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [12, 13, 14]])
+    embeds = _embeds(model, ids).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"inputs_embeds are torch.bfloat16 and the model's embeddings "
+                                         r"torch.float32.*inputs_embeds.to\(torch.float32\)"):
+        model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, batching=mode)
+    cast = dict(inputs_embeds=embeds.float(), attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(**cast, batching=mode), model.generate(**cast))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_embeddings_split_across_chunks_preempted_and_cached_stay_exact(mode):
     """Prompts longer than a step's token budget (chunks start and end inside the embeddings), a
     pool small enough to preempt, and a second call with other embeddings at the same placeholder

@@ -202,6 +202,13 @@ def check_inputs_embeds(embeds, input_ids, model) -> torch.Tensor:
         what = f"{embeds.dtype} tensor of shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) \
             else type(embeds).__name__
         raise ValueError(f"inputs_embeds must be a floating-point tensor [batch, length, hidden], got a {what}.")
+    weight = getattr(model.get_input_embeddings(), "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point and embeds.dtype != weight.dtype:
+        # Stock runs the prompt in the embeddings' dtype (its rotary tables follow them) and the new
+        # tokens in the model's: one precision for both would give other tokens.
+        raise ValueError(f"inputs_embeds are {embeds.dtype} and the model's embeddings {weight.dtype}: stock generate "
+                         f"would run the prompt in {embeds.dtype} and the new tokens in {weight.dtype}; pass "
+                         f"inputs_embeds.to({weight.dtype}).")
     if input_ids is None:
         return torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
     if isinstance(input_ids, torch.Tensor) and tuple(input_ids.shape) != tuple(embeds.shape[:2]):
