@@ -43,6 +43,32 @@ def test_windows_follow_the_stock_masks(family):
         assert torch.equal(model.generate(ids, batching=mode, batching_config=config, **kwargs), expected), mode
 
 
+EDITED = {
+    # Their attention modules keep the window they were built with; stock's masks read the config.
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, sliding_window=40),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=40, max_window_layers=0),
+    # It reads the config at call time.
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=40),
+}
+
+
+@pytest.mark.parametrize("after_a_call", [False, True])
+@pytest.mark.parametrize("family", list(EDITED))
+def test_a_window_changed_in_the_config_after_the_model_was_built_is_the_one_applied(family, after_a_call):
+    """`model.config.sliding_window` set after the model was built: stock's masks apply the new window,
+    while some families' attention modules keep passing the old one as their keyword; the engine
+    applies the masks' (it gave a model built with the old window's tokens)."""
+    model = build(EDITED[family]())
+    ids, mask = left_pad(random_prompts(3, 34, 44, seed=6))  # past the new window, within the old one
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if after_a_call:
+        model.generate(ids, batching="sync", **kwargs)
+    model.config.sliding_window = 20
+    expected = model.generate(ids, **kwargs)
+    for mode in ("sync", "async"):
+        assert torch.equal(model.generate(ids, batching=mode, **kwargs), expected), mode
+
+
 def test_a_stray_window_the_masks_never_apply_is_not_applied():
     """OLMoE's attention passes `sliding_window` from its config, but its masks are full causal ones:
     the engine's logits are the model's own forward's over the whole sequence. (Stock's cached

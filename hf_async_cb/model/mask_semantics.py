@@ -6,7 +6,8 @@ attention modules pass along is read by flash-attention alone. The engine builds
 paged attention takes the window from that keyword. Most families pass both, and they agree.
 Some do not: PhiMoE's and Qwen2-MoE's attention pass no keyword while their masks slide, so the
 engine would attend past the window; a config with a stray `sliding_window` can make a module pass
-a window that its masks never apply. Some families add a learned bias to the mask (Doge), or
+a window that its masks never apply; a module keeps the window it was built with when the user
+changes `config.sliding_window` afterwards, while stock's masks follow the config. Some families add a learned bias to the mask (Doge), or
 build a bidirectional one (Gemma 3 with use_bidirectional_attention), which no keyword tells.
 
 So, once per preparation, a 12-token forward runs with a recording attention on the model's own
@@ -147,7 +148,10 @@ def apply_masks(model: torch.nn.Module) -> None:
                          "see later ones), which the paged cache and causal attention cannot reproduce.")
     window = max(found.config_windows, default=None)  # the config's window (one per model)
     for module, slides, keyword in found.windows.values():
-        if slides and keyword is None and window is not None:
+        # A keyword other than the config's: the module kept the window it was built with, and the
+        # user has changed the config since (stock's masks follow the config), or it reads the
+        # config at call time (it gave the probe's window; then the override is what it will pass).
+        if slides and keyword != window and window is not None:
             _OVERRIDES[module] = window
         elif not slides and keyword is not None:
             _OVERRIDES[module] = None
