@@ -94,6 +94,30 @@ def test_min_new_tokens_holds_eos_back(mode, eos_candidates):
     assert not torch.equal(plain, got), "min_new_tokens should have changed where rows stop"
 
 
+@pytest.mark.parametrize("form", ["tensor", "array", "one-element tensor of id 0"])
+def test_suppressed_tokens_given_as_tensors_or_arrays_are_suppressed(form, monkeypatch):
+    """suppress_tokens / begin_suppress_tokens as a tensor or a numpy array, as stock takes them: a
+    tensor's truth value crashed on several ids and read tensor([0]) as no ids at all (token 0 then
+    not suppressed: other tokens than stock's). Token 0 is made the greedy pick for the last case."""
+    import copy
+
+    import numpy as np
+
+    model = copy.deepcopy(tiny_model("llama"))
+    prompts = random_prompts(6, 2, 30, seed=11)  # (long enough for the tight pool to preempt)
+    ids, mask = left_pad(prompts)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, batching="off")[:, -1]
+    with torch.no_grad():  # token 0's logit just above each row's first pick
+        model.lm_head.weight[0] = model.lm_head.weight[first[0]] * 1.05
+    tokens = {"tensor": torch.tensor([int(first[1]), 0]), "array": np.array([int(first[2]), 0]),
+              "one-element tensor of id 0": torch.tensor([0])}[form]
+    for option in ("suppress_tokens", "begin_suppress_tokens"):
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, batching="off")
+        expected = on_the_device(monkeypatch, prompts, model=model, max_new_tokens=12, do_sample=False,
+                                 **{option: tokens})
+        assert not torch.equal(plain, expected)  # the option matters here
+
+
 class EvenOnly(LogitsProcessor):
     """A user processor that depends on the history: after an odd token, only even tokens."""
 

@@ -185,8 +185,12 @@ def _vocab_size(model) -> int:
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:
+    """The ids of `tokens` (a list, a tensor or array of any shape, one id) within the vocabulary:
+    stock takes every form (`torch.tensor(tokens)`), and a tensor's truth value is no emptiness test."""
+    if tokens is None:
+        return ()
     vocab = _vocab_size(model)
-    return tuple(int(t) for t in (tokens or ()) if 0 <= int(t) < vocab)
+    return tuple(int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist() if 0 <= int(t) < vocab)
 
 
 def penalty_start(processor) -> int | None:
