@@ -370,6 +370,64 @@ def test_processors_and_criteria_with_state_or_late_row_logic_fail_clearly(mode)
         assert torch.equal(got, expected)
 
 
+_CALLS = 0  # a module global a processor below counts its calls in
+
+
+def _counts_in_a_global(input_ids, scores):
+    global _CALLS
+    _CALLS += 1
+    return scores if _CALLS <= 3 else scores.index_fill(1, torch.tensor([5, 7]), float("-inf"))
+
+
+class _Holder:
+    def __init__(self):
+        self.calls = 0
+
+    def ban_later(self, input_ids, scores):
+        self.calls += 1
+        return scores if self.calls <= 3 else scores.index_fill(1, torch.tensor([5, 7]), float("-inf"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["closure", "global", "bound method's object"])
+def test_processors_keeping_state_outside_their_attributes_are_refused_and_left_as_they_were(where, mode):
+    """A plain function counting its calls in a closure or a module global, or a bound method counting
+    in its object: stock calls it once per step, the engine once per row per step (its bans then fall
+    on other steps: other tokens, silently). Refused before any work, its state left as it was; with
+    one row it runs as in stock."""
+    global _CALLS
+    model = tiny_model("llama")
+    ids, mask = left_pad(random_prompts(3, 4, 9, seed=17))
+
+    def closure():
+        step = [0]
+
+        def ban_later(input_ids, scores):
+            step[0] += 1
+            return scores if step[0] <= 3 else scores.index_fill(1, torch.tensor([5, 7]), float("-inf"))
+
+        return ban_later, lambda: step[0]
+
+    holder = _Holder()
+    processor, count = {"closure": closure(), "global": (_counts_in_a_global, lambda: _CALLS),
+                        "bound method's object": (holder.ban_later, lambda: holder.calls)}[where]
+    _CALLS = 0
+    with pytest.raises(ValueError, match="keeps state from call to call"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, batching=mode,
+                       logits_processor=LogitsProcessorList([processor]))
+    assert count() == 0
+    one, one_mask = ids[:1], mask[:1]
+    expected = model.generate(one, attention_mask=one_mask, max_new_tokens=6, batching="off",
+                              logits_processor=LogitsProcessorList([processor]))
+    calls = count()
+    _CALLS, holder.calls = 0, 0
+    if where == "closure":
+        processor, count = closure()
+    got = model.generate(one, attention_mask=one_mask, max_new_tokens=6, batching=mode,
+                         logits_processor=LogitsProcessorList([processor]))
+    assert torch.equal(got, expected) and count() == calls
+
+
 def test_engine_api_takes_processors_and_criteria():
     model = tiny_model("gpt2")
     prompts = random_prompts(3, 2, 8, seed=34)

@@ -9,10 +9,12 @@ no state from call to call. So that a difference is never silent (batches of mor
    it must return one result per row, all equal, unless the rows differ by torch's random draws
    (noise: sampling, not indexing; the probe runs under two seeds on a forked generator). One
    built for a batch size or treating rows by their index is refused.
-2. The probe calls it twice more on the same input and seed: a different result, or attributes
-   that changed again after a first call (a first call may set things up lazily), mean it keeps
-   state from call to call (a step counter, a history it appends to), which the engine would
-   advance once per row: refused. The probe leaves the object's attributes as they were.
+2. The probe calls it twice more on the same input and seed: a different result, or state that
+   changed again after a first call (a first call may set things up lazily), mean it keeps state
+   from call to call (a step counter, a history it appends to), which the engine would advance
+   once per row: refused. State is looked for in its attributes, a bound method's object's, and a
+   function's closure cells and the module globals it names. The probe leaves all of them as
+   they were.
 3. During the run, a deterministic one is called on two copies of the request's row, and a call
    that treats them differently (index logic that starts later than the probe's prompt) fails
    the generate call with the reason.
@@ -23,6 +25,7 @@ Each probe that raises is left to the real calls (which fail their request with 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
@@ -83,7 +86,7 @@ def _probe(obj, call, rows: int, vocab: int | None, kind: str, device: torch.dev
                          "tokens. Use batching='off' for it.")
     if changed or not _same(first, again):
         raise ValueError(f"{kind} {name} keeps state from call to call (called twice on the same rows, "
-                         f"{'its attributes changed' if changed else 'it gave another result'}): stock calls it once "
+                         f"{'its state changed' if changed else 'it gave another result'}): stock calls it once "
                          "per step for the whole batch, the engine once per row per step, so it would not give "
                          "stock's tokens. Use batching='off' for it, or generate one row at a time.")
     if _same(first, first[:1].expand_as(first)):
@@ -153,27 +156,67 @@ def _snapshot(value, depth: int = 0):
     return value
 
 
+def _places(obj) -> dict:
+    """Where `obj` can keep state between calls, each as (getter, setter): its attributes; for a
+    bound method, its object's; for a function (a plain one, or a method's), the contents of its
+    closure's cells and the module globals it names that are data (a counter in a closure or a
+    global would escape a look at attributes alone)."""
+    places = {}
+
+    def attributes(holder, tag):
+        if hasattr(holder, "__dict__"):
+            d = vars(holder)
+            for key in list(d):
+                places[(tag, key)] = (lambda d=d, k=key: d[k], lambda v, d=d, k=key: d.__setitem__(k, v))
+
+    attributes(obj, "attribute")
+    fn = obj
+    if inspect.ismethod(obj):
+        attributes(obj.__self__, "object's attribute")
+        fn = obj.__func__
+    if inspect.isfunction(fn):
+        for i, cell in enumerate(fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if not _is_code_or_module(value):
+                places[("closure", i)] = (lambda c=cell: c.cell_contents,
+                                          lambda v, c=cell: setattr(c, "cell_contents", v))
+        names = fn.__globals__
+        for name in fn.__code__.co_names:
+            if name in names and not _is_code_or_module(names[name]):
+                places[("global", name)] = (lambda n=name: names[n], lambda v, n=name: names.__setitem__(n, v))
+    return places
+
+
+def _is_code_or_module(value) -> bool:
+    return inspect.ismodule(value) or inspect.isroutine(value) or inspect.isclass(value)
+
+
 def _attributes(obj) -> dict:
-    return {k: _snapshot(v) for k, v in vars(obj).items()} if hasattr(obj, "__dict__") else {}
+    """A snapshot of every place `obj` keeps state (_places), to compare and restore."""
+    return {key: _snapshot(get()) for key, (get, _) in _places(obj).items()}
 
 
 def _restore(obj, saved: dict) -> None:
-    """Put `obj`'s attributes back as `saved` holds them (attributes the calls added removed)."""
-    if not hasattr(obj, "__dict__"):
-        return
-    attributes = vars(obj)
-    for key in [k for k in attributes if k not in saved]:
-        del attributes[key]
+    """Put `obj`'s state back as `saved` holds it (attributes the calls added removed)."""
+    places = _places(obj)
+    for key in [k for k in places if k not in saved and k[0] in ("attribute", "object's attribute")]:
+        vars(obj if key[0] == "attribute" else obj.__self__).pop(key[1], None)  # (added by the calls)
     for key, value in saved.items():
-        current = attributes.get(key)
+        if key not in places:
+            continue
+        get, put = places[key]
+        current = get()
         if isinstance(value, _Big):
-            attributes[key] = value.t  # (an in-place write to a large tensor is not undone)
+            put(value.t)  # (an in-place write to a large tensor is not undone)
         elif isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == value.shape \
                 and current.dtype == value.dtype and not _same(current, value):
             with torch.no_grad():
                 current.copy_(value)  # in place: other references to the tensor see it restored too
         elif not _same(current, value):
-            attributes[key] = value
+            put(value)
 
 
 class RowChecked:
