@@ -252,16 +252,44 @@ def test_what_changes_outputs_beside_the_weights_is_never_served_stale(change):
     hf_async_cb.release(model)
 
 
-def test_weights_written_through_data_need_a_clear():
-    """`.data` writes bump no version counter: clear_prefix_cache() is the documented remedy."""
+WRITES_WITHOUT_COUNTERS = {
+    # None of these bumps a version counter (checked below): the content of the weights tells.
+    ".data.copy_ (a trainer's weight sync)": lambda w: w.data.copy_(w.data * 1.5 + 0.01),
+    ".data.mul_(-1) (a sign flip: no norm sees it)": lambda w: w.data.mul_(-1.0),
+    "a NumPy view": lambda w: w.detach().numpy().__imul__(1.7),
+    "one value, one step": lambda w: w.data.view(-1)[7].add_(w.data.view(-1)[7].abs() * 0.01 + 1e-3),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_WITHOUT_COUNTERS))
+@pytest.mark.parametrize("path", ["generate", "engine"])
+def test_weights_written_without_a_version_counter_are_seen_by_the_next_call(write, path):
+    """`.data` writes, collectives into a parameter (RL weight syncs) and NumPy views bump no version
+    counter; each call also reads the weights' contents (model/weight_kinds.content_sums), so the
+    next call recomputes what it cached (it reused the old weights' K/V: other tokens than stock's)."""
     model = fresh_model("llama", seed=13)
     prompts = shared_prompts(groups=1, rows=2, prefix=32, own=4, seed=8)
-    engine = Engine(model, BatchingConfig(mode="sync", page_size=8))
-    engine_rows(engine, prompts, 4, "sync")
-    model.model.layers[1].mlp.down_proj.weight.data.mul_(-1.0)
-    engine.clear_prefix_cache()
-    assert engine.prefix_cache_stats()["cached_pages"] == 0
-    assert engine_rows(engine, prompts, 6, "sync") == expected(model, prompts, 6)
+    weight = model.model.layers[1].mlp.down_proj.weight
+    engine = Engine(model, BatchingConfig(mode="sync", page_size=8)) if path == "engine" else None
+
+    def rows():
+        if engine is not None:
+            return engine_rows(engine, prompts, 6, "sync")
+        return generate_rows(model, prompts, 6, "sync")
+
+    assert rows() == expected(model, prompts, 6)
+    version = weight._version
+    WRITES_WITHOUT_COUNTERS[write](weight)
+    assert weight._version == version
+    assert rows() == expected(model, prompts, 6)
+    stats = engine.prefix_cache_stats() if engine is not None else hf_async_cb.prefix_cache_stats(model)
+    assert stats["clears"] >= 1
+    if engine is not None:
+        engine.clear_prefix_cache()  # (still there, for a write while a serving loop runs)
+        assert engine.prefix_cache_stats()["cached_pages"] == 0
+        engine.close()
+    else:
+        hf_async_cb.release(model)
 
 
 @modes

@@ -43,6 +43,7 @@ from hf_async_cb.engine.engine import Engine, _random_seed
 from hf_async_cb.engine.eos import with_model_eos
 from hf_async_cb.engine.replica_process import ProcessReplica
 from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
+from hf_async_cb.model.weight_kinds import content_sums
 from hf_async_cb.sampling.sampler import derive_seed
 
 STREAM_HEADROOM = 16  # requests a replica holds beyond what it runs, so that a freed slot refills at once
@@ -334,10 +335,7 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
     on an H200), against a copy of them all to every replica when they changed."""
     params = [p.detach() for p in model.parameters()]
     layout = tuple((p.data_ptr(), p._version, p.dtype, p.shape) for p in params)
-    if not params:
-        return layout, ()
-    norms = torch._foreach_norm(params, 2, dtype=torch.float64)
-    return layout, tuple(torch.stack([n.to(norms[0].device) for n in norms]).tolist())
+    return layout, content_sums(params)
 
 
 @torch.no_grad()

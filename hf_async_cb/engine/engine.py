@@ -339,7 +339,7 @@ class Engine:
         (model/kv_fingerprint.py, which reads that context too). Graphs replay no Python: a model
         running the user's hooks or patched forwards, which may read a setting changed since, has
         its graphs captured afresh in each call."""
-        fingerprint = kv_fingerprint(self.model) if self.prefix_cache is not None else None
+        fingerprint = kv_fingerprint(self.model, content=True) if self.prefix_cache is not None else None
         if self.graphs is not None:  # (a fingerprint of None: the user's code runs, or no cache reads it)
             context = numeric_context(self.device.type)
             user_code = fingerprint is None and runs_user_code(self.model)
@@ -353,6 +353,7 @@ class Engine:
             if len(self.prefix_cache):
                 logger.info("hf_async_cb: the model changed since the last call; its prefix cache is emptied")
                 self.scheduler.clear_prefix_cache()
+            self.tower_outputs.clear()  # (its own check reads the version counters alone)
             self._kv_fingerprint = fingerprint
 
     def clear_prefix_cache(self) -> None:

@@ -4,8 +4,13 @@ The prefix cache (engine/prefix_cache.py) must never hand out K/V that the model
 compute. A call compares this fingerprint with the last one and empties the cache on a change:
 
 - the weights' version counters: an optimizer step, `load_state_dict`, `copy_`, any in-place write
-  through autograd's view of a parameter or buffer bumps them (no pass over the weights: one
-  attribute per tensor). Writes through `.data` bump nothing: `clear_prefix_cache()` is for those;
+  through autograd's view of a parameter or buffer bumps them (one attribute per tensor);
+- with `content=True` (once per engine call), the weights' contents (model/weight_kinds.content_sums:
+  two passes over them, ~8 ms for 8B on an H200): writes through `.data`, a collective into a
+  parameter (`broadcast`, `all_reduce`: an RL trainer's weight sync) or a NumPy view bump no
+  counter. A serving loop (engine/online.py) reads the counters alone, at each pass (a pass over
+  the weights there would cost every request arriving at an idle server its time):
+  `Engine.clear_prefix_cache()` is for a write that bumps none while it serves;
 - the storages (a reassigned `.data`, `.to()`); the runtime rebuilds on those anyway;
 - each adapter layer's state (PEFT: the active adapters, disabled, merged), which switches without
   touching a weight;
@@ -31,12 +36,13 @@ from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numeric_context import model_numeric_context, numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.weight_kinds import storage_key, versions
+from hf_async_cb.model.weight_kinds import content_sums, storage_key, versions
 
 
-def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
+def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | None:
     """A value that changes whenever the K/V `model` computes for given tokens may have; None when
-    that cannot be told (inference tensors, forward hooks of the user's)."""
+    that cannot be told (inference tensors, forward hooks of the user's). `content`: read the
+    weights' values too (a pass over them), for writes that bump no version counter."""
     if runs_user_code(model):
         return None
     tensors = [*model.parameters(), *model.buffers(), *attribute_tensors(model)]
@@ -48,7 +54,8 @@ def kv_fingerprint(model: torch.nn.Module) -> tuple | None:
     except Exception:  # noqa: BLE001 - settings it cannot read: unknown
         return None
     storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
-    return sum(counters), hash(storages), _adapter_state(model), settings, model_numeric_context(model)
+    fingerprint = sum(counters), hash(storages), _adapter_state(model), settings, model_numeric_context(model)
+    return fingerprint + (content_sums(tensors),) if content else fingerprint
 
 
 def runs_user_code(model: torch.nn.Module) -> bool:
