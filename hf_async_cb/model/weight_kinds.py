@@ -68,8 +68,8 @@ def content_sums(tensors) -> tuple:
     of 16M values moves it by ~1e-9 of itself, far above float64's rounding) and the int64 sum of
     its values' bits (which a sign flip moves, and the norm does not); an integer one its int64 sum;
     a tensor over no storage of its own (a wrapper subclass: its inner tensors hold the data) or of
-    another kind (complex) None. Two passes over the data (about 10 ms for an 8B model on an H200, predicted),
-    one transfer per device and dtype."""
+    another kind (complex) None. Two passes over the data (about 10 ms for an 8B model on an H200,
+    predicted), one transfer per device and dtype."""
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         data = _plain_view(t)
