@@ -118,6 +118,13 @@ def test_suppressed_tokens_given_as_tensors_or_arrays_are_suppressed(form, monke
         assert not torch.equal(plain, expected)  # the option matters here
 
 
+def test_an_empty_bad_word_bans_nothing_as_in_stock(monkeypatch):
+    """bad_words_ids=[[5], [7, 8], []]: stock runs it (the empty entry bans nothing); it was refused."""
+    prompts = random_prompts(6, 2, 30, seed=31)
+    with_empty = on_the_device(monkeypatch, prompts, max_new_tokens=12, bad_words_ids=[[5], [7, 8], []])
+    assert torch.equal(with_empty, on_the_device(monkeypatch, prompts, max_new_tokens=12, bad_words_ids=[[5], [7, 8]]))
+
+
 class EvenOnly(LogitsProcessor):
     """A user processor that depends on the history: after an odd token, only even tokens."""
 

@@ -148,8 +148,8 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     for p in row_processors:
         if isinstance(p, NoRepeatNGramLogitsProcessor):
             device_options["no_repeat_ngram_size"] = p.ngram_size
-        elif isinstance(p, NoBadWordsLogitsProcessor):  # a sequence bias of -inf per bad word
-            device_options["bad_words_ids"] = tuple(p.sequence_bias)
+        elif isinstance(p, NoBadWordsLogitsProcessor):  # a sequence bias of -inf per bad word (an empty
+            device_options["bad_words_ids"] = tuple(words for words in p.sequence_bias if words)  # one bans nothing)
         elif isinstance(p, SequenceBiasLogitsProcessor):
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
