@@ -316,3 +316,12 @@ def test_a_mask_holding_other_values_than_0_and_1_is_refused(value, mode):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, batching=mode)
     float_ones = torch.ones_like(ids, dtype=torch.float)  # 1.0 and 0.0 are a padding mask
     assert model.generate(ids, attention_mask=float_ones, max_new_tokens=2, batching=mode).shape == (2, 6)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_length_given_as_a_one_value_tensor_runs_as_in_stock(mode):
+    """Stock runs max_new_tokens=torch.tensor(5); it was refused."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kwargs = dict(max_new_tokens=torch.tensor(5), do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(ids, batching=mode, **kwargs), model.generate(ids, **kwargs))

@@ -185,6 +185,10 @@ def _whole(name: str, value):
     """An integer length option as an int (an integral float too, as stock runs it); None stays."""
     if value is None or isinstance(value, int):
         return value  # bools included: stock runs max_new_tokens=True as one token
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()  # (stock runs max_new_tokens=torch.tensor(5))
+        if isinstance(value, bool) or isinstance(value, int):
+            return value
     if isinstance(value, (float, np.floating, np.integer)) and float(value).is_integer():
         return int(value)
     raise ValueError(f"{name} must be an integer, got {value!r}.")
