@@ -325,3 +325,15 @@ def test_a_length_given_as_a_one_value_tensor_runs_as_in_stock(mode):
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     kwargs = dict(max_new_tokens=torch.tensor(5), do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(model.generate(ids, batching=mode, **kwargs), model.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_beam_groups_option_without_beam_groups_is_ignored_as_in_stock(mode):
+    """diversity_penalty acts between beam groups alone: without them stock ignores it (the engine
+    refused it); with num_beam_groups > 1 the call is refused by name."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, diversity_penalty=1.0)
+    assert torch.equal(model.generate(ids, batching=mode, **kwargs), model.generate(ids, **kwargs))
+    with pytest.raises(ValueError, match="num_beam"):
+        model.generate(ids, batching=mode, num_beams=4, num_beam_groups=2, **kwargs)

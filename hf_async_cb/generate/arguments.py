@@ -33,7 +33,7 @@ _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": Fal
 # missing here is still caught: by the generation-mode check, and by probing stock's processors.)
 _UNSUPPORTED_GENERATION_OPTIONS = (
     ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
-    ("diversity_penalty", (None, 0.0)), ("constraints", (None,)), ("force_words_ids", (None,)),
+    ("constraints", (None,)), ("force_words_ids", (None,)),  # (diversity_penalty: group beams' alone)
     ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
     ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
     ("watermarking_config", (None,)), ("output_attentions", (None, False)),
