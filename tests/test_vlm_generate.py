@@ -283,7 +283,8 @@ def test_a_group_of_one_prompt_and_image_gives_stock_tokens(name, mode):
 def test_images_an_earlier_call_sent_are_not_encoded_again(name, mode, monkeypatch):
     """A later call that sends the same images again (an RL epoch, an evaluation rerun) takes the
     tower's outputs from the engine's cache (model/vision_feature_cache.py): stock's tokens, the
-    tower not run. Other pixels are encoded; a tower weight written in place empties the cache."""
+    tower not run. Other pixels are encoded; a tower weight written in place, or through `.data`,
+    empties the cache."""
     model = _model(name)
     inputs = V.build_inputs(name, "one_each")
     other = dict(inputs, pixel_values=inputs["pixel_values"].flip(-1))
@@ -300,13 +301,15 @@ def test_images_an_earlier_call_sent_are_not_encoded_again(name, mode, monkeypat
             assert torch.equal(_stock(model, given, batching=mode), want), call
             assert seen == encoded, (call, seen)
         assert hf_async_cb.prefix_cache_stats(model)["image_hits"] == 2 * every
-        with torch.no_grad():
-            weight.mul_(1.5)  # in place: the cache must not serve the old outputs
-        seen.clear()
-        changed = _stock(model, inputs)
-        seen.clear()
-        assert torch.equal(_stock(model, inputs, batching=mode), changed)
-        assert seen == [every], seen
+        for write in (lambda: weight.mul_(1.5),  # in place: the cache must not serve the old outputs
+                      lambda: weight.data.add_(0.25)):  # nor after a write no version counter sees (a weight sync)
+            with torch.no_grad():
+                write()
+            seen.clear()
+            changed = _stock(model, inputs)
+            seen.clear()
+            assert torch.equal(_stock(model, inputs, batching=mode), changed)
+            assert seen == [every], seen
     finally:
         with torch.no_grad():
             weight.copy_(kept)

@@ -353,7 +353,6 @@ class Engine:
             if len(self.prefix_cache):
                 logger.info("hf_async_cb: the model changed since the last call; its prefix cache is emptied")
                 self.scheduler.clear_prefix_cache()
-            self.tower_outputs.clear()  # (its own check reads the version counters alone)
             self._kv_fingerprint = fingerprint
 
     def clear_prefix_cache(self) -> None:

@@ -62,13 +62,16 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   media: dict, towers: TowerOutputCache | None = None) -> list[PromptEmbeds | None]:
+                   media: dict, towers: TowerOutputCache | None = None,
+                   content: bool = True) -> list[PromptEmbeds | None]:
     """Per row of the left-padded batch: the embeddings (and rotary positions) its prompt feeds
     beyond its tokens', or None for a row that feeds its tokens alone. Identical rows (the same
     tokens and the same image features) share one object, so that they share their pages.
-    `towers`: an engine's cache of the vision towers' outputs for images seen by earlier calls."""
+    `towers`: an engine's cache of the vision towers' outputs for images seen by earlier calls,
+    checked against the model before it serves any (`content`: the weights' values read too, for
+    writes that bump no version counter; a served request's merge reads the counters alone)."""
     if towers is not None:
-        towers.check(model)
+        towers.check(model, content)
     received = _language_model_inputs(model, input_ids, attention_mask, media, towers)
     name = type(model).__name__
     extra = sorted(k for k, v in received.items() if k not in _PLAIN_KWARGS | _DEEPSTACK and v is not None)
@@ -125,7 +128,7 @@ def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str |
     device = input_embedding_weight(model).device
     ids = torch.tensor([request.prompt_token_ids], device=device)
     given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in media.items()}
-    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers)
+    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers, content=False)
     if row is not None:
         request.embeds = checked_embeds(row, ids.shape[1], model.get_input_embeddings(), refusal, cache)
 

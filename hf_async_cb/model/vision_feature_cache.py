@@ -50,15 +50,20 @@ class TowerOutputCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def check(self, model: torch.nn.Module) -> None:
+    def check(self, model: torch.nn.Module, content: bool = True) -> None:
         """Before a merge: empty the cache if the model may compute other outputs than when it was
-        filled (or when that cannot be told: inference tensors keep no version counter)."""
+        filled (or when that cannot be told: inference tensors keep no version counter). `content`:
+        read the weights' values too (model/kv_fingerprint.py), which a serving loop's merges skip."""
         if not self.max_bytes:  # (off: nothing to check)
             return
-        fingerprint = kv_fingerprint(model)
-        if fingerprint is None or fingerprint != self._fingerprint:
+        fingerprint = kv_fingerprint(model, content=content)
+        known = self._fingerprint
+        if not content and known is not None:  # compare what both read: the counters and settings
+            known = known[:len(fingerprint)] if fingerprint is not None else None
+        if fingerprint is None or fingerprint != known:
             self.clear()
-        self._fingerprint = fingerprint
+        if content or fingerprint is None or self._fingerprint is None or fingerprint != known:
+            self._fingerprint = fingerprint
 
     def get(self, key: tuple) -> TowerEntry | None:
         entry = self._entries.get(key)

@@ -92,12 +92,17 @@ def content_sums(tensors) -> tuple:
 
 def _plain_view(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s data as a plain tensor (a Parameter subclass over real storage, as bitsandbytes' are,
-    seen through), or None for a wrapper subclass with no storage of its own."""
+    seen through), or None for a wrapper subclass (torchao's, quanto's), whose inner tensors hold
+    the data."""
     if is_plain(t):
         return t.detach()
+    if not isinstance(t, nn.Parameter):  # (a wrapper subclass: torchao's, whose ops it dispatches itself)
+        return None
     try:
         plain = t.detach().as_subclass(torch.Tensor)
-        plain.data_ptr()
+        if type(plain) is not torch.Tensor:
+            return None
+        plain.untyped_storage().data_ptr()
         return plain
-    except Exception:  # noqa: BLE001 - no storage of its own (torchao, ...): its inner tensors are not looked at
+    except Exception:  # noqa: BLE001 - no storage of its own: its inner tensors are not looked at
         return None
