@@ -113,8 +113,14 @@ def _bench_workload(args: argparse.Namespace, device: torch.device) -> tuple:
     shape, requests, prompt, new = (workload[k] if v is None else v for k, v in chosen.items())
     limit = b.SHAPES[shape].get("max_position_embeddings")
     longest = prompt * 3 // 2 if args.serve and args.lengths == "uniform" else prompt
-    if limit is not None and longest > limit:
-        raise SystemExit(f"--prompt {prompt}: prompts of up to {longest} tokens are longer than the {shape} shape's "
+    if args.serve and args.lengths == "sharegpt":
+        from hf_async_cb.tools.serving_workload import SHAREGPT
+
+        longest = SHAREGPT["prompt"]["hi"]
+    system = (getattr(args, "system_prompt", 0) or 0) if args.serve else 0
+    if limit is not None and longest + system > limit:
+        given = f"--prompt {prompt}" + (f" and --system-prompt {system}" if system else "")
+        raise SystemExit(f"{given}: prompts of up to {longest + system} tokens are longer than the {shape} shape's "
                          f"{limit} positions")
     return shape, requests, prompt, new
 

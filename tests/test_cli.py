@@ -210,10 +210,13 @@ def test_workload_sizes_below_one_are_usage_errors(argv, capsys):
     assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--prompt", "3000"], ["--serve", "--lengths", "uniform", "--prompt", "1400"]])
+@pytest.mark.parametrize("argv", [["--prompt", "3000"], ["--serve", "--lengths", "uniform", "--prompt", "1400"],
+                                  ["--serve", "--system-prompt", "2100", "--prompt", "4"],
+                                  ["--serve", "--lengths", "sharegpt", "--system-prompt", "1100"]])
 def test_prompts_past_the_shape_positions_are_refused_before_any_work(argv):
     """A prompt the shape's positions cannot hold (tiny: 2048; with --serve's uniform lengths, up to
-    1.5x --prompt) stops with the reason, not a traceback after the model is built."""
+    1.5x --prompt; ShareGPT-like ones up to 1,024; a shared system prompt before each) stops with the
+    reason, not a traceback after the model is built."""
     with pytest.raises(SystemExit, match="longer than the tiny shape's 2048 positions"):
         cli.main(["bench", "--device", "cpu", "--shape", "tiny", "--requests", "1", "--new", "2", *argv])
 

@@ -337,3 +337,31 @@ def test_a_beam_groups_option_without_beam_groups_is_ignored_as_in_stock(mode):
     assert torch.equal(model.generate(ids, batching=mode, **kwargs), model.generate(ids, **kwargs))
     with pytest.raises(ValueError, match="num_beam"):
         model.generate(ids, batching=mode, num_beams=4, num_beam_groups=2, **kwargs)
+
+
+def test_the_held_engines_arguments_are_checked_in_the_callers_thread():
+    """A dict config is read as generate's batching_config is; other configs, a pool too large to
+    allocate, a non-callable on_token or done-callback, and add_request after close() are refused
+    with the field or the reason named (not a TypeError from torch or a failure on the loop thread)."""
+    model = tiny_model("llama")
+    with Engine(model, {"page_size": 4, "mode": "sync"}) as engine:
+        assert engine.config.page_size == 4
+    with pytest.raises(TypeError, match="Engine takes a BatchingConfig"):
+        Engine(model, "async")
+    for huge in (dict(num_pages=2**70), dict(num_pages=10**13), dict(cpu_kv_cache_bytes=2**62)):
+        with pytest.raises(ValueError, match=r"the KV pool of \d+ pages .* cannot be allocated"):
+            Engine(model, BatchingConfig(**huge))
+    engine = Engine(model, BatchingConfig(mode="async"))
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match="on_token must be a callable"):
+            engine.add_request([5, 6, 7], max_new_tokens=2, on_token=5)
+        handle = engine.add_request([5, 6, 7], max_new_tokens=2)
+        with pytest.raises(ValueError, match="add_done_callback takes a callable"):
+            handle.add_done_callback(5)
+        assert len(handle.result(timeout=60).output_token_ids) == 2
+    finally:
+        engine.shutdown()
+        engine.close()
+    with pytest.raises(RuntimeError, match="this Engine was closed"):
+        engine.add_request([5, 6, 7], max_new_tokens=2)

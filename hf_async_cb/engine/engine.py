@@ -94,6 +94,12 @@ class Engine:
         then holds the model weakly and leaves the preparation to its owner.
         Built outside inference mode even when the caller is in it: the pool, graphs and fused
         weights it keeps are written by later calls, and the model is trained after, possibly."""
+        if isinstance(config, dict):  # (as generate's batching_config= takes one)
+            config = BatchingConfig(**config)
+        if config is not None and not isinstance(config, BatchingConfig):
+            raise TypeError(f"Engine takes a BatchingConfig (or a dict of its fields), got {type(config).__name__}.")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Engine takes a transformers model (an nn.Module), got {type(model).__name__}.")
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
@@ -158,7 +164,14 @@ class Engine:
             num_pages = self.tensor_parallel.agree_min(num_pages)
         self.num_pages = num_pages
         # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
-        self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
+        try:
+            self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
+        except (RuntimeError, TypeError, OverflowError) as error:  # (torch's own words name no field)
+            size = (num_pages + 1) * page_size * self.layout.bytes_per_token(self.dtype)
+            raise ValueError(f"the KV pool of {num_pages} pages of {page_size} tokens ({size / 2**30:.1f} GiB) cannot be "
+                             f"allocated on {self.device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
+                             "give BatchingConfig fewer pages (num_pages, cpu_kv_cache_bytes, "
+                             "kv_memory_fraction).") from error
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(page_size) if self.config.prefix_caching else None
         self.tower_outputs = TowerOutputCache(self.config.image_cache_bytes if self.prefix_cache is not None else 0)
@@ -432,8 +445,11 @@ class Engine:
         handle has it (the moment any reader can see it), e.g. to time tokens without a reader
         thread per request; keep it short, it runs between the loop's steps. If it raises, the
         request fails as for a raising stopping criterion."""
+        self._check_open()
         if self._background is None:
             raise RuntimeError("start() the engine before add_request().")
+        if on_token is not None and not callable(on_token):
+            raise ValueError(f"on_token must be a callable (request, token), got {on_token!r}.")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs Engine(..., tokenizer=...); or pass token ids.")

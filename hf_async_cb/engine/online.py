@@ -84,6 +84,8 @@ class RequestHandle:
         """Call fn(handle) once the request has finished (or failed, or was cancelled): on the loop's
         thread as it ends, or here at once if it has already. As with concurrent.futures, an
         exception fn raises (KeyboardInterrupt and SystemExit included) is logged and does not reach the loop."""
+        if not callable(fn):
+            raise ValueError(f"add_done_callback takes a callable (handle), got {fn!r}.")
         with self._changed:
             if not self._ended:
                 self._callbacks.append(fn)
