@@ -498,3 +498,39 @@ def test_after_a_shutdown_that_timed_out_the_messages_agree_on_what_to_do():
     engine.start()
     assert len(engine.add_request([5, 6], max_new_tokens=2, eos_token_ids=()).result(timeout=30).output_token_ids) == 2
     engine.shutdown(timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_clear_prefix_cache_while_serving_runs_on_the_loop_between_steps(mode, monkeypatch):
+    """The scheduler's tables belong to the loop's thread while it serves: clear_prefix_cache() from
+    another thread has the loop empty them between steps and waits for it (run from the caller's
+    thread, it raced the loop: 'dictionary changed size during iteration'); from the loop's own
+    thread (a callback) it clears at once. Tokens stay stock's."""
+    import threading
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 20, 30, seed=5)
+    engine = Engine(model, BatchingConfig(mode=mode, page_size=4))
+    cleared_on = []
+    clear = engine.scheduler.clear_prefix_cache
+
+    def recording_clear():
+        cleared_on.append(threading.current_thread())
+        return clear()
+
+    monkeypatch.setattr(engine.scheduler, "clear_prefix_cache", recording_clear)
+    engine.start()
+    try:
+        handles = [engine.add_request(p, max_new_tokens=8) for p in prompts]
+        engine.clear_prefix_cache()
+        assert cleared_on and cleared_on[-1] is engine._background.thread
+        inside = engine.add_request(prompts[0], max_new_tokens=2,
+                                    on_token=lambda request, token: engine.clear_prefix_cache())
+        outs = [h.result(timeout=120).output_token_ids for h in handles]
+        inside.result(timeout=120)
+        assert all(t is engine._background.thread for t in cleared_on)
+    finally:
+        engine.shutdown()
+        engine.close()
+    with Engine(model, BatchingConfig(mode="sync")) as reference:
+        assert outs == [o.output_token_ids for o in reference.generate(prompts, max_new_tokens=8)]

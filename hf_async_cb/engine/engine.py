@@ -370,7 +370,12 @@ class Engine:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after writing the weights through `.data`, which no
-        version counter sees). Requests running now keep their pages."""
+        version counter sees). Requests running now keep their pages. While a background loop
+        serves, the loop empties them between its steps and this waits for it (the scheduler's
+        tables are the loop's)."""
+        background = self._background
+        if background is not None and background.clear_caches():
+            return
         if self.prefix_cache is not None:
             self.scheduler.clear_prefix_cache()
         self.tower_outputs.clear()

@@ -226,6 +226,7 @@ class _Worker:
         self.intake: queue.Queue[RequestHandle] = queue.Queue()
         self.active: dict[int, RequestHandle] = {}
         self.aborts: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()  # asked by abort(), not yet applied
+        self.clears: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()  # asked by clear_caches()
         self.wake = threading.Event()
         self.stopping = False
         self.cancel = False
@@ -290,6 +291,7 @@ class _Worker:
                         self.tower_outputs.clear()
                         seen = now
                 self._apply_aborts(cancel_all=self.cancel)
+                self._apply_clears()
                 self.runner.prepared_model.reclaim_attention()  # (a few config reads per pass)
                 busy = scheduler.has_work or bool(pipeline.in_flight)
                 if not busy:
@@ -332,6 +334,22 @@ class _Worker:
                 continue
             if handle._abort:  # its abort() was drained before it was taken in
                 self.aborts.put(handle)
+
+    def _apply_clears(self) -> None:
+        """Empty the prefix cache and the tower outputs for the callers of clear_caches() (here,
+        between steps: the scheduler's tables are this thread's while it serves)."""
+        done = []
+        while True:
+            try:
+                done.append(self.clears.get_nowait())
+            except queue.Empty:
+                break
+        if done:
+            if self.scheduler.prefix_cache is not None:
+                self.scheduler.clear_prefix_cache()
+            self.tower_outputs.clear()
+            for event in done:
+                event.set()
 
     def _apply_aborts(self, cancel_all: bool) -> None:
         """Abort the handles abort() queued since the last pass (all those held on a cancel): a
@@ -454,6 +472,19 @@ class BackgroundLoop:
         handle._abort = True
         self._worker.aborts.put(handle)
         self._worker.wake.set()
+
+    def clear_caches(self) -> bool:
+        """Have the loop empty the prefix cache and tower outputs between its steps, and wait for it;
+        False where the caller must clear them itself (on the loop's thread, or the loop is gone)."""
+        if self.on_loop_thread:
+            return False
+        done = threading.Event()
+        self._worker.clears.put(done)
+        self._worker.wake.set()
+        while not done.wait(0.05):
+            if not self.thread.is_alive():
+                return done.is_set()
+        return True
 
     @property
     def on_loop_thread(self) -> bool:
