@@ -166,7 +166,12 @@ class Engine:
         # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
         try:
             self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
-        except (RuntimeError, TypeError, OverflowError) as error:  # (torch's own words name no field)
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+            # Torch's own words name no field: a size past its integers, the host allocator's refusal
+            # (a GPU's out-of-memory error, which the caller explains, and any other error pass on).
+            too_big = isinstance(error, (TypeError, OverflowError, MemoryError)) or "alloc" in str(error).lower()
+            if isinstance(error, torch.OutOfMemoryError) or not too_big:
+                raise
             size = (num_pages + 1) * page_size * self.layout.bytes_per_token(self.dtype)
             raise ValueError(f"the KV pool of {num_pages} pages of {page_size} tokens ({size / 2**30:.1f} GiB) cannot be "
                              f"allocated on {self.device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
