@@ -365,3 +365,14 @@ def test_the_held_engines_arguments_are_checked_in_the_callers_thread():
         engine.close()
     with pytest.raises(RuntimeError, match="this Engine was closed"):
         engine.add_request([5, 6, 7], max_new_tokens=2)
+
+
+def test_data_parallels_seed_arguments_to_engine_generate_are_checked():
+    """engine_seed and seed_indices (DataParallel's) are range-checked as BatchingConfig.seed is."""
+    with Engine(tiny_model("llama"), BatchingConfig(mode="sync")) as engine:
+        for bad in (dict(engine_seed="x"), dict(engine_seed=-1), dict(engine_seed=2**64),
+                    dict(seed_indices=["a"]), dict(seed_indices=[0.5]), dict(seed_indices=[-1])):
+            with pytest.raises(ValueError, match="engine_seed|seed_indices"):
+                engine.generate([[5, 6, 7]], max_new_tokens=2, do_sample=True, **bad)
+        assert len(engine.generate([[5, 6, 7]], max_new_tokens=2, do_sample=True, engine_seed=3,
+                                   seed_indices=[np.int64(4)])[0].output_token_ids) == 2

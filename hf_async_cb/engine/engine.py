@@ -9,6 +9,7 @@ import time
 import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hf_async_cb.config import BatchingConfig, resolve_mode
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 
 _LOGGED_DEFAULTS: set = set()
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 def _log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, device: torch.device) -> None:
@@ -296,6 +301,10 @@ class Engine:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
         if seed_indices is not None and len(seed_indices) != len(prompts):
             raise ValueError(f"seed_indices has {len(seed_indices)} entries for {len(prompts)} prompts.")
+        if seed_indices is not None and not all(_is_index(i) for i in seed_indices):
+            raise ValueError(f"seed_indices must be non-negative integers, got {list(seed_indices)!r}.")
+        if engine_seed is not None and not (_is_index(engine_seed) and engine_seed < 2**63):
+            raise ValueError(f"engine_seed must be an integer in [0, 2**63), as BatchingConfig.seed, got {engine_seed!r}.")
         n = num_return_sequences
         if seed_indices is not None and engine_seed is None and any(sp.unseeded for sp in per_prompt):
             engine_seed = self.config.seed if self.config.seed is not None else self._draw_seed()
