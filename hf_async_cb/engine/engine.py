@@ -9,7 +9,6 @@ import time
 import weakref
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from hf_async_cb.config import BatchingConfig, resolve_mode
@@ -33,6 +32,7 @@ from hf_async_cb.engine.requests import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    _as_int,
     as_token_lists,
     one_params,
     params_per_prompt,
@@ -63,8 +63,10 @@ logger = logging.getLogger(__name__)
 _LOGGED_DEFAULTS: set = set()
 
 
-def _is_index(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+def _seed_int(value) -> int | None:
+    """`value` as a seed or seed index: an integer in [0, 2**63) (numpy and 0-d tensor ints too), else None."""
+    value = _as_int(value)
+    return value if value is not None and 0 <= value < 2**63 else None
 
 
 def _log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, device: torch.device) -> None:
@@ -301,9 +303,9 @@ class Engine:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
         if seed_indices is not None and len(seed_indices) != len(prompts):
             raise ValueError(f"seed_indices has {len(seed_indices)} entries for {len(prompts)} prompts.")
-        if seed_indices is not None and not all(_is_index(i) for i in seed_indices):
+        if seed_indices is not None and any(_seed_int(i) is None for i in seed_indices):
             raise ValueError(f"seed_indices must be non-negative integers, got {list(seed_indices)!r}.")
-        if engine_seed is not None and not (_is_index(engine_seed) and engine_seed < 2**63):
+        if engine_seed is not None and _seed_int(engine_seed) is None:
             raise ValueError(f"engine_seed must be an integer in [0, 2**63), as BatchingConfig.seed, got {engine_seed!r}.")
         n = num_return_sequences
         if seed_indices is not None and engine_seed is None and any(sp.unseeded for sp in per_prompt):

@@ -338,12 +338,7 @@ class _Worker:
     def _apply_clears(self) -> None:
         """Empty the prefix cache and the tower outputs for the callers of clear_caches() (here,
         between steps: the scheduler's tables are this thread's while it serves)."""
-        done = []
-        while True:
-            try:
-                done.append(self.clears.get_nowait())
-            except queue.Empty:
-                break
+        done = _drained(self.clears)
         if done:
             if self.scheduler.prefix_cache is not None:
                 self.scheduler.clear_prefix_cache()
@@ -354,12 +349,7 @@ class _Worker:
     def _apply_aborts(self, cancel_all: bool) -> None:
         """Abort the handles abort() queued since the last pass (all those held on a cancel): a
         pass costs what was aborted, not a scan of the backlog, which it runs between every step."""
-        handles = []
-        while True:
-            try:
-                handles.append(self.aborts.get_nowait())
-            except queue.Empty:
-                break
+        handles = _drained(self.aborts)
         if cancel_all:
             handles = list(self.active.values())
         for handle in handles:
@@ -422,6 +412,16 @@ def _stop_running_loops() -> None:
         loop._worker.request_stop(True)
     for loop in list(_RUNNING):
         loop.thread.join(10)
+
+
+def _drained(q: queue.SimpleQueue) -> list:
+    """Everything queued on `q` now, in order (what other threads put later waits for the next pass)."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 class BackgroundLoop:

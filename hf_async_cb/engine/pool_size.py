@@ -6,8 +6,8 @@ has handed back the blocks it caches unused, but never the bound on a step's own
 error. Cached blocks are handed back rather than counted as free because not all of them can hold a
 pool layer: a closed engine's CUDA graphs leave their private pools cached, which only their graphs
 could reuse, and a 1 GiB layer does not fit in the free ends of partly used segments. Counting them
-failed a second engine's build on an 80 GB card with 6 GiB "reserved but unallocated". On the CPU the pool is
-`cpu_kv_cache_bytes`. `num_pages` set in the config wins over both.
+failed a second engine's build on an 80 GB card with 6 GiB "reserved but unallocated". On the CPU
+the pool is `cpu_kv_cache_bytes`. `num_pages` set in the config wins over both.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def _whole(name: str, value):
         return value  # bools included: stock runs max_new_tokens=True as one token
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
         value = value.item()  # (stock runs max_new_tokens=torch.tensor(5))
-        if isinstance(value, bool) or isinstance(value, int):
+        if isinstance(value, int):  # (bools too, as above)
             return value
     if isinstance(value, (float, np.floating, np.integer)) and float(value).is_integer():
         return int(value)

@@ -7,8 +7,9 @@ paged attention takes the window from that keyword. Most families pass both, and
 Some do not: PhiMoE's and Qwen2-MoE's attention pass no keyword while their masks slide, so the
 engine would attend past the window; a config with a stray `sliding_window` can make a module pass
 a window that its masks never apply; a module keeps the window it was built with when the user
-changes `config.sliding_window` afterwards, while stock's masks follow the config. Some families add a learned bias to the mask (Doge), or
-build a bidirectional one (Gemma 3 with use_bidirectional_attention), which no keyword tells.
+changes `config.sliding_window` afterwards, while stock's masks follow the config. Some families
+add a learned bias to the mask (Doge), or build a bidirectional one (Gemma 3 with
+use_bidirectional_attention), which no keyword tells.
 
 So, once per preparation, a 12-token forward runs with a recording attention on the model's own
 eager masks, with the config's window shrunk to 4 tokens so that it shows: per attention module,

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_async_cb.model.weight_kinds import is_plain
+
 
 def _is_patchwise(conv: nn.Module) -> bool:
     """A plain Conv2d/Conv3d whose windows do not overlap or pad, with nothing else on its forward."""
@@ -29,7 +31,7 @@ def _is_patchwise(conv: nn.Module) -> bool:
     if isinstance(conv.padding, str) or any(conv.padding) or any(d != 1 for d in conv.dilation):
         return False
     return (tuple(conv.stride) == tuple(conv.kernel_size) and conv.groups == 1
-            and type(conv.weight) in (torch.Tensor, nn.Parameter) and conv.weight.dtype.is_floating_point)
+            and is_plain(conv.weight) and conv.weight.dtype.is_floating_point)
 
 
 def _gemm_forward(conv: nn.Module):
