@@ -1,7 +1,7 @@
 """Where a vision tower's time goes (issue 31: Qwen2.5-VL-7B's tower took 1.31 s of a 3.78 s call for
 64 images, against ~0.25 s of FLOPs at 790 TFLOP/s): the tower alone, as the engine runs it
-(model/vision_attention.py's packed attention, model/patch_embed.py's GEMM; once with the model's own
-convolution for the A/B), timed over all images at once and in smaller
+(model/vision_attention.py's packed attention, then each of the engine's other changes added in
+turn: the patch embedding as a GEMM, aligned MLPs, the fused rotary), timed over all images at once and in smaller
 batches, then one profiled run: kernels launched, GPU busy time against the wall, the kernels and
 the host-side ops that take the most.
 
@@ -17,8 +17,10 @@ import torch
 sys.path.insert(0, "benchmarks")
 import gpu_vlm  # noqa: E402
 
+from hf_async_cb.model.aligned_mlp import aligned_mlps  # noqa: E402
 from hf_async_cb.model.patch_embed import convolutions_as_gemms  # noqa: E402
 from hf_async_cb.model.vision_attention import packed_vision_attention  # noqa: E402
+from hf_async_cb.model.vision_rotary import fused_vision_rotary  # noqa: E402
 
 VISION = {
     "qwen2.5-vl-7b": (dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
@@ -44,7 +46,7 @@ def main() -> int:
     p.add_argument("--shape", choices=tuple(VISION), default="qwen2.5-vl-7b")
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--batches", default="64,16,4,1", help="images per tower call, timed each")
-    p.add_argument("--profile-gemm", type=int, default=1, help="0: profile with the convolution")
+    p.add_argument("--profile-stage", type=int, default=3, help="the stage profiled (0: the model's own code)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,10 +67,16 @@ def main() -> int:
           f"{flops / 1e12:.1f} TFLOP -> {flops / args.peak_tflops / 1e12 * 1e3:.1f} ms at {args.peak_tflops:.0f} TFLOP/s",
           flush=True)
 
-    def run(count: int, gemm: bool = True):
+    # Each stage adds one of the engine's changes to the tower's run (model/vision.py runs them all).
+    stages = [("the model's own code (packed attention only)", ()),
+              ("+ patch embedding as a GEMM", (convolutions_as_gemms,)),
+              ("+ MLPs padded to an aligned width", (convolutions_as_gemms, aligned_mlps)),
+              ("+ the rotary embedding in one kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary))]
+
+    def run(count: int, stage: int = len(stages) - 1):
         with torch.inference_mode(), packed_vision_attention(model), contextlib.ExitStack() as stack:
-            if gemm:
-                stack.enter_context(convolutions_as_gemms(model))
+            for block in stages[stage][1]:
+                stack.enter_context(block(model))
             for start in range(0, args.images, count):
                 model.get_image_features(pixels[start * per_image:(start + count) * per_image],
                                          grids[start:start + count])
@@ -77,17 +85,18 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    cases = [(int(b), True) for b in args.batches.split(",") if int(b) <= args.images]
-    for count, gemm in [(args.images, False)] + cases:  # the patch embedding as the model's convolution first
-        run(count, gemm)
+    cases = [(args.images, i) for i in range(len(stages) - 1)]
+    cases += [(int(b), len(stages) - 1) for b in args.batches.split(",") if int(b) <= args.images]
+    for count, stage in cases:
+        run(count, stage)
         sync()
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            run(count, gemm)
+            run(count, stage)
             sync()
             times.append(time.perf_counter() - start)
-        print(f"{count:>3} images per call, patches embedded by {'a GEMM' if gemm else 'the convolution'}: "
+        print(f"{count:>3} images per call, {stages[stage][0]}: "
               f"{min(times) * 1e3:8.1f} ms for {args.images} ({flops / min(times) / 1e12:.0f} TFLOP/s)", flush=True)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -96,7 +105,7 @@ def main() -> int:
     sync()
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        run(args.images, gemm=args.profile_gemm)
+        run(args.images, args.profile_stage)
         sync()
     wall = time.perf_counter() - start
     events = prof.key_averages()

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from hf_async_cb.model.vision_attention import varlen_attention
 
 
-def test_windows_stacked_by_length_equal_one_call_per_window():
+@pytest.mark.parametrize("lengths", [
+    [16, 7, 16, 0, 3, 16, 7],  # windows of one length apart: gathered
+    [0, 16, 16, 0, 16],  # equal windows tiling the sequence (Qwen2.5-VL on grids its windows divide): views
+    [16, 16, 7, 3, 7, 5, 5],  # runs end to end (16, 3, 5) read as views, the 7s gathered
+])
+def test_windows_stacked_by_length_equal_one_call_per_window(lengths):
     g = torch.Generator().manual_seed(0)
-    lengths = [16, 7, 16, 0, 3, 16, 7]
     cu = torch.tensor([0] + lengths).cumsum(0)
     q, k, v = (torch.randn(1, 4, sum(lengths), 8, generator=g) for _ in range(3))
     out, _ = varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
@@ -26,3 +31,13 @@ def test_without_windows_it_is_sdpa():
     q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
     out, _ = varlen_attention(None, q, k, v, scaling=0.5)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(1, 2))
+
+
+@pytest.mark.parametrize("lengths, gathers", [([0, 16, 16, 0, 16], 0), ([16, 16, 7, 3, 7, 5, 5], 4),
+                                              ([16, 7, 16], 4)])
+def test_windows_lying_end_to_end_are_read_without_a_gather(lengths, gathers):
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    q, k, v = (torch.randn(1, 2, sum(lengths), 8) for _ in range(3))
+    with torch.autograd.profiler.profile() as prof:
+        varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert sum(e.name == "aten::index" for e in prof.function_events) == gathers  # its starts, q, k, v per gathered length

@@ -110,8 +110,11 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, n_cols, inne
                                "skob", "skoh", "skot"])
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_heads, half,
                    sqb, sqh, sqt, skb, skh, skt, scb, sct, sob, soh, sot, skob, skoh, skot,
-                   HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr, ALIGNED: tl.constexpr):
-    """One program per (token, block of HEADS heads), q's heads first, then k's, one head per row."""
+                   HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr, ALIGNED: tl.constexpr,
+                   ROUND_TERMS: tl.constexpr = True):
+    """One program per (token, block of HEADS heads), q's heads first, then k's, one head per row.
+    ROUND_TERMS: each product rounded to the output dtype before the sum (apply_rotary_pos_emb in the
+    model's dtype); without it all in fp32, rounded once (the vision towers' apply_rotary_pos_emb_vision)."""
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
     t = (pid % seq_len).to(tl.int64)
@@ -143,12 +146,15 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q,
     xr = tl.load(row + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     p = x * c  # q * cos
     r = xr * s  # rotate_half(q) * sin, up to the sign (exact)
-    if BF16:
-        bits = p.to(tl.uint32, bitcast=True)
-        p = tl.where(p != p, p, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
-        bits = r.to(tl.uint32, bitcast=True)
-        r = tl.where(r != r, r, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
-    o = p.to(dt).to(tl.float32) + sign * r.to(dt).to(tl.float32)
+    if ROUND_TERMS:
+        if BF16:
+            bits = p.to(tl.uint32, bitcast=True)
+            p = tl.where(p != p, p, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+            bits = r.to(tl.uint32, bitcast=True)
+            r = tl.where(r != r, r, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
+        o = p.to(dt).to(tl.float32) + sign * r.to(dt).to(tl.float32)
+    else:
+        o = p + sign * r
     if BF16:
         bits = o.to(tl.uint32, bitcast=True)
         o = tl.where(o != o, o, ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True))
@@ -284,6 +290,26 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return qo, ko
 
 
+def vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """A vision tower's apply_rotary_pos_emb_vision(q, k, cos, sin) for q [T, H, D], k [T, KVH, D] (last
+    stride 1) and cos/sin [T, D]: computed in fp32, rounded once to q's dtype; returns contiguous
+    [T, H, D] and [T, KVH, D], as the torch code does (ten full-size fp32 passes there, one here)."""
+    (seq, n_q, dim), n_k = q.shape, k.shape[1]
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+    block_d = triton.next_power_of_2(dim)
+    heads = min(triton.next_power_of_2(n_q + n_k), max(1, 2048 // block_d))
+    strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, cos.stride(0),
+               0, qo.stride(1), qo.stride(0), 0, ko.stride(1), ko.stride(0))
+    _rotary_kernel[(seq, triton.cdiv(n_q + n_k, heads))](
+        q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2, *strides,
+        HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, ROUND_TERMS=False,
+        ALIGNED=_aligned(*strides) and all(t.data_ptr() % (16 * t.element_size()) == 0 for t in (q, k, cos, sin)),
+        num_warps=4, **_LAUNCH)
+    return qo, ko
+
+
 def silu_mul(y: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
     """`silu(gate) * up` for y = [..., gate | up] (last dim 2I), rounded like torch; returns [..., I].
     With `gelu_tanh`, `gelu(gate, approximate="tanh") * up` (Gemma's MLP) instead."""
@@ -336,7 +362,18 @@ def rotary_variants(q_heads: int, k_heads: int, head_dim: int, dtype: torch.dtyp
     heads = min(triton.next_power_of_2(q_heads + k_heads), max(1, 2048 // block_d))
     args = (dtype,) * 6 + (2, q_heads, q_heads + k_heads, head_dim // 2) + (0,) * 14
     return [Variant(_rotary_kernel, args, dict(HEADS=heads, DIM=block_d, BF16=dtype == torch.bfloat16,
-                                               ALIGNED=head_dim % 16 == 0), dict(num_warps=4, **_LAUNCH))]
+                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=True),
+                    dict(num_warps=4, **_LAUNCH))]
+
+
+def vision_rotary_variants(heads: int, head_dim: int, dtype: torch.dtype, cos_dtype: torch.dtype) -> list[Variant]:
+    """vision_rotary's compiled variant for a tower of `heads` heads of `head_dim` (q and k alike)."""
+    block_d = triton.next_power_of_2(head_dim)
+    per = min(triton.next_power_of_2(2 * heads), max(1, 2048 // block_d))
+    args = (dtype, dtype, cos_dtype, cos_dtype, dtype, dtype, 2, heads, 2 * heads, head_dim // 2) + (0,) * 14
+    return [Variant(_rotary_kernel, args, dict(HEADS=per, DIM=block_d, BF16=dtype == torch.bfloat16,
+                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=False),
+                    dict(num_warps=4, **_LAUNCH))]
 
 
 def silu_mul_variants(width: int, dtype: torch.dtype, gelu_tanh: bool = False,

@@ -163,6 +163,7 @@ def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_b
     from hf_async_cb.model.checks import model_dtype, text_config_of
     from hf_async_cb.model.kv_cache import PagedKVCache
     from hf_async_cb.model.kv_layout import measured_layout
+    from hf_async_cb.model import vision_rotary
 
     device = next(model.parameters()).device
     dtype = model_dtype(model)
@@ -175,7 +176,8 @@ def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_b
     weight = getattr(output, "weight", None) if output is not None else None
     return ModelFacts(device_type=device.type, dtype=dtype, vocab=weight.shape[0] if weight is not None else 0,
                       page_size=page_size, attention=attention,
-                      draws=attention_backend == "triton" and weight is not None)
+                      draws=attention_backend == "triton" and weight is not None,
+                      extra=tuple(vision_rotary.tower_variants(model)))
 
 
 def _attention_kinds(model: torch.nn.Module, text, cache) -> tuple[AttentionKind, ...]:

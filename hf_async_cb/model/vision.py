@@ -28,8 +28,10 @@ import torch
 
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, block_starts, checked_embeds, content_keys
 from hf_async_cb.model.embeddings_path import input_embedding_weight
+from hf_async_cb.model.aligned_mlp import aligned_mlps
 from hf_async_cb.model.patch_embed import convolutions_as_gemms
 from hf_async_cb.model.vision_attention import packed_vision_attention
+from hf_async_cb.model.vision_rotary import fused_vision_rotary
 from hf_async_cb.model.vision_dedupe import distinct_images
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
@@ -205,8 +207,10 @@ def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> d
     handle = language_model(model).register_forward_pre_hook(stop, with_kwargs=True)
     try:
         # One attention call per window length, not per window; patches embedded by a GEMM, not a
-        # convolution cuDNN runs slowly; each distinct image encoded once.
-        with packed_vision_attention(model), convolutions_as_gemms(model), distinct_images(model, towers):
+        # convolution cuDNN runs slowly; MLPs of a misaligned width padded for cuBLAS's fast kernels;
+        # the rotary embedding in one kernel; each distinct image encoded once.
+        with (packed_vision_attention(model), convolutions_as_gemms(model), aligned_mlps(model),
+              fused_vision_rotary(model), distinct_images(model, towers)):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
     except _Entered:
         pass

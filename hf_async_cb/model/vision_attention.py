@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 from typing import Iterator
 
 import torch
@@ -37,17 +38,36 @@ def varlen_attention(module, query, key, value, attention_mask=None, scaling=Non
         return out.transpose(1, 2).contiguous(), None
     starts = cu_seq_lens_q[:-1]
     lengths = (cu_seq_lens_q[1:] - starts).tolist()  # (the tower's SDPA branch reads them too)
-    out = torch.empty(query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    total, heads = query.shape[2], query.shape[1]
     by_length: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         if n:
             by_length.setdefault(n, []).append(i)
+    first = [0, *itertools.accumulate(lengths)]
+    runs = {n: first[s[0]] for n, s in by_length.items() if first[s[-1]] - first[s[0]] == (len(s) - 1) * n}
+    if len(runs) == 1 and len(by_length) == 1 and first[-1] == total:  # equal windows tiling the sequence
+        (n, start), = runs.items()
+        if start == 0:
+            return _run(query, key, value, 0, total // n, n, scaling).reshape(1, total, heads, -1), None
+    out = torch.empty(total, heads, value.shape[-1], dtype=query.dtype, device=query.device)
     for n, segments in by_length.items():
+        if n in runs:  # the windows of this length lie end to end: a view of them, no gather
+            start = runs[n]
+            out[start:start + len(segments) * n] = _run(query, key, value, start, len(segments), n,
+                                                        scaling).reshape(-1, heads, value.shape[-1])
+            continue
         rows = (starts[segments][:, None] + torch.arange(n, device=query.device)[None]).reshape(-1)  # [S * n]
         q, k, v = (t[0][:, rows].unflatten(1, (len(segments), n)).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, scale=scaling)  # [S, H, n, D]
         out[rows] = o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[-1])
     return out[None], None
+
+
+def _run(query, key, value, start: int, count: int, n: int, scaling) -> torch.Tensor:
+    """Attention within each of `count` windows of `n` rows lying end to end from `start`, read as views
+    of the packed [1, H, T, D] tensors; returns [count, n, H, D]."""
+    q, k, v = (t[0][:, start:start + count * n].unflatten(1, (count, n)).transpose(0, 1) for t in (query, key, value))
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2)
 
 
 def splits_per_window(model: torch.nn.Module) -> list:

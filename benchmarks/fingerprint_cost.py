@@ -1,0 +1,49 @@
+"""What the weights' content check costs each generate() call (model/kv_fingerprint.py, content=True:
+one pass over the weights, so that a write no version counter sees cannot leave stale cached K/V),
+against the version-counter check, on a real shape with random weights.
+
+    PYTHONPATH=. python benchmarks/fingerprint_cost.py [--shape llama3-8b] [--repeat 10]
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+from hf_async_cb.tools.bench import SHAPES, build_model, copy_bandwidth, default_device
+
+
+def timed(fn, repeat: int, device: torch.device) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b")
+    p.add_argument("--repeat", type=int, default=10)
+    args = p.parse_args()
+    device = default_device()
+    model = build_model(args.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    counters = timed(lambda: kv_fingerprint(model), args.repeat, device)
+    content = timed(lambda: kv_fingerprint(model, content=True), args.repeat, device)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    report = dict(shape=args.shape, weight_gb=round(weight_bytes / 1e9, 2), counters_ms=round(counters * 1e3, 2),
+                  content_ms=round(content * 1e3, 2),
+                  one_read_ms=round(weight_bytes / bandwidth * 1e3, 2) if bandwidth else None)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
