@@ -38,10 +38,19 @@ def main() -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     counters = timed(lambda: kv_fingerprint(model), args.repeat, device)
     content = timed(lambda: kv_fingerprint(model, content=True), args.repeat, device)
+    data = [t.detach() for t in model.parameters()]
+    parts = dict(  # the content check's reductions, alone and in cheaper forms
+        norms_f64=lambda: torch._foreach_norm(data, 2, dtype=torch.float64),
+        norms_f32=lambda: torch._foreach_norm(data, 2, dtype=torch.float32),
+        bits16_sum=lambda: [t.view(torch.int16).sum(dtype=torch.int64) for t in data],
+        bits32_sum=lambda: [t.view(torch.int32).sum(dtype=torch.int64) for t in data if t.numel() % 2 == 0],
+        bits32_sum_i32=lambda: [t.view(torch.int32).sum(dtype=torch.int32) for t in data if t.numel() % 2 == 0],
+        f32_sum=lambda: [t.sum(dtype=torch.float32) for t in data])
+    part_ms = {name: round(timed(fn, args.repeat, device) * 1e3, 2) for name, fn in parts.items()}
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     report = dict(shape=args.shape, weight_gb=round(weight_bytes / 1e9, 2), counters_ms=round(counters * 1e3, 2),
                   content_ms=round(content * 1e3, 2),
-                  one_read_ms=round(weight_bytes / bandwidth * 1e3, 2) if bandwidth else None)
+                  one_read_ms=round(weight_bytes / bandwidth * 1e3, 2) if bandwidth else None, parts_ms=part_ms)
     print(json.dumps(report))
 
 

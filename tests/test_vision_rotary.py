@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_async_cb.kernels.elementwise import vision_rotary
+from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model import vision_rotary as vr
 
 qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
@@ -102,4 +103,5 @@ def test_a_qwen2_5_vl_call_runs_the_kernel_and_gives_stock_tokens(monkeypatch):
     hf_async_cb.release(model)
     assert torch.equal(got, expected)
     layers = [shape for shape in calls if shape[0] != 5]  # (5 rows: the agreement check's, once per process)
-    assert len(layers) == model.config.vision_config.depth  # every layer of the one tower run
+    # every layer of the one tower run (a CPU model without Triton's interpreter runs the torch code)
+    assert len(layers) == (model.config.vision_config.depth if runs_on(torch.device("cpu")) else 0)

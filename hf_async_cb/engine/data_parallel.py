@@ -331,8 +331,8 @@ class DataParallel:
 def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter is replaced (its storage), written in place (its version
     counter), or written through `.data`, which bumps no version counter (EMA and hand-written
-    optimiser code do): its L2 norm, in float64. One pass over the weights per call (~4 ms for 8B
-    on an H200), against a copy of them all to every replica when they changed."""
+    optimiser code do): the sum of its bits (weight_kinds.content_sums). One pass over the weights
+    per call, against a copy of them all to every replica when they changed."""
     params = [p.detach() for p in model.parameters()]
     layout = tuple((p.data_ptr(), p._version, p.dtype, p.shape) for p in params)
     return layout, content_sums(params)

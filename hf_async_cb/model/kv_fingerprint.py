@@ -6,7 +6,7 @@ compute. A call compares this fingerprint with the last one and empties the cach
 - the weights' version counters: an optimizer step, `load_state_dict`, `copy_`, any in-place write
   through autograd's view of a parameter or buffer bumps them (one attribute per tensor);
 - with `content=True` (once per engine call), the weights' contents (model/weight_kinds.content_sums:
-  two passes over them, ~10 ms for 8B on an H200, predicted): writes through `.data`, a collective
+  one pass over them, a wrapping sum of their bits): writes through `.data`, a collective
   into a parameter (`broadcast`, `all_reduce`: an RL trainer's weight sync) or a NumPy view bump no
   counter. A serving loop (engine/online.py) reads the counters alone, at each pass (a pass over
   the weights there would cost every request arriving at an idle server its time):

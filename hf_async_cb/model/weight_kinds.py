@@ -64,30 +64,42 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def content_sums(tensors) -> tuple:
     """Per tensor, numbers that change when its values do, whatever wrote them: a write through
     `.data`, a collective (`broadcast`, `all_reduce`: RL trainers' weight sync) or a NumPy view
-    bumps no version counter. A floating tensor gives its L2 norm in float64 (one bf16 step in one
-    of 16M values moves it by ~1e-9 of itself, far above float64's rounding) and the int64 sum of
-    its values' bits (which a sign flip moves, and the norm does not); an integer one its int64 sum;
-    a tensor over no storage of its own (a wrapper subclass: its inner tensors hold the data) or of
-    another kind (complex) None. Two passes over the data (about 10 ms for an 8B model on an H200,
-    predicted), one transfer per device and dtype."""
-    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    bumps no version counter. The sum of the tensor's bits read as 32-bit words, wrapping (mod 2**32,
+    so the same whatever the reduction order), moves with any change of one word; a floating tensor
+    also gives the float32 sum of its values, which moves when every sign flips (each word then moves
+    by 2**31, and an even count of them cancels in the first). A tensor over no storage of its own (a
+    wrapper subclass: its inner tensors hold the data) or of another kind (complex) gives None.
+    About two reads of the data, one transfer per device (a float64 norm beside an int64 sum, the
+    first form, took 72 ms for an 8B bf16 model on an H100; benchmarks/fingerprint_cost.py times it)."""
+    groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         data = _plain_view(t)
         if data is not None and data.device.type != "meta" and not data.dtype.is_complex:
-            groups.setdefault((data.device, data.dtype), []).append((i, data))
+            groups.setdefault(data.device, []).append((i, data))
     out: list = [None] * len(tensors)
-    for (_, dtype), members in groups.items():
-        data = [t for _, t in members]
-        bits = torch.stack([t.view(_BITS[t.element_size()]).sum(dtype=torch.int64) if t.numel() else
-                            torch.zeros((), dtype=torch.int64, device=t.device) for t in data]).tolist()
-        if dtype.is_floating_point:
-            norms = torch.stack([n.reshape(()) for n in torch._foreach_norm(data, 2, dtype=torch.float64)]).tolist()
-            values = list(zip(norms, bits))
-        else:
-            values = bits
-        for (i, _), value in zip(members, values):
-            out[i] = value
+    for device, members in groups.items():
+        words = torch.stack([_word_sum(t) for _, t in members]).tolist()
+        values = torch.stack([t.sum(dtype=torch.float32) if t.dtype in FLOATING else
+                              torch.zeros((), dtype=torch.float32, device=device) for _, t in members]).tolist()
+        for (i, _), word, value in zip(members, words, values):
+            out[i] = (word, value)
     return tuple(out)
+
+
+def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    """The wrapping int32 sum of t's bits as 32-bit words (as narrower words where its size is not a
+    multiple of 4 bytes: a tensor of an odd number of 16-bit values)."""
+    if not t.numel():
+        return torch.zeros((), dtype=torch.int32, device=t.device)
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    size = t.element_size()
+    if size < 4 and (flat.numel() * size) % 4 == 0:
+        words = flat.view(torch.int32)
+    else:
+        words = flat.view(_BITS[size])
+    if words.dtype == torch.int64:  # (8-byte values: the low and high words)
+        words = words.view(torch.int32)
+    return words.sum(dtype=torch.int32)
 
 
 def _plain_view(t: torch.Tensor) -> torch.Tensor | None:
