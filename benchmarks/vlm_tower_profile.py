@@ -1,7 +1,7 @@
 """Where a vision tower's time goes (issue 31: Qwen2.5-VL-7B's tower took 1.31 s of a 3.78 s call for
 64 images, against ~0.25 s of FLOPs at 790 TFLOP/s): the tower alone, as the engine runs it
 (model/vision_attention.py's packed attention, then each of the engine's other changes added in
-turn: the patch embedding as a GEMM, aligned MLPs, the fused rotary), timed over all images at once and in smaller
+turn: the patch embedding as a GEMM, aligned MLPs, the fused rotary, the norms' kernel), timed over all images at once and in smaller
 batches, then one profiled run: kernels launched, GPU busy time against the wall, the kernels and
 the host-side ops that take the most.
 
@@ -20,6 +20,7 @@ import gpu_vlm  # noqa: E402
 from hf_async_cb.model.aligned_mlp import aligned_mlps  # noqa: E402
 from hf_async_cb.model.patch_embed import convolutions_as_gemms  # noqa: E402
 from hf_async_cb.model.vision_attention import packed_vision_attention  # noqa: E402
+from hf_async_cb.model.tower_norms import fused_tower_norms  # noqa: E402
 from hf_async_cb.model.vision_rotary import fused_vision_rotary  # noqa: E402
 
 VISION = {
@@ -46,7 +47,7 @@ def main() -> int:
     p.add_argument("--shape", choices=tuple(VISION), default="qwen2.5-vl-7b")
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--batches", default="64,16,4,1", help="images per tower call, timed each")
-    p.add_argument("--profile-stage", type=int, default=3, help="the stage profiled (0: the model's own code)")
+    p.add_argument("--profile-stage", type=int, default=4, help="the stage profiled (0: the model's own code)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,7 +72,9 @@ def main() -> int:
     stages = [("the model's own code (packed attention only)", ()),
               ("+ patch embedding as a GEMM", (convolutions_as_gemms,)),
               ("+ MLPs padded to an aligned width", (convolutions_as_gemms, aligned_mlps)),
-              ("+ the rotary embedding in one kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary))]
+              ("+ the rotary embedding in one kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary)),
+              ("+ the RMSNorms on the kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary,
+                                                fused_tower_norms))]
 
     def run(count: int, stage: int = len(stages) - 1):
         with torch.inference_mode(), packed_vision_attention(model), contextlib.ExitStack() as stack:

@@ -177,7 +177,18 @@ def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_b
     return ModelFacts(device_type=device.type, dtype=dtype, vocab=weight.shape[0] if weight is not None else 0,
                       page_size=page_size, attention=attention,
                       draws=attention_backend == "triton" and weight is not None,
-                      extra=tuple(vision_rotary.tower_variants(model)))
+                      extra=tuple(vision_rotary.tower_variants(model) + _tower_norm_variants(model)))
+
+
+def _tower_norm_variants(model: torch.nn.Module) -> list:
+    """The rms_norm variants of a vision-language model's towers (model/tower_norms.py); none for text models."""
+    from hf_async_cb.model import tower_norms, vision
+
+    try:
+        inner = vision.language_model(model)
+    except ValueError:
+        return []
+    return tower_norms.tower_norm_variants(model, inner) if inner is not model else []
 
 
 def _attention_kinds(model: torch.nn.Module, text, cache) -> tuple[AttentionKind, ...]:

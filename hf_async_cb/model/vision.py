@@ -31,6 +31,7 @@ from hf_async_cb.model.embeddings_path import input_embedding_weight
 from hf_async_cb.model.aligned_mlp import aligned_mlps
 from hf_async_cb.model.patch_embed import convolutions_as_gemms
 from hf_async_cb.model.vision_attention import packed_vision_attention
+from hf_async_cb.model.tower_norms import fused_tower_norms
 from hf_async_cb.model.vision_rotary import fused_vision_rotary
 from hf_async_cb.model.vision_dedupe import distinct_images
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
@@ -208,9 +209,10 @@ def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> d
     try:
         # One attention call per window length, not per window; patches embedded by a GEMM, not a
         # convolution cuDNN runs slowly; MLPs of a misaligned width padded for cuBLAS's fast kernels;
-        # the rotary embedding in one kernel; each distinct image encoded once.
+        # the rotary embedding and the RMSNorms in one kernel each; each distinct image encoded once.
         with (packed_vision_attention(model), convolutions_as_gemms(model), aligned_mlps(model),
-              fused_vision_rotary(model), distinct_images(model, towers)):
+              fused_vision_rotary(model), fused_tower_norms(model, language_model(model)),
+              distinct_images(model, towers)):
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
     except _Entered:
         pass
