@@ -73,6 +73,11 @@ class BatchingConfig:
         kept up to this many bytes on the model's device (least recently used evicted first), so an
         image a later call or request sends again (a chat's next turn, an RL epoch) is not encoded
         again; emptied with the prefix cache. 0 turns it off.
+    late_admission: the async serving loop (Engine.start) builds each step as late as the step
+        running allows, instead of right after the one before it finished, so that a request arriving
+        meanwhile joins the next step (engine/late_admission.py): one step sooner to its first
+        token at light load. Off until measured on a GPU (it can leave the device idle for a moment
+        where a step ends sooner than the last ones did).
     """
 
     mode: str = "async"
@@ -90,6 +95,7 @@ class BatchingConfig:
     prefill_graphs: bool = True
     prefix_caching: bool = True
     image_cache_bytes: int = 256 * 1024**2
+    late_admission: bool = False
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
     skinny_gemm: bool | None = None
@@ -126,7 +132,7 @@ class BatchingConfig:
             raise ValueError(
                 f"BatchingConfig.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}."
             )
-        for name in ("trust_untested_model", "prefill_graphs", "prefix_caching", "profile"):
+        for name in ("trust_untested_model", "prefill_graphs", "prefix_caching", "profile", "late_admission"):
             _bool(name, getattr(self, name), optional=False)
         if isinstance(self.progress, str) and self.progress.strip().lower() in _FLAG_WORDS:
             raise ValueError(f"BatchingConfig.progress must be True, False or a label for the bar, got "

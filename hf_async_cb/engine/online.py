@@ -26,10 +26,12 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from typing import AsyncIterator, Iterator
 
 from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine.late_admission import StepCadence
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.requests import FinishReason, Request, RequestOutput, RequestStatus
 from hf_async_cb.engine.runner import ModelRunner
@@ -233,6 +235,9 @@ class _Worker:
         self.error: BaseException | None = None  # what ended the loop, if an error did
         self.lock = threading.Lock()
         self.thread_id: int | None = None
+        late = config.late_admission and pipeline.overlap
+        self.cadence = StepCadence() if late else None
+        self.late_waits = 0  # builds put off for late admission
 
     def request_stop(self, cancel: bool) -> None:
         with self.lock:
@@ -300,6 +305,7 @@ class _Worker:
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
+                steady = bool(pipeline.in_flight)
                 try:
                     finished = pipeline.step(isolate_faults=True)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
@@ -310,6 +316,18 @@ class _Worker:
                     handle = self.active.pop(id(req), None)
                     if handle is not None:
                         handle._finish(req.error)
+                if self.cadence is not None:  # engine/late_admission.py
+                    self._wait_for_late_admission(steady and bool(pipeline.in_flight))
+
+    def _wait_for_late_admission(self, steady: bool) -> None:
+        """Wait until the step running is about to end, or a request arrives, before building the next."""
+        now = time.perf_counter()
+        self.cadence.observe(now, steady)
+        delay = self.cadence.delay(now) if steady and self.intake.empty() and not self.stopping else 0.0
+        if delay > 0:
+            self.wake.wait(delay)
+            self.wake.clear()
+            self.late_waits += 1
 
     def _admit(self) -> bool:
         """Take the submitted requests in; whether there were any."""

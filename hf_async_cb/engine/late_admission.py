@@ -1,0 +1,45 @@
+"""When the async serving loop should build its next step: as late as the step running allows.
+
+The async loop launches step N+1 before it waits for step N, so a step is built while the one
+before it still runs. Built right when step N finishes (as it used to be), step N+2 is fixed for
+the whole of N+1's run: a request arriving meanwhile joins N+3, one step later than the sync loop
+would take it. For an 8B model (~7 ms steps) that step is most of the async loop's TTFT gap to
+sync at light load (docs/benchmarks.md). With BatchingConfig(late_admission=True) the loop waits,
+after a step's tokens are out, until a margin before the running step is expected to end (or until
+a request arrives), then builds: arrivals during most of the step join the next one, and the next
+step is still queued before the device runs dry.
+
+The expected end comes from the host's own clock: in a steady async loop, step() returns once per
+step, at the completion of the step before; the interval between returns is the step's duration.
+"""
+
+from __future__ import annotations
+
+
+class StepCadence:
+    """The recent step duration, from the times the loop's step() returned with a step in flight,
+    and how long to wait before building the next one."""
+
+    def __init__(self, min_step_s: float = 3e-3, margin_s: float = 1.5e-3, margin_share: float = 0.25,
+                 smoothing: float = 0.25) -> None:
+        self.min_step_s = min_step_s  # shorter steps: the margin would take all of it
+        self.margin_s = margin_s  # at least this long before the expected end, for the build and launch
+        self.margin_share = margin_share  # and at least this share of the step
+        self.smoothing = smoothing
+        self.step_s: float | None = None
+        self._last: float | None = None
+
+    def observe(self, now: float, steady: bool) -> None:
+        """step() returned at `now`; `steady`: a step was in flight before and after it (an interval
+        between two such returns is one step's duration). An unsteady return forgets the last time."""
+        if steady and self._last is not None:
+            interval = now - self._last
+            self.step_s = interval if self.step_s is None else self.step_s + self.smoothing * (interval - self.step_s)
+        self._last = now if steady else None
+
+    def delay(self, now: float) -> float:
+        """Seconds to wait from `now` before building the next step (0: build now)."""
+        if self.step_s is None or self._last is None or self.step_s < self.min_step_s:
+            return 0.0
+        margin = max(self.margin_s, self.margin_share * self.step_s)
+        return max(0.0, self._last + self.step_s - margin - now)

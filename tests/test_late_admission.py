@@ -1,0 +1,94 @@
+"""Late admission (BatchingConfig(late_admission=True)): the async serving loop waits, after a step,
+until a margin before the running step's expected end, or until a request arrives, then builds the
+next; the wait never changes the tokens nor loses a request, and an arrival cuts it short."""
+
+import copy
+import threading
+import time
+
+import pytest
+from models import generated_rows, random_prompts, stock_generate, tiny_model
+
+from hf_async_cb import BatchingConfig, Engine
+from hf_async_cb.engine import late_admission
+from hf_async_cb.engine.late_admission import StepCadence
+
+
+def test_the_wait_ends_a_margin_before_the_running_step_is_expected_to_end():
+    cadence = StepCadence()
+    cadence.observe(0.0, steady=False)  # the first step: no interval yet
+    assert cadence.delay(0.0) == 0.0
+    cadence.observe(0.007, steady=True)  # (a return after an unsteady one: the start of the intervals)
+    assert cadence.delay(0.007) == 0.0
+    for k in range(2, 8):
+        cadence.observe(0.007 * k, steady=True)
+    assert cadence.step_s == pytest.approx(0.007)
+    now = 0.007 * 7
+    assert cadence.delay(now) == pytest.approx(0.007 - max(0.0015, 0.25 * 0.007))
+    assert cadence.delay(now + 0.004) == pytest.approx(0.007 - 0.00175 - 0.004)
+    assert cadence.delay(now + 0.01) == 0.0  # past the deadline: build now
+    cadence.observe(now + 0.007, steady=False)  # idle or draining: forget the last return
+    assert cadence.delay(now + 0.007) == 0.0
+
+
+def test_steps_shorter_than_the_margin_are_not_waited_for():
+    cadence = StepCadence()
+    for k in range(10):
+        cadence.observe(0.001 * k, steady=True)
+    assert cadence.step_s == pytest.approx(0.001)
+    assert cadence.delay(0.009) == 0.0
+
+
+def _stock_rows(prompts, new):
+    return generated_rows(stock_generate(tiny_model("llama"), prompts, max_new_tokens=new, eos_token_id=[2],
+                                         pad_token_id=0), max(map(len, prompts)), pad=0, eos=(2,))
+
+
+def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(monkeypatch):
+    # Every step waited for (the CPU's steps are shorter than the GPU's the defaults are for), and a
+    # margin of none: the loop sleeps a whole step's time after each step unless a request arrives.
+    original = StepCadence.__init__
+    monkeypatch.setattr(late_admission.StepCadence, "__init__",
+                        lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
+    engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", max_batch_tokens=48,
+                                                                       late_admission=True))
+    engine.start()
+    try:
+        prompts = random_prompts(12, 1, 40, seed=5)
+        expected = _stock_rows(prompts, 12)
+        handles = []
+
+        def produce():
+            for p in prompts:
+                handles.append(engine.add_request(p, max_new_tokens=12, eos_token_ids=(2,)))
+                time.sleep(0.003)
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        producer.join(30)
+        assert [h.result(timeout=60).output_token_ids for h in handles] == expected
+        assert engine._background._worker.late_waits > 0  # the wait path ran
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_an_arrival_cuts_the_wait_short(monkeypatch):
+    """A loop waiting out a long step (a 0.5 s one, as the cadence reads it) takes a new request in at once."""
+    engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", late_admission=True))
+    engine.start()
+    try:
+        worker = engine._background._worker
+        first = engine.add_request([5, 6, 7], max_new_tokens=200, eos_token_ids=())  # keeps a step in flight
+        for _ in range(500):
+            if worker.late_waits or first.done:
+                break
+            worker.cadence.step_s, worker.cadence.min_step_s = 0.5, 0.0  # each wait would last ~0.4 s
+            time.sleep(0.002)
+        started = time.perf_counter()
+        second = engine.add_request([8, 9], max_new_tokens=1, eos_token_ids=())
+        second.result(timeout=30)
+        assert time.perf_counter() - started < 0.3  # not the rest of a 0.4 s wait
+        assert first.result(timeout=120).output_token_ids  # and the long one still completes
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
