@@ -71,7 +71,7 @@ def main() -> int:
     # Each stage adds one of the engine's changes to the tower's run (model/vision.py runs them all).
     stages = [("the model's own code (packed attention only)", ()),
               ("+ patch embedding as a GEMM", (convolutions_as_gemms,)),
-              ("+ MLPs padded to an aligned width", (convolutions_as_gemms, aligned_mlps)),
+              ("+ MLPs padded to an aligned width, act(gate) * up in one kernel", (convolutions_as_gemms, aligned_mlps)),
               ("+ the rotary embedding in one kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary)),
               ("+ the RMSNorms on the kernel", (convolutions_as_gemms, aligned_mlps, fused_vision_rotary,
                                                 fused_tower_norms))]

@@ -127,3 +127,36 @@ def test_a_qwen2_5_vl_whose_tower_mlp_is_misaligned_gives_stock_tokens(monkeypat
         assert torch.equal(got, expected), mode
         hf_async_cb.release(model)
     assert seen and all(n == 2 for n in seen)  # both tower blocks' MLPs ran padded
+
+
+@pytest.mark.parametrize("act, fused", [("silu", "silu"), ("gelu_pytorch_tanh", "gelu_tanh"), ("relu", None)])
+def test_the_activation_runs_in_the_kernel_where_triton_runs(act, fused, monkeypatch):
+    from hf_async_cb.kernels.paged_attention import runs_on
+    from hf_async_cb.model import aligned_mlp
+
+    if not runs_on(torch.device("cpu")):
+        pytest.skip("the kernel runs on CUDA or in Triton's interpreter")
+    calls = []
+    kernel = aligned_mlp.silu_mul
+    monkeypatch.setattr(aligned_mlp, "silu_mul",
+                        lambda y, gelu_tanh=False: calls.append((y.dim(), gelu_tanh)) or kernel(y, gelu_tanh))
+    torch.manual_seed(0)
+    m = GatedMLP(act=act)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        expected = m(x)
+        with _taken(m)():
+            got = m(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    layer_calls = [gelu for dim, gelu in calls if dim == 3]  # (2-D: the once-per-kind agreement check's)
+    assert layer_calls == ([fused == "gelu_tanh"] if fused else [])
+
+
+def test_the_padded_activation_variants_are_listed_for_cuda_modules_outside_the_language_model(monkeypatch):
+    from hf_async_cb.model import aligned_mlp
+
+    tower, text = GatedMLP(inner=58).to(torch.bfloat16), GatedMLP(inner=50).to(torch.bfloat16)
+    model = torch.nn.ModuleDict(dict(tower=tower, text=text))
+    monkeypatch.setattr(aligned_mlp, "_takes", lambda m, on_cpu: isinstance(m, GatedMLP))  # (as if on CUDA)
+    variants = aligned_mlp.mlp_variants(model, text)
+    assert variants and {v.args[3] for v in variants} == {64}  # 58 padded to 64 bf16 values; not the text's

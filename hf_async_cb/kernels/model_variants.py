@@ -163,7 +163,6 @@ def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_b
     from hf_async_cb.model.checks import model_dtype, text_config_of
     from hf_async_cb.model.kv_cache import PagedKVCache
     from hf_async_cb.model.kv_layout import measured_layout
-    from hf_async_cb.model import vision_rotary
 
     device = next(model.parameters()).device
     dtype = model_dtype(model)
@@ -177,18 +176,22 @@ def facts_before_preparation(model: torch.nn.Module, page_size: int, attention_b
     return ModelFacts(device_type=device.type, dtype=dtype, vocab=weight.shape[0] if weight is not None else 0,
                       page_size=page_size, attention=attention,
                       draws=attention_backend == "triton" and weight is not None,
-                      extra=tuple(vision_rotary.tower_variants(model) + _tower_norm_variants(model)))
+                      extra=tuple(_tower_variants(model)))
 
 
-def _tower_norm_variants(model: torch.nn.Module) -> list:
-    """The rms_norm variants of a vision-language model's towers (model/tower_norms.py); none for text models."""
-    from hf_async_cb.model import tower_norms, vision
+def _tower_variants(model: torch.nn.Module) -> list:
+    """The kernels a vision-language model's towers launch during a call's merge (model/vision.py: the
+    rotary, the norms, the padded MLPs' activation); none for text models."""
+    from hf_async_cb.model import aligned_mlp, tower_norms, vision, vision_rotary
 
     try:
         inner = vision.language_model(model)
     except ValueError:
         return []
-    return tower_norms.tower_norm_variants(model, inner) if inner is not model else []
+    if inner is model:
+        return []
+    return (vision_rotary.tower_variants(model) + tower_norms.tower_norm_variants(model, inner)
+            + aligned_mlp.mlp_variants(model, inner))
 
 
 def _attention_kinds(model: torch.nn.Module, text, cache) -> tuple[AttentionKind, ...]:

@@ -11,7 +11,9 @@ and add nothing, so the output is the module's own up to the GEMMs' summation or
 A module is taken only where its forward is proven to be `down(act(gate(x)) * up(x))` (its source,
 statement by statement), its three projections are plain nn.Linear layers, nothing hooks it, and
 the inner width is misaligned. The padded weights are made per call (about 1/100 of the GEMMs'
-time); nothing is kept between calls.
+time); nothing is kept between calls. Where Triton runs, act(gate) * up is one kernel over the
+padded gate|up output (kernels/elementwise.silu_mul, as the language model's MLPs run it), checked
+once per activation kind against the torch form.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_async_cb.kernels.elementwise import silu_mul
+from hf_async_cb.kernels.paged_attention import runs_on
+from hf_async_cb.model.elementwise_fusion import _activation, _agrees
 from hf_async_cb.model.fusion import has_hooks
 from hf_async_cb.model.weight_kinds import is_plain_floating
 
 _ALIGN_BYTES = 16
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL_AGREES: dict[tuple, bool] = {}  # (activation class, kind, dtype, device) -> silu_mul agrees
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +87,9 @@ def _takes(m: nn.Module, on_cpu: bool) -> bool:
     return _misaligned(gate.out_features, gate.weight.dtype)
 
 
-def _aligned_forward(m: nn.Module):
+def _aligned_forward(m: nn.Module, fused_activation: str | None):
+    """The padded forward; `fused_activation` ("silu", "gelu_tanh"): act(gate) * up in one kernel
+    (kernels/elementwise.silu_mul, rounding as torch does), else in torch."""
     gate, up, down, act = m.gate_proj, m.up_proj, m.down_proj, m.act_fn
     width = gate.out_features
     step = _ALIGN_BYTES // gate.weight.dtype.itemsize
@@ -92,10 +101,34 @@ def _aligned_forward(m: nn.Module):
             return own(m, x)
         gate_up = torch.cat([F.pad(gate.weight, (0, 0, 0, pad)), F.pad(up.weight, (0, 0, 0, pad))])
         bias = None if gate.bias is None else torch.cat([F.pad(gate.bias, (0, pad)), F.pad(up.bias, (0, pad))])
-        g, u = F.linear(x, gate_up, bias).chunk(2, dim=-1)
-        return F.linear(act(g) * u, F.pad(down.weight, (0, pad)), down.bias)
+        projected = F.linear(x, gate_up, bias)
+        if fused_activation is not None and projected.numel():
+            hidden = silu_mul(projected, gelu_tanh=fused_activation == "gelu_tanh")
+        else:
+            g, u = projected.chunk(2, dim=-1)
+            hidden = act(g) * u
+        return F.linear(hidden, F.pad(down.weight, (0, pad)), down.bias)
 
     return forward
+
+
+def _fused_activation(m: nn.Module) -> str | None:
+    """The activation silu_mul computes for m (checked once per kind against the torch form), or None."""
+    w = m.gate_proj.weight
+    kind = _activation(m.act_fn) if runs_on(w.device) and w.dtype in _KERNEL_DTYPES else None
+    if kind is None:
+        return None
+    key = (type(m.act_fn), kind, w.dtype, w.device)
+    if key not in _KERNEL_AGREES:
+        g = torch.Generator().manual_seed(0)
+        y = (torch.randn(4, 2 * 24, generator=g) * 3).to(w.device, w.dtype)
+        gate_, up_ = y.chunk(2, dim=-1)
+        try:
+            _KERNEL_AGREES[key] = _agrees(lambda t: silu_mul(t, gelu_tanh=kind == "gelu_tanh"),
+                                          lambda t: m.act_fn(gate_) * up_, y)
+        except Exception:  # noqa: BLE001 - the torch form then
+            _KERNEL_AGREES[key] = False
+    return kind if _KERNEL_AGREES[key] else None
 
 
 def _zero_stays_zero(act, dtype: torch.dtype) -> bool:
@@ -115,9 +148,26 @@ def aligned_mlps(model: nn.Module, on_cpu: bool = False) -> Iterator[int]:
     taken = [m for m in model.modules() if _takes(m, on_cpu)
              and _zero_stays_zero(m.act_fn, m.gate_proj.weight.dtype)]
     for m in taken:
-        m.forward = _aligned_forward(m)
+        m.forward = _aligned_forward(m, _fused_activation(m))
     try:
         yield len(taken)
     finally:
         for m in taken:
             vars(m).pop("forward", None)
+
+
+def mlp_variants(model: nn.Module, language_model: nn.Module | None = None) -> list:
+    """The silu_mul variants the padded MLPs outside `language_model` launch (compiled ahead with the
+    model's others, on CUDA)."""
+    from hf_async_cb.kernels.elementwise import silu_mul_variants
+
+    inside = {id(m) for m in language_model.modules()} if language_model is not None else set()
+    kinds = set()
+    for m in model.modules():
+        if id(m) not in inside and _takes(m, on_cpu=False):
+            kind = _activation(m.act_fn)
+            if kind is not None:
+                dtype = m.gate_proj.weight.dtype
+                step = _ALIGN_BYTES // dtype.itemsize
+                kinds.add((m.gate_proj.out_features + -m.gate_proj.out_features % step, dtype, kind == "gelu_tanh"))
+    return [v for width, dtype, gelu in sorted(kinds, key=str) for v in silu_mul_variants(width, dtype, gelu)]
