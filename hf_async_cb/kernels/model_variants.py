@@ -186,12 +186,12 @@ def _tower_variants(model: torch.nn.Module) -> list:
 
     try:
         inner = vision.language_model(model)
-    except ValueError:
+        if inner is model:
+            return []
+        return (vision_rotary.tower_variants(model) + tower_norms.tower_norm_variants(model, inner)
+                + aligned_mlp.mlp_variants(model, inner))
+    except Exception:  # noqa: BLE001 - best effort: the merge compiles what is missing, the text model's list stands
         return []
-    if inner is model:
-        return []
-    return (vision_rotary.tower_variants(model) + tower_norms.tower_norm_variants(model, inner)
-            + aligned_mlp.mlp_variants(model, inner))
 
 
 def _attention_kinds(model: torch.nn.Module, text, cache) -> tuple[AttentionKind, ...]:
