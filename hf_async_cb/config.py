@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 MODES = ("sync", "async")
 OFF_MODES = (None, "off")
@@ -211,3 +214,17 @@ def resolve_mode(value: Any) -> str | None:
         return value
     valid = ", ".join(repr(v) for v in (None, "off", *MODES))
     raise ValueError(f"batching must be one of {valid}; got {value!r}.")
+
+
+_LOGGED_DEFAULTS: set = set()
+
+
+def log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, device) -> None:
+    """Say once per device and choice what the device-sized defaults (`for_device`) came to."""
+    chosen = {name: getattr(resolved, name) for name in ("max_batch_tokens", "kv_memory_fraction")
+              if getattr(config, name) is None}
+    key = (str(device), tuple(chosen.items()))
+    if key not in _LOGGED_DEFAULTS:
+        _LOGGED_DEFAULTS.add(key)
+        logger.info("hf_async_cb: defaults for %s: %s", device,
+                    ", ".join(f"{name}={value}" for name, value in chosen.items()))

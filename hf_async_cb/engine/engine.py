@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from hf_async_cb.config import BatchingConfig, resolve_mode
+from hf_async_cb.config import BatchingConfig, log_device_defaults, resolve_mode
 from hf_async_cb.devices import Streams
 from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
@@ -20,7 +20,7 @@ from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
 from hf_async_cb.engine.page_allocator import PageAllocator
 from hf_async_cb.engine.parity import check_parity
 from hf_async_cb.engine.pipeline import Pipeline
-from hf_async_cb.engine.pool_size import pool_pages
+from hf_async_cb.engine.pool_size import allocate_pool, pool_pages
 from hf_async_cb.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
@@ -32,14 +32,13 @@ from hf_async_cb.engine.requests import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
-    _as_int,
     as_token_lists,
     one_params,
     params_per_prompt,
 )
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
-from hf_async_cb.engine.seeding import _random_seed, copy_params, seed_requests  # noqa: F401 (data_parallel's)
+from hf_async_cb.engine.seeding import _random_seed, check_seed_arguments, copy_params, seed_requests  # noqa: F401 (data_parallel's)
 from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import note_first_use, precompile
@@ -49,7 +48,6 @@ from hf_async_cb.model.checks import model_dtype, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
-from hf_async_cb.model.kv_cache import PagedKVCache
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.numeric_context import numeric_context
@@ -58,26 +56,6 @@ from hf_async_cb.model.vision import media_embeds
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
-
-
-_LOGGED_DEFAULTS: set = set()
-
-
-def _seed_int(value) -> int | None:
-    """`value` as a seed or seed index: an integer in [0, 2**63) (numpy and 0-d tensor ints too), else None."""
-    value = _as_int(value)
-    return value if value is not None and 0 <= value < 2**63 else None
-
-
-def _log_device_defaults(config: BatchingConfig, resolved: BatchingConfig, device: torch.device) -> None:
-    """Say once per device and choice what the device-sized defaults came to."""
-    chosen = {name: getattr(resolved, name) for name in ("max_batch_tokens", "kv_memory_fraction")
-              if getattr(config, name) is None}
-    key = (str(device), tuple(chosen.items()))
-    if key not in _LOGGED_DEFAULTS:
-        _LOGGED_DEFAULTS.add(key)
-        logger.info("hf_async_cb: defaults for %s: %s", device,
-                    ", ".join(f"{name}={value}" for name, value in chosen.items()))
 
 
 class Engine:
@@ -152,7 +130,7 @@ class Engine:
         self.device = self.prepared_model.device
         resolved = self.config.for_device(self.device)
         if resolved is not self.config:
-            _log_device_defaults(self.config, resolved, self.device)
+            log_device_defaults(self.config, resolved, self.device)
         self.config = resolved
         self.dtype = model_dtype(model)
         text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
@@ -170,20 +148,7 @@ class Engine:
         if self.tensor_parallel is not None:  # every rank's engine must schedule alike
             num_pages = self.tensor_parallel.agree_min(num_pages)
         self.num_pages = num_pages
-        # One page more than the allocator hands out: the trash page that CUDA-graph padding rows use.
-        try:
-            self.cache = PagedKVCache(self.layout, num_pages + 1, page_size, self.dtype, self.device)
-        except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
-            # Torch's own words name no field: a size past its integers, the host allocator's refusal
-            # (a GPU's out-of-memory error, which the caller explains, and any other error pass on).
-            too_big = isinstance(error, (TypeError, OverflowError, MemoryError)) or "alloc" in str(error).lower()
-            if isinstance(error, torch.OutOfMemoryError) or not too_big:
-                raise
-            size = (num_pages + 1) * page_size * self.layout.bytes_per_token(self.dtype)
-            raise ValueError(f"the KV pool of {num_pages} pages of {page_size} tokens ({size / 2**30:.1f} GiB) cannot be "
-                             f"allocated on {self.device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
-                             "give BatchingConfig fewer pages (num_pages, cpu_kv_cache_bytes, "
-                             "kv_memory_fraction).") from error
+        self.cache = allocate_pool(self.layout, num_pages, page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(page_size) if self.config.prefix_caching else None
         self.tower_outputs = TowerOutputCache(self.config.image_cache_bytes if self.prefix_cache is not None else 0)
@@ -301,12 +266,7 @@ class Engine:
         if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
                 or num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
-        if seed_indices is not None and len(seed_indices) != len(prompts):
-            raise ValueError(f"seed_indices has {len(seed_indices)} entries for {len(prompts)} prompts.")
-        if seed_indices is not None and any(_seed_int(i) is None for i in seed_indices):
-            raise ValueError(f"seed_indices must be non-negative integers, got {list(seed_indices)!r}.")
-        if engine_seed is not None and _seed_int(engine_seed) is None:
-            raise ValueError(f"engine_seed must be an integer in [0, 2**63), as BatchingConfig.seed, got {engine_seed!r}.")
+        check_seed_arguments(len(prompts), seed_indices, engine_seed)
         n = num_return_sequences
         if seed_indices is not None and engine_seed is None and any(sp.unseeded for sp in per_prompt):
             engine_seed = self.config.seed if self.config.seed is not None else self._draw_seed()

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from hf_async_cb.config import BatchingConfig
-from hf_async_cb.model.kv_cache import pools_alive
+from hf_async_cb.model.kv_cache import PagedKVCache, pools_alive
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +61,20 @@ def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch
             "(BatchingConfig.kv_memory_fraction / cpu_kv_cache_bytes) or set num_pages."
         )
     return num_pages
+
+
+def allocate_pool(layout, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+    """The KV pool: `num_pages` pages and one more, the trash page that CUDA-graph padding rows use. A
+    size past torch's integers or the host allocator's refusal is a ValueError naming the fields to
+    change; a GPU's out-of-memory error (which the caller explains) and any other error pass on."""
+    try:
+        return PagedKVCache(layout, num_pages + 1, page_size, dtype, device)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+        too_big = isinstance(error, (TypeError, OverflowError, MemoryError)) or "alloc" in str(error).lower()
+        if isinstance(error, torch.OutOfMemoryError) or not too_big:
+            raise
+        size = (num_pages + 1) * page_size * layout.bytes_per_token(dtype)
+        raise ValueError(f"the KV pool of {num_pages} pages of {page_size} tokens ({size / 2**30:.1f} GiB) cannot be "
+                         f"allocated on {device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}): "
+                         "give BatchingConfig fewer pages (num_pages, cpu_kv_cache_bytes, "
+                         "kv_memory_fraction).") from error

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from hf_async_cb.engine.requests import Request, SamplingParams
+from hf_async_cb.engine.requests import Request, SamplingParams, _as_int
 from hf_async_cb.sampling.sampler import derive_seed
 
 
@@ -39,3 +39,20 @@ def seed_requests(requests: Sequence[Request], engine_seed: int | None, first_in
     base = engine_seed if engine_seed is not None else (draw or _random_seed)()
     for index, request in unseeded:
         request.params = dataclasses.replace(request.params, seed=derive_seed(base, index))
+
+
+def seed_int(value) -> int | None:
+    """`value` as a seed or seed index: an integer in [0, 2**63) (numpy and 0-d tensor ints too), else None."""
+    value = _as_int(value)
+    return value if value is not None and 0 <= value < 2**63 else None
+
+
+def check_seed_arguments(prompts: int, seed_indices: Sequence[int] | None, engine_seed: int | None) -> None:
+    """Engine.generate's seed_indices (one per prompt) and engine_seed (DataParallel's), checked as
+    BatchingConfig.seed is."""
+    if seed_indices is not None and len(seed_indices) != prompts:
+        raise ValueError(f"seed_indices has {len(seed_indices)} entries for {prompts} prompts.")
+    if seed_indices is not None and any(seed_int(i) is None for i in seed_indices):
+        raise ValueError(f"seed_indices must be non-negative integers, got {list(seed_indices)!r}.")
+    if engine_seed is not None and seed_int(engine_seed) is None:
+        raise ValueError(f"engine_seed must be an integer in [0, 2**63), as BatchingConfig.seed, got {engine_seed!r}.")
