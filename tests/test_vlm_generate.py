@@ -422,3 +422,22 @@ def test_inputs_embeds_run_where_stock_takes_them_and_are_refused_where_it_does_
     for mode in MODES:
         assert torch.equal(model.generate(**kwargs, batching=mode), expected)
     hf_async_cb.release(model)
+
+
+def test_a_call_with_images_reads_the_weights_contents_once(monkeypatch):
+    """The images' merge and the engine's cache check share one reading of the weights (Engine.check_caches
+    before the merge): one content pass per call, not two."""
+    from hf_async_cb.model import kv_fingerprint
+
+    model = _model("qwen2_5_vl")
+    inputs = V.build_inputs("qwen2_5_vl", "one_each")
+    expected = _stock(model, inputs)
+    assert torch.equal(_stock(model, inputs, batching="sync"), expected)  # (the runtime built: its checks read too)
+    reads = []
+    sums = kv_fingerprint.content_sums
+    monkeypatch.setattr(kv_fingerprint, "content_sums", lambda tensors: reads.append(len(tensors)) or sums(tensors))
+    for _ in range(2):
+        reads.clear()
+        assert torch.equal(_stock(model, inputs, batching="sync"), expected)
+        assert len(reads) == 1, reads
+    hf_async_cb.release(model)

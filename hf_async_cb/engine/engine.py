@@ -284,8 +284,9 @@ class Engine:
         self.run(requests, mode)
         return [r.to_output() for r in requests]
 
-    def run(self, requests: list[Request], mode: str | None = None) -> None:
-        """Drive the loop until every request in `requests` has finished."""
+    def run(self, requests: list[Request], mode: str | None = None, *, caches_checked: bool = False) -> None:
+        """Drive the loop until every request in `requests` has finished. `caches_checked`: the caller
+        ran check_caches() for this call already (generate(), before its images' merge)."""
         self._check_open()
         if self._background is not None:
             raise RuntimeError("the engine's background loop is running: use add_request(), or shutdown() first.")
@@ -293,7 +294,8 @@ class Engine:
         if self.config.profile:
             loop.profile = self.last_profile = StepProfile(self.streams)
         seed_requests(requests, self.config.seed, draw=self._draw_seed)
-        self._check_caches()
+        if not caches_checked:
+            self.check_caches()
         cache_before = self.prefix_cache_stats()
         remaining = {id(r) for r in requests}
         with self.runner.prepared("Engine.run"):
@@ -321,14 +323,17 @@ class Engine:
                 raise
 
     # -- what is kept across calls -----------------------------------------------------------
-    def _check_caches(self) -> None:
+    def check_caches(self) -> None:
         """Once per call, before any request is admitted: drop the CUDA graphs if the call's arithmetic
         (model/numeric_context.py: autocast, matmul precisions) is not the one they were captured in,
-        and empty the prefix cache if the model may compute other K/V than when it was filled
-        (model/kv_fingerprint.py, which reads that context too). Graphs replay no Python: a model
+        and empty the prefix cache and the tower outputs if the model may compute other K/V (or
+        image features) than when they were filled (model/kv_fingerprint.py, which reads that
+        context too; one reading of the weights serves both). Graphs replay no Python: a model
         running the user's hooks or patched forwards, which may read a setting changed since, has
         its graphs captured afresh in each call."""
         fingerprint = kv_fingerprint(self.model, content=True) if self.prefix_cache is not None else None
+        if self.prefix_cache is not None:
+            self.tower_outputs.check(self.model, fingerprint=fingerprint)
         if self.graphs is not None:  # (a fingerprint of None: the user's code runs, or no cache reads it)
             context = numeric_context(self.device.type)
             user_code = fingerprint is None and runs_user_code(self.model)
@@ -399,7 +404,7 @@ class Engine:
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
         if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
             self.runner.check_model_unchanged()
-        self._check_caches()
+        self.check_caches()
         if not model_guard(self.model).serving_elsewhere():  # (else refused below, by the loop's own message)
             self.prepared_model.embeddings_refusal()  # checked now: the serving loop holds the model from here on
         background = BackgroundLoop(self, self._mode(mode))

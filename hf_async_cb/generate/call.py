@@ -63,9 +63,11 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
         check_prompt(prompt, options.params, limits, tokens_in_vocab=True)
     row_pages = max((-(-(len(p) + extra + max_new) // page) for p in call.prompts), default=0)
     with runtime_engine(model, config.with_mode(mode), pages_needed, row_pages) as engine:
+        # The caches checked (one reading of the weights) before the images' merge reads the tower outputs.
+        engine.check_caches()
         input_ids, requests, streamer = build_requests(engine, call, options)
         _start_clocks(options.criteria, call.arguments.get("stopping_criteria"))
-        engine.run(requests)
+        engine.run(requests, caches_checked=True)
         if streamer is not None:
             streamer.end()
     return stock_output(call, input_ids, requests)
@@ -111,8 +113,8 @@ def fed_prompts(model, call: GenerateCall, towers=None) -> tuple[list[list[int]]
     if len(sources) > 1:
         raise ValueError(f"generate(batching=...) takes one of {' and '.join(sources)} per call, not both.")
     prompts = call.prompts
-    if call.media is not None:
-        return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media, towers)
+    if call.media is not None:  # (its engine checked the tower outputs for this call: Engine.check_caches)
+        return prompts, merged_prompts(model, call.input_ids, call.attention_mask, call.media, towers, content=None)
     if call.virtual is not None:
         check_window(model, call.virtual, call)
         rows = [call.virtual.prompt(p, len(prefix)) for p, prefix in zip(prompts, call.prefixes)]

@@ -8,7 +8,7 @@ call: prefix-cache pages, the vision towers' outputs, and CUDA graphs, which fix
 so the precision) of the step they captured. A later call in another context would have been given
 K/V and graphs of the first, silently. So the context is read once per call (and per serving
 admission) and is part of what these caches are keyed by: the prefix and tower caches through
-model/kv_fingerprint.py, the CUDA graphs by Engine._check_caches, which drops them when it changes.
+model/kv_fingerprint.py, the CUDA graphs by Engine.check_caches, which drops them when it changes.
 
 Autocast is per thread (a serving loop's thread runs without the caller's); the precision settings
 are per process.

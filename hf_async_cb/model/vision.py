@@ -66,14 +66,15 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 @torch.no_grad()
 def merged_prompts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    media: dict, towers: TowerOutputCache | None = None,
-                   content: bool = True) -> list[PromptEmbeds | None]:
+                   content: bool | None = True) -> list[PromptEmbeds | None]:
     """Per row of the left-padded batch: the embeddings (and rotary positions) its prompt feeds
     beyond its tokens', or None for a row that feeds its tokens alone. Identical rows (the same
     tokens and the same image features) share one object, so that they share their pages.
     `towers`: an engine's cache of the vision towers' outputs for images seen by earlier calls,
     checked against the model before it serves any (`content`: the weights' values read too, for
-    writes that bump no version counter; a served request's merge reads the counters alone)."""
-    if towers is not None:
+    writes that bump no version counter; a served request's merge reads the counters alone; None: the
+    caller's engine checked them for this call already, Engine.check_caches)."""
+    if towers is not None and content is not None:
         towers.check(model, content)
     received = _language_model_inputs(model, input_ids, attention_mask, media, towers)
     name = type(model).__name__

@@ -50,13 +50,18 @@ class TowerOutputCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def check(self, model: torch.nn.Module, content: bool = True) -> None:
+    def check(self, model: torch.nn.Module, content: bool = True, fingerprint=False) -> None:
         """Before a merge: empty the cache if the model may compute other outputs than when it was
         filled (or when that cannot be told: inference tensors keep no version counter). `content`:
-        read the weights' values too (model/kv_fingerprint.py), which a serving loop's merges skip."""
+        read the weights' values too (model/kv_fingerprint.py), which a serving loop's merges skip.
+        `fingerprint`: kv_fingerprint(model, content=True) as the caller read it just now (the engine's
+        check_caches), instead of a reading of its own."""
         if not self.max_bytes:  # (off: nothing to check)
             return
-        fingerprint = kv_fingerprint(model, content=content)
+        if fingerprint is False:
+            fingerprint = kv_fingerprint(model, content=content)
+        else:
+            content = True
         known = self._fingerprint
         if not content and known is not None:  # compare what both read: the counters and settings
             known = known[:len(fingerprint)] if fingerprint is not None else None
