@@ -264,7 +264,7 @@ def test_engine_failing_after_fusing_gives_the_model_back():
     assert stock_generate(model, PROMPTS, max_new_tokens=4).dtype == torch.long
 
 
-@pytest.mark.parametrize("stage", ["measured_layout", "PagedKVCache", "PageAllocator", "Scheduler", "BatchBuilder", "Streams",
+@pytest.mark.parametrize("stage", ["measured_layout", "allocate_pool", "PageAllocator", "Scheduler", "BatchBuilder", "Streams",
                                    "ModelRunner", "DecodeGraphs"])
 def test_engine_failing_at_any_stage_after_fusing_gives_the_model_back(stage, monkeypatch):
     from hf_async_cb.engine import engine as engine_module
