@@ -35,8 +35,8 @@ def on_the_device(monkeypatch, prompts, model=None, **kwargs):
     monkeypatch.setattr(stock_options, "_warn_once", lambda message: slow.append(message))
     run = Engine.run
 
-    def counting_run(self, requests, mode=None):
-        run(self, requests, mode)
+    def counting_run(self, requests, mode=None, **kwargs):
+        run(self, requests, mode, **kwargs)
         preempted.append(sum(r.num_preemptions for r in requests))
 
     monkeypatch.setattr(Engine, "run", counting_run)

@@ -24,7 +24,7 @@ PHASES = [
     ("hf_async_cb.model.decode_gemm", "DecodeGemms.tune"),
     ("hf_async_cb.engine.engine", "Engine._build"),
     ("hf_async_cb.engine.engine", "measured_layout"),
-    ("hf_async_cb.engine.engine", "PagedKVCache"),
+    ("hf_async_cb.engine.engine", "allocate_pool"),
     ("hf_async_cb.engine.engine", "precompile"),
     ("hf_async_cb.kernels.precompile", "Precompile.wait"),
     ("hf_async_cb.engine.engine", "check_parity"),
