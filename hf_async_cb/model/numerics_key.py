@@ -42,8 +42,13 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_SCALARS = (bool, int, float, str, bytes, type(None))
+
+
 def _leave_out(value) -> bool:
     """Objects the key reads elsewhere or that do not change a forward: submodules, configs."""
+    if type(value) in _SCALARS:  # (most of a module's attributes: read at once)
+        return False
     if isinstance(value, nn.Module):
         return True
     for base in type(value).__mro__:
@@ -72,8 +77,8 @@ def tensor_kind(t: torch.Tensor, depth: int = 0) -> tuple:
 
 
 def _attributes(state: dict, depth: int, private: bool, skip=frozenset()) -> tuple:
-    return tuple((k, _plain(v, depth)) for k, v in sorted(state.items())
-                 if k not in skip and (private or not k.startswith("_")) and not _leave_out(v))
+    kept = sorted(k for k in state if k not in skip and (private or not k.startswith("_")))  # (names are unique)
+    return tuple((k, _plain(state[k], depth)) for k in kept if not _leave_out(state[k]))
 
 
 def _sequence(values, depth: int) -> tuple:
