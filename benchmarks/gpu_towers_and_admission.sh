@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call (about 9 minutes on an H200) for what the 2026-12-06 third session built and could
+# not measure or measured on an H100 only:
+#  tests    the new kernels and patches on CUDA (vision rotary bit for bit, tower norms, padded MLPs with
+#           their SiLU-mul, windows read as views, late admission);
+#  tower    the Qwen2.5-VL-7B tower stage by stage (H100: 1,373 -> 515 ms; prediction with the padded
+#           MLPs' SiLU-mul: ~460 ms);
+#  vlm      Qwen2.5-VL-7B through generate beside stock (issue 31: >= 8x stock, >= 0.70 of the roofline;
+#           H100: 6.07x, 0.728);
+#  serve    the 8B serving benchmark with a 1,024-token system prompt: async, async with late admission,
+#           caching off, sync (issues 28/30; prediction: async-late TTFT p50 14-16 ms against async's 20);
+#  weights  the per-call weights check (H100: 31 ms with the content pass, 14.4 ms without).
+# STEPS picks some of them (default: all, in this order). Results in $OUT.
+set -uo pipefail
+export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-tests tower vlm serve weights}
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+git log --oneline -1 2>/dev/null | tee "$OUT/commit.txt"
+for step in $STEPS; do
+  case $step in
+    tests)
+      timeout 150 python3 -m pytest -q tests/test_vision_rotary.py tests/test_tower_norms.py tests/test_aligned_mlp.py \
+        tests/test_vision_attention.py tests/test_late_admission.py -p no:cacheprovider --tb=short -W ignore 2>&1 \
+        | tee "$OUT/tests.txt" | grep -E "^E |FAILED|passed|failed" | cut -c1-300 | tail -12 ;;
+    tower)
+      timeout 120 python3 benchmarks/vlm_tower_profile.py --batches 64 2>&1 | grep -v -i warn \
+        | grep -E "TFLOP ->|images per call|profiled|gpu " | head -20 | tee "$OUT/tower.txt" ;;
+    vlm)
+      timeout 240 python3 benchmarks/gpu_vlm.py --shape qwen2.5-vl-7b --skip-tiny --json "$OUT/vlm7b.json" 2>&1 \
+        | grep -E '"(first_call_s|async_s|stock_s|vision_and_merge_s|again_s|speedup|roofline_s|fraction_of_roofline)"' ;;
+    serve)
+      timeout 330 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 64 --rate 4 --lengths sharegpt \
+        --system-prompt 1024 --compare async,async-late,async-nocache,sync --json "$OUT/serve8b.json" 2>&1 \
+        | grep -v -i warn | tail -9 ;;
+    weights)
+      timeout 90 python3 benchmarks/fingerprint_cost.py 2>&1 | tail -1 | tee "$OUT/fingerprint.txt" ;;
+  esac
+done
