@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call (about 9 minutes on an H200) for what the 2026-12-06 third session built and could
-# not measure or measured on an H100 only:
+# Device calls for what the 2026-12-06 third session built and could not measure, or measured on an
+# H100 only. All steps take about 9 minutes on an H200, near the 10-minute limit: split them over two
+# calls, STEPS="tests tower vlm" (about 4.5 minutes) and STEPS="serve weights" (about 4.5).
 #  tests    the new kernels and patches on CUDA (vision rotary bit for bit, tower norms, padded MLPs with
 #           their SiLU-mul, windows read as views, late admission);
 #  tower    the Qwen2.5-VL-7B tower stage by stage (H100: 1,373 -> 515 ms; prediction with the padded
