@@ -39,6 +39,27 @@ def test_steps_shorter_than_the_margin_are_not_waited_for():
     assert cadence.delay(0.009) == 0.0
 
 
+def test_a_long_step_does_not_stretch_the_waits_after_it():
+    cadence = StepCadence()
+    t = 0.0
+    for interval in [0.007] * 6 + [0.2] + [0.007]:  # a long prefill chunk among decode steps
+        t += interval
+        cadence.observe(t, steady=True)
+    assert cadence.step_s == pytest.approx(0.007)
+
+
+def test_an_interval_in_which_the_device_ran_dry_empties_the_record():
+    """The wait overshot (or steps run synchronously, as on the CPU): the interval holds the loop's own
+    wait, not a step; the loop stops waiting until it has measured steps again."""
+    cadence = StepCadence()
+    for k in range(6):
+        cadence.observe(0.007 * k, steady=True)
+    cadence.observe(0.05, steady=True, idled=True)
+    assert cadence.step_s is None and cadence.delay(0.05) == 0.0
+    cadence.observe(0.057, steady=True)
+    assert cadence.step_s == pytest.approx(0.007)
+
+
 def _stock_rows(prompts, new):
     return generated_rows(stock_generate(tiny_model("llama"), prompts, max_new_tokens=new, eos_token_id=[2],
                                          pad_token_id=0), max(map(len, prompts)), pad=0, eos=(2,))
@@ -47,9 +68,12 @@ def _stock_rows(prompts, new):
 def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(monkeypatch):
     # Every step waited for (the CPU's steps are shorter than the GPU's the defaults are for), and a
     # margin of none: the loop sleeps a whole step's time after each step unless a request arrives.
-    original = StepCadence.__init__
+    original, observe = StepCadence.__init__, StepCadence.observe
     monkeypatch.setattr(late_admission.StepCadence, "__init__",
                         lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
+    # (the CPU's steps have always finished when the next is built: read as the device's intervals)
+    monkeypatch.setattr(late_admission.StepCadence, "observe",
+                        lambda self, now, steady, idled=False: observe(self, now, steady, False))
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", max_batch_tokens=48,
                                                                        late_admission=True))
     engine.start()
@@ -75,6 +99,14 @@ def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(m
 
 def test_an_arrival_cuts_the_wait_short(monkeypatch):
     """A loop waiting out a long step (a 0.5 s one, as the cadence reads it) takes a new request in at once."""
+    observe = StepCadence.observe
+
+    def long_steps(self, now, steady, idled=False):  # every interval read as a 0.5 s step
+        observe(self, now, steady, False)
+        self._intervals.clear()
+        self._intervals.append(0.5)
+
+    monkeypatch.setattr(late_admission.StepCadence, "observe", long_steps)
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", late_admission=True))
     engine.start()
     try:
@@ -83,12 +115,29 @@ def test_an_arrival_cuts_the_wait_short(monkeypatch):
         for _ in range(500):
             if worker.late_waits or first.done:
                 break
-            worker.cadence.step_s, worker.cadence.min_step_s = 0.5, 0.0  # each wait would last ~0.4 s
             time.sleep(0.002)
         started = time.perf_counter()
         second = engine.add_request([8, 9], max_new_tokens=1, eos_token_ids=())
         second.result(timeout=30)
         assert time.perf_counter() - started < 0.3  # not the rest of a 0.4 s wait
-        assert first.result(timeout=120).output_token_ids  # and the long one still completes
+        assert not first.done  # (the long one goes on, a step per wait; the shutdown below cancels it)
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+
+
+def test_on_the_cpu_where_steps_run_synchronously_the_loop_never_waits(monkeypatch):
+    """Each step has finished when the next is built: the loop reads no step duration and serves as
+    without late admission (it once waited most of each step, as its own waits lengthened the
+    intervals), even with no minimum step and no margin."""
+    original = StepCadence.__init__
+    monkeypatch.setattr(late_admission.StepCadence, "__init__",
+                        lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
+    engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", late_admission=True))
+    engine.start()
+    try:
+        prompts = random_prompts(6, 20, 40, seed=9)
+        handles = [engine.add_request(p, max_new_tokens=24, eos_token_ids=(2,)) for p in prompts]
+        assert [h.result(timeout=60).output_token_ids for h in handles] == _stock_rows(prompts, 24)
+        assert engine._background._worker.late_waits == 0
     finally:
         engine.shutdown(cancel=True, timeout=30)

@@ -317,12 +317,12 @@ class _Worker:
                     if handle is not None:
                         handle._finish(req.error)
                 if self.cadence is not None:  # engine/late_admission.py
-                    self._wait_for_late_admission(steady and bool(pipeline.in_flight))
+                    self._wait_for_late_admission(steady and bool(pipeline.in_flight), pipeline.found_idle)
 
-    def _wait_for_late_admission(self, steady: bool) -> None:
+    def _wait_for_late_admission(self, steady: bool, idled: bool) -> None:
         """Wait until the step running is about to end, or a request arrives, before building the next."""
         now = time.perf_counter()
-        self.cadence.observe(now, steady)
+        self.cadence.observe(now, steady, idled)
         delay = self.cadence.delay(now) if steady and self.intake.empty() and not self.stopping else 0.0
         if delay > 0:
             self.wake.wait(delay)
