@@ -252,6 +252,7 @@ class _Worker:
         requests and goes on from), every request it holds or has yet to take fails with that error
         and later submissions are refused: no caller waits on a loop that is gone."""
         self.thread_id = threading.get_ident()
+        self.pipeline.track_idle = self.cadence is not None  # (the pipeline outlives the loop: generate's too)
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 - reported to every waiting caller
@@ -268,6 +269,8 @@ class _Worker:
                 for handle in self.active.values():  # (if failing them properly failed too)
                     handle._finish(error)
                 self.active.clear()
+        finally:
+            self.pipeline.track_idle = False
 
     def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
@@ -305,7 +308,7 @@ class _Worker:
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
-                steady = bool(pipeline.in_flight)
+                steady = self.cadence is not None and bool(pipeline.in_flight)
                 try:
                     finished = pipeline.step(isolate_faults=True)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller

@@ -79,7 +79,8 @@ class Pipeline:
         self.runner = runner
         self.streams = streams
         self.overlap = overlap
-        self.found_idle = False  # see step()
+        self.found_idle = False  # see step(); asked only where track_idle (a serving loop with late admission)
+        self.track_idle = False
         self.graphs = graphs
         self.slots = (IOSlot(streams), IOSlot(streams))
         self.in_flight: deque[InFlight] = deque()
@@ -101,7 +102,8 @@ class Pipeline:
         launched = inputs is not None
         # Whether the device had finished the step in flight before this one was launched (it then ran
         # dry: engine/late_admission.py reads this, to tell a step's duration from its own waits).
-        self.found_idle = launched and bool(self.in_flight) and bool(self.in_flight[-1].download.done.query())
+        if self.track_idle:
+            self.found_idle = launched and bool(self.in_flight) and bool(self.in_flight[-1].download.done.query())
         if launched and self.in_flight and self._hand_out_first(self.in_flight[-1], inputs[3]):
             finished.extend(self._complete(self.in_flight.popleft()))
         if launched:

@@ -62,8 +62,10 @@ def gated_form(cls: type) -> bool:
     return ast.dump(body[0].value) == ast.dump(expected)
 
 
-def _misaligned(width: int, dtype: torch.dtype) -> bool:
-    return (width * dtype.itemsize) % _ALIGN_BYTES != 0
+def _padded(width: int, dtype: torch.dtype) -> int:
+    """`width` rounded up to whole 16-byte rows of `dtype`."""
+    step = _ALIGN_BYTES // dtype.itemsize
+    return width + -width % step
 
 
 def _takes(m: nn.Module, on_cpu: bool) -> bool:
@@ -84,16 +86,14 @@ def _takes(m: nn.Module, on_cpu: bool) -> bool:
         return False
     if gate.weight.device.type != "cuda" and not on_cpu:
         return False
-    return _misaligned(gate.out_features, gate.weight.dtype)
+    return _padded(gate.out_features, gate.weight.dtype) != gate.out_features
 
 
 def _aligned_forward(m: nn.Module, fused_activation: str | None):
     """The padded forward; `fused_activation` ("silu", "gelu_tanh"): act(gate) * up in one kernel
     (kernels/elementwise.silu_mul, rounding as torch does), else in torch."""
     gate, up, down, act = m.gate_proj, m.up_proj, m.down_proj, m.act_fn
-    width = gate.out_features
-    step = _ALIGN_BYTES // gate.weight.dtype.itemsize
-    pad = -width % step
+    pad = _padded(gate.out_features, gate.weight.dtype) - gate.out_features
     own = type(m).forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -161,13 +161,13 @@ def mlp_variants(model: nn.Module, language_model: nn.Module | None = None) -> l
     model's others, on CUDA)."""
     from hf_async_cb.kernels.elementwise import silu_mul_variants
 
-    inside = {id(m) for m in language_model.modules()} if language_model is not None else set()
+    from hf_async_cb.model.tower_norms import modules_outside
+
     kinds = set()
-    for m in model.modules():
-        if id(m) not in inside and _takes(m, on_cpu=False):
+    for m in modules_outside(model, language_model):
+        if _takes(m, on_cpu=False):
             kind = _activation(m.act_fn)
             if kind is not None:
                 dtype = m.gate_proj.weight.dtype
-                step = _ALIGN_BYTES // dtype.itemsize
-                kinds.add((m.gate_proj.out_features + -m.gate_proj.out_features % step, dtype, kind == "gelu_tanh"))
+                kinds.add((_padded(m.gate_proj.out_features, dtype), dtype, kind == "gelu_tanh"))
     return [v for width, dtype, gelu in sorted(kinds, key=str) for v in silu_mul_variants(width, dtype, gelu)]

@@ -316,6 +316,20 @@ class FusedElementwise:
         self.restore()
 
 
+def checked_patch(m: nn.Module, checked: dict) -> tuple | None:
+    """(fused forward, counter) for m where its kind (class, forward, dtype, device) agrees with its own
+    forward on random inputs, checked once per kind in `checked`; None where m is not patched."""
+    found = _patchable(m)
+    if found is None or not runs_on(found[1].device):
+        return None
+    forward, w, counter = found
+    key = (type(m), forward, w.dtype, w.device)
+    if key not in checked:
+        x = torch.randn(3, w.shape[-1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        checked[key] = _agrees(types.MethodType(forward, m), m.forward, x)
+    return (forward, counter) if checked[key] else None
+
+
 def fuse_elementwise(model: nn.Module) -> FusedElementwise:
     """Point `model`'s RMSNorms, SiLU MLPs (whose gate/up fuse_projections() has fused, or Phi3's
     gate_up_proj) and its families' apply_rotary_pos_emb at the Triton kernels, in place, and fold
@@ -329,15 +343,9 @@ def fuse_elementwise(model: nn.Module) -> FusedElementwise:
     fused, checked = FusedElementwise(), {}
     try:
         for m in model.modules():
-            found = _patchable(m)
-            if found is None or not runs_on(found[1].device):
-                continue
-            forward, w, counter = found
-            key = (type(m), forward, w.dtype, w.device)
-            if key not in checked:
-                x = torch.randn(3, w.shape[-1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-                checked[key] = _agrees(types.MethodType(forward, m), m.forward, x)
-            if checked[key]:
+            found = checked_patch(m, checked)
+            if found is not None:
+                forward, counter = found
                 fused._modules.append((m, types.MethodType(forward, m)))
                 setattr(fused, counter, getattr(fused, counter) + 1)
         params = [p for p in model.parameters() if p.is_floating_point()]

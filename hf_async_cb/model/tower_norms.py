@@ -17,32 +17,26 @@ import contextlib
 import types
 from typing import Iterator
 
-import torch
 from torch import nn
 
-from hf_async_cb.kernels.paged_attention import runs_on
 from hf_async_cb.model import elementwise_fusion as ew
 from hf_async_cb.model.fusion import has_hooks
 
 _AGREES: dict[tuple, bool] = {}  # (class, forward, dtype, device) -> the kernel agrees with the norm
 
 
+def modules_outside(model: nn.Module, inner: nn.Module | None):
+    """`model`'s modules that are not `inner`'s (a vision-language model's towers and projector)."""
+    inside = {id(m) for m in inner.modules()} if inner is not None else set()
+    return (m for m in model.modules() if id(m) not in inside)
+
+
 def _norms(model: nn.Module, skip: nn.Module | None) -> list[tuple[nn.Module, types.FunctionType]]:
-    inside = {id(m) for m in skip.modules()} if skip is not None else set()
     found = []
-    for m in model.modules():
-        if id(m) in inside or has_hooks(m):
-            continue
-        patch = ew._patchable(m)
-        if patch is None or patch[2] != "rms_norms" or not runs_on(patch[1].device):
-            continue
-        forward, w, _ = patch
-        key = (type(m), forward, w.dtype, w.device)
-        if key not in _AGREES:
-            x = torch.randn(3, w.shape[-1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-            _AGREES[key] = ew._agrees(types.MethodType(forward, m), m.forward, x)
-        if _AGREES[key]:
-            found.append((m, forward))
+    for m in modules_outside(model, skip):
+        patch = None if has_hooks(m) else ew.checked_patch(m, _AGREES)
+        if patch is not None and patch[1] == "rms_norms":
+            found.append((m, patch[0]))
     return found
 
 
@@ -63,10 +57,9 @@ def tower_norm_variants(model: nn.Module, language_model: nn.Module | None = Non
     """The rms_norm variants the towers' norms launch (compiled ahead with the model's others, on CUDA)."""
     from hf_async_cb.kernels.elementwise import rms_variants
 
-    inside = {id(m) for m in language_model.modules()} if language_model is not None else set()
     kinds = set()
-    for m in model.modules():
-        patch = None if id(m) in inside else ew._patchable(m)
+    for m in modules_outside(model, language_model):
+        patch = ew._patchable(m)
         if patch is not None and patch[2] == "rms_norms" and patch[1].device.type == "cuda":
             x_dtype = patch[1].dtype  # (the towers run in the model's dtype)
             kinds.add((patch[1].shape[-1], x_dtype, patch[1].dtype, patch[0] is ew._unit_offset_rms_forward))
