@@ -292,6 +292,41 @@ def test_weights_written_without_a_version_counter_are_seen_by_the_next_call(wri
         hf_async_cb.release(model)
 
 
+def test_the_fingerprint_walks_the_model_once_and_sees_each_kind_of_change(monkeypatch):
+    """kv_fingerprint reads everything from one walk of the modules (each walk through nn.Module's
+    nested generators costs about a millisecond per call for an 8B model), and still changes with a
+    weight's counter, a buffer, a tied weight, a module's setting and an adapter-like state."""
+    from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+
+    model = fresh_model("llama", seed=15)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    walks = []
+    for name in ("named_modules", "modules", "named_parameters", "parameters", "named_buffers", "buffers"):
+        original = getattr(torch.nn.Module, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if self is model:
+                walks.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.nn.Module, name, counted)
+    seen = [kv_fingerprint(model)]
+    assert walks == ["named_modules"]
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.0)  # (a counter's bump)
+        seen.append(kv_fingerprint(model))
+        model.lm_head.weight.add_(0.0)  # the tied embedding's
+        seen.append(kv_fingerprint(model))
+        model.model.rotary_emb.inv_freq.mul_(1.0)  # a buffer
+        seen.append(kv_fingerprint(model))
+    model.model.layers[1].self_attn.scaling *= 1.01  # a module's own setting
+    seen.append(kv_fingerprint(model))
+    model.model.layers[1].mlp.__dict__["_active_adapter"] = "a"  # (what PEFT's tuner layers hold)
+    seen.append(kv_fingerprint(model))
+    assert len(set(seen)) == len(seen)
+    assert kv_fingerprint(model) == seen[-1]
+
+
 @modes
 def test_fused_projections_keep_the_cache_across_calls(mode):
     """The engine's own preparation (fused q/k/v and gate/up views) is no weight change."""

@@ -333,6 +333,40 @@ class ReturnsNothing(LogitsProcessor):
         scores[:, 3] = 0.0
 
 
+class AnyRowHit(StoppingCriteria):  # the pre-4.39 form: one verdict for the whole batch
+    def __init__(self, token: int, as_tensor: bool) -> None:
+        self.token, self.as_tensor = token, as_tensor
+
+    def __call__(self, input_ids, scores, **kwargs):
+        hit = (input_ids[:, -1] == self.token).any()
+        return hit if self.as_tensor else bool(hit)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["bool", "0-d tensor"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_criterion_with_one_verdict_for_the_batch_is_refused_and_runs_for_one_row(mode, as_tensor):
+    """Stock applies a criterion's single bool (or 0-d tensor) to every row: the whole batch stops at
+    once. The engine checks each row on its own, so with several rows it would stop only the row
+    that met it (other tokens, silently): refused before any work. With one row it is that row's
+    verdict, and runs as in stock."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 4, 9, seed=21)
+    ids, mask = left_pad(prompts)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=12, batching="off", pad_token_id=0,
+                           eos_token_id=1)
+    token = int(stock[0, ids.shape[1] + 3])  # a token row 0 takes: stock then stops all rows
+    criteria = StoppingCriteriaList([AnyRowHit(token, as_tensor)])
+    with pytest.raises(ValueError, match="one value for a batch of 3 rows"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, batching=mode, pad_token_id=0, eos_token_id=1,
+                       stopping_criteria=criteria)
+    one, one_mask = left_pad(prompts[:1])
+    expected = model.generate(one, attention_mask=one_mask, max_new_tokens=12, batching="off", pad_token_id=0,
+                              eos_token_id=1, stopping_criteria=criteria)
+    got = model.generate(one, attention_mask=one_mask, max_new_tokens=12, batching=mode, pad_token_id=0,
+                         eos_token_id=1, stopping_criteria=criteria)
+    assert torch.equal(got, expected) and got.shape[1] < one.shape[1] + 12
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_processors_and_criteria_with_state_or_late_row_logic_fail_clearly(mode):
     """The engine calls the caller's processors and criteria one row at a time (generate/row_checks.py):

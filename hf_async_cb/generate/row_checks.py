@@ -6,7 +6,8 @@ per step on the whole batch. They give stock's tokens only if they treat every r
 no state from call to call. So that a difference is never silent (batches of more than one row):
 
 1. Before any work, each is probed on copies of one row (the call's batch size, its first row):
-   it must return one result per row, all equal, unless the rows differ by torch's random draws
+   it must return one result per row (a criterion's single bool or 0-d tensor, the pre-4.39 form,
+   is its verdict on the whole batch, which stock applies to every row: refused), all equal, unless the rows differ by torch's random draws
    (noise: sampling, not indexing; the probe runs under two seeds on a forked generator). One
    built for a batch size or treating rows by their index is refused.
 2. The probe calls it twice more on the same input and seed: a different result, or state that
@@ -79,6 +80,12 @@ def _probe(obj, call, rows: int, vocab: int | None, kind: str, device: torch.dev
         _restore(obj, before)
     if first is None:
         raise ValueError(f"{kind} {name} returned None (it must return its result for the batch).")
+    if vocab is None and (isinstance(first, bool) or isinstance(first, torch.Tensor) and first.dim() == 0):
+        raise ValueError(f"{kind} {name} returned one value for a batch of {rows} rows (a bool or a 0-d tensor): "
+                         "stock stops every row of the batch when it is True, while the engine checks each row on "
+                         "its own, so rows would end at other steps than in stock. Return one bool per row (a "
+                         "[batch] tensor, as transformers' own criteria do), use batching='off' for it, or "
+                         "generate one row at a time.")
     first, again, other_seed = (_per_row(x, rows, vocab) for x in (first, again, other_seed))
     if first is None:
         raise ValueError(f"{kind} {name} did not return one result per row for a batch of {rows} (it was built "

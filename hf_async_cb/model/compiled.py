@@ -44,21 +44,24 @@ def _is_optimized_module(m: nn.Module) -> bool:
     return dynamo is not None and isinstance(m, dynamo.OptimizedModule)
 
 
-def compiled_wrappers(model: nn.Module) -> list[tuple[str, str]]:
-    """(module name, how it is compiled) for every compiled wrapper in `model`, in module order."""
+def compiled_wrappers(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> list[tuple[str, str]]:
+    """(module name, how it is compiled) for every compiled wrapper in `model`, in module order.
+    `modules`: `list(model.named_modules())` where the caller has it."""
     if "torch._dynamo" not in sys.modules:  # nothing can have been compiled in this process
         return []
     found = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if _is_optimized_module(m):  # counted as its parent's child below, set aside as a whole
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = dynamo.OptimizedModule if dynamo is not None else ()
+    for name, m in (model.named_modules() if modules is None else modules):
+        if isinstance(m, optimized):  # counted as its parent's child below, set aside as a whole
             continue
         state = vars(m)
         if state.get("_compiled_call_impl") is not None:
             found.append((name, "module.compile()"))
         if _dynamo_wrapped(state.get("forward")):
             found.append((name, "forward = torch.compile(forward)"))
-        for child_name, child in m.named_children():
-            if _is_optimized_module(child):
+        for child_name, child in m._modules.items():
+            if isinstance(child, optimized):
                 found.append((f"{name}.{child_name}" if name else child_name, "torch.compile(module)"))
     return found
 

@@ -29,9 +29,3 @@ def numeric_context(device_type: str) -> tuple:
     return (autocast, torch.get_float32_matmul_precision(),
             matmul.allow_tf32, torch.backends.cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
             matmul.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled())
-
-
-def model_numeric_context(model: torch.nn.Module) -> tuple:
-    """numeric_context() for the device `model`'s first parameter is on (CPU for a model without any)."""
-    first = next(iter(model.parameters()), None)
-    return numeric_context(first.device.type if first is not None else "cpu")

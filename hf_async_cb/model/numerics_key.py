@@ -123,10 +123,15 @@ def _plain(value, depth: int = 0):
     return _name(type(value))
 
 
-def numerics_key(model: nn.Module) -> tuple:
-    """The key part that sets apart models of one class, config, dtype and device that compute differently."""
-    tensors = tuple((name, tensor_kind(t)) for name, t in
-                    [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
-    modules = tuple((name, _name(type(m)), _attributes(vars(m), 0, private=True, skip=_MODULE_BASICS))
-                    for name, m in model.named_modules())
-    return tensors, modules, tuple(compiled_wrappers(model))
+def numerics_key(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> tuple:
+    """The key part that sets apart models of one class, config, dtype and device that compute differently.
+    `modules`: `list(model.named_modules())` where the caller has it (one walk of the model for all its reads)."""
+    modules = list(model.named_modules()) if modules is None else modules
+    parameters, buffers = [], []
+    for prefix, m in modules:  # (as named_parameters(remove_duplicate=False): a tied weight under each name)
+        dot = prefix + "." if prefix else ""
+        parameters += [(dot + name, tensor_kind(t)) for name, t in m._parameters.items() if t is not None]
+        buffers += [(dot + name, tensor_kind(t)) for name, t in m._buffers.items() if t is not None]
+    settings = tuple((name, _name(type(m)), _attributes(vars(m), 0, private=True, skip=_MODULE_BASICS))
+                     for name, m in modules)
+    return tuple(parameters + buffers), settings, tuple(compiled_wrappers(model, modules))

@@ -31,7 +31,7 @@ from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.embeddings_path import embeddings_refusal
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
-from hf_async_cb.model.kv_fingerprint import attribute_tensors
+from hf_async_cb.model.kv_fingerprint import attribute_tensors, parameters_of
 from hf_async_cb.model.mask_semantics import apply_masks
 from hf_async_cb.model.weight_kinds import storage_key
 
@@ -152,15 +152,16 @@ def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | Non
 
 
 def signature(model: torch.nn.Module) -> tuple:
-    """What a preparation of `model` depends on (cheap: one pass over the parameters and one over
-    the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
+    """What a preparation of `model` depends on (cheap: one walk of the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
     module put in place of another, a class swapped, a forward set on an instance or a forward hook
     added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
     their feature, are not counted) counts as a change, as do parameters, the tensors custom modules
     hold as attributes (graphs read them where they were) and the config."""
-    params = tuple((id(p), storage_key(p), p.dtype, p.device) for p in (*model.parameters(), *attribute_tensors(model)))
-    modules = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in model.modules())
-    return params, modules, global_hooks(), config_snapshot(model.config)
+    modules = list(model.modules())
+    params = tuple((id(p), storage_key(p), p.dtype, p.device)
+                   for p in (*parameters_of(modules), *attribute_tensors(model, modules)))
+    kinds = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in modules)
+    return params, kinds, global_hooks(), config_snapshot(model.config)
 
 
 def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
