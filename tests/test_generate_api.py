@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from models import left_pad, random_prompts, stock_generate, tiny_model
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -331,3 +332,25 @@ def test_min_p_runs_on_the_device_sampler(model, batch, monkeypatch):
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, batching="off")
     top = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, min_p=1.0, batching="async")
     assert torch.equal(top, greedy) and not slow
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_neutral_arguments_run_and_a_typo_gets_stocks_message(mode):
+    """What stock takes silently (`trust_remote_code=False` without a custom generate, `past_key_values=None`)
+    runs; an argument no model takes (`max_new_token=`, a typo) gets stock's own ValueError, which says
+    it may be a typo; a real cache is still refused by name."""
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 4, 9, seed=23)
+    ids, mask = left_pad(prompts)
+    expected = stock_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    for neutral in (dict(trust_remote_code=False), dict(past_key_values=None)):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, batching=mode, **neutral)
+        assert torch.equal(got, expected), neutral
+    with pytest.raises(ValueError) as stock_error:
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="off", max_new_token=4)
+    with pytest.raises(ValueError) as ours:
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, batching=mode, max_new_token=4)
+    assert str(ours.value) == str(stock_error.value) and "typo" in str(ours.value)
+    with pytest.raises(ValueError, match="past_key_values|cache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, batching=mode,
+                       past_key_values=transformers.DynamicCache(config=model.config))

@@ -8,7 +8,6 @@ into prompts: everything the engine needs, in one GenerateCall.
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,6 @@ from hf_async_cb.generate.media import media_inputs
 from hf_async_cb.generate.peft_routing import check_no_row_routing
 from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
-logger = logging.getLogger(__name__)
 
 # generate() arguments the engine does not implement; each must be left at its default.
 _UNSUPPORTED_ARGUMENTS = (
@@ -27,7 +25,8 @@ _UNSUPPORTED_ARGUMENTS = (
     "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
-_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
+_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False, "past_key_values": None,
+                         "cache": None}
 
 # Other decoding strategies and outputs the engine does not produce, named in the error. (Anything
 # missing here is still caught: by the generation-mode check, and by probing stock's processors.)
@@ -95,7 +94,9 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     if embeds is not None:
         inputs = check_inputs_embeds(embeds, inputs, model)
     tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
+    kwargs.pop("trust_remote_code", None)  # (stock's, for a custom_generate from the Hub: refused above)
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    _check_model_kwargs_as_stock(model, model_kwargs)
     media = media_inputs(model, model_kwargs, mode)  # a vision-language model's images and their kin
     for key, neutral in _IGNORED_MODEL_KWARGS.items():
         if model_kwargs.get(key, neutral) == neutral:
@@ -135,7 +136,6 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     pad = token_list(gc.pad_token_id, "pad_token_id")[:1]
     pad = pad[0] if pad else None
     if pad is None and given_eos:
-        logger.warning("Setting `pad_token_id` to `eos_token_id`:%d for open-end generation.", given_eos[0])
         pad = given_eos[0]  # (negative too: stock fills the stopped rows with it)
     call = GenerateCall(gc, model_kwargs, kwargs, tokenizer, input_ids[:, :0] if embeds_only else input_ids,
                         attention_mask, prompts, prefixes, eos, pad, arguments, embeds, media, virtual)
@@ -143,6 +143,21 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     stops += [name for name in ("stop_strings", "max_time") if getattr(gc, name, None) is not None]
     check_rows_stop_together(call, stops)
     return call
+
+
+def _check_model_kwargs_as_stock(model, model_kwargs: dict) -> None:
+    """Stock's own check of the model arguments, first: an argument the model does not take (a typo:
+    `max_new_token=`) gets stock's ValueError, which says so, rather than ours for arguments the
+    engine does not run."""
+    validate = getattr(model, "_validate_model_kwargs", None)
+    if not callable(validate):
+        return
+    try:
+        validate(dict(model_kwargs))
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - stock's check failing otherwise (another version's): ours follows
+        pass
 
 
 def check_rows_stop_together(call: GenerateCall, stops: list[str]) -> None:
