@@ -347,7 +347,7 @@ def test_served_requests_with_images_give_stock_tokens(name, mode):
         after = engine.add_request(rows[2]["input_ids"][0].tolist(), max_new_tokens=NEW,
                                    media={k: v for k, v in rows[2].items() if k not in ("input_ids", "attention_mask")})
         assert after.result(timeout=120).output_token_ids == expected[2]  # the loop serves on
-        assert engine.prefix_cache_stats()["image_hits"] >= 1  # (row 0's image again: not encoded again)
+        assert engine.prefix_cache_stats()["image_hits"] >= 1, engine.prefix_cache_stats()  # (row 0's image again: not encoded again)
     finally:
         engine.shutdown(timeout=60)
         engine.close()
@@ -361,6 +361,101 @@ def test_served_requests_with_images_give_stock_tokens(name, mode):
         finally:
             engine2.shutdown(timeout=60)
             engine2.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_served_media_is_checked_in_the_callers_thread_and_copied(mode):
+    """Engine.add_request(media=...) refuses, before anything is queued, what generate() would refuse
+    (a key the forward does not take, the prompt's own ids in media, NumPy arrays, anything but a
+    dict, images for a text model), naming it; and merges the images as they were when it was called,
+    though the caller overwrites its buffer before the loop takes the request in."""
+    import threading
+
+    from models import tiny_model
+
+    model = _model("qwen2_vl")
+    hf_async_cb.release(model)
+    inputs = V.build_inputs("qwen2_vl", "mixed", only_row=0)
+    prompt = inputs["input_ids"][0].tolist()
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    pixels = inputs["pixel_values"]
+    other = dict(inputs, pixel_values=torch.randn(pixels.shape, generator=torch.Generator().manual_seed(0)) * 3)
+    expected = _stock(model, inputs)[0, len(prompt):].tolist()
+    assert _stock(model, other)[0, len(prompt):].tolist() != expected  # (so the test below can fail)
+    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, page_size=4))
+    engine.start()
+    try:
+        refused = [([media], "must be a dict"), (dict(media, input_ids=inputs["input_ids"]), "media holds"),
+                   (dict(media, pixel_value=media["pixel_values"]), r"does not take \['pixel_value'\]"),
+                   (dict(media, pixel_values=media["pixel_values"].numpy()), "NumPy")]
+        for bad, message in refused:
+            with pytest.raises(ValueError, match=message):
+                engine.add_request(prompt, max_new_tokens=NEW, media=bad)
+        held, release = threading.Event(), threading.Event()
+
+        def hold(request, token):  # the loop waits here, between its steps, until the buffer is overwritten
+            if not held.is_set():
+                held.set()
+                release.wait(30)
+
+        first = engine.add_request([5, 6, 7], max_new_tokens=2, on_token=hold)
+        assert held.wait(60)
+        buffer = media["pixel_values"].clone()
+        handle = engine.add_request(prompt, max_new_tokens=NEW, media=dict(media, pixel_values=buffer))
+        buffer.copy_(other["pixel_values"])  # the caller reuses its buffer before the loop took the request in
+        release.set()
+        first.result(timeout=120)
+        assert handle.result(timeout=120).output_token_ids == expected
+    finally:
+        release.set()
+        engine.shutdown(timeout=60)
+        engine.close()
+    text = tiny_model("llama")
+    engine = hf_async_cb.Engine(text, BatchingConfig(mode=mode))
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match="takes no images"):
+            engine.add_request([1, 2, 3], max_new_tokens=2, media=media)
+    finally:
+        engine.shutdown(timeout=60)
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_a_fresh_models_second_call_reuses_its_first_calls_pages_and_tower_outputs(name, monkeypatch):
+    """A fresh VLM's first call runs its vision tower for the first time, inside the call, and
+    transformers then marks the tower (its output-capturing hooks installed): the mark is no change of
+    the model's numerics, so the second call keeps the first call's cached pages. And a call of one
+    image keeps that image's tower output, before any call showed how the tower lays out several
+    images (a serving loop merges one request at a time): the same image alone again is not encoded."""
+    from hf_async_cb.model import vision_dedupe
+
+    monkeypatch.setattr(vision_dedupe, "_PER_IMAGE", set())  # (as in a fresh process)
+    model = V.build_model(name)
+    model.generation_config.eos_token_id = None
+    inputs = V.build_inputs(name, "mixed", only_row=0)
+    expected = _stock(model, inputs)
+    try:
+        for call in range(3):
+            got = _stock(model, inputs, batching="sync", batching_config=BatchingConfig(page_size=4))
+            assert torch.equal(got, expected), call
+            stats = hf_async_cb.prefix_cache_stats(model)
+            assert stats["clears"] == 0, (call, stats)
+        assert stats["hit_tokens"] > 0
+        engine = hf_async_cb.Engine(model, BatchingConfig(mode="sync", page_size=4))
+        engine.start()
+        try:
+            prompt = inputs["input_ids"][0].tolist()
+            media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            for _ in range(2):
+                got = engine.add_request(prompt, max_new_tokens=NEW, media=media).result(timeout=120)
+                assert got.output_token_ids == expected[0, len(prompt):].tolist()
+            assert engine.tower_outputs.stats()["hits"] >= 1, engine.tower_outputs.stats()
+        finally:
+            engine.shutdown(timeout=60)
+            engine.close()
+    finally:
+        hf_async_cb.release(model)
 
 
 def test_the_serving_benchmark_with_images_runs_on_the_cpu(tmp_path):

@@ -52,6 +52,7 @@ from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.prepared import PreparedModel, model_guard
+from hf_async_cb.model.media_inputs import checked_media
 from hf_async_cb.model.vision import media_embeds
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
@@ -443,14 +444,16 @@ class Engine:
         params = one_params(params, param_kwargs)
         if media is not None and embeds is not None:
             raise ValueError("add_request takes embeds or media, not both.")
+        if media is not None:
+            media, ready = checked_media(self.model, media)
         request = self.make_request(prompt, params, logits_processor=logits_processor,
                                     stopping_criteria=stopping_criteria, on_token=on_token, embeds=embeds)
         seed_requests([request], self._online_seed, first_index=next(self._submissions))
         handle = RequestHandle(request)
         if media is not None:
             handle._before_admission = functools.partial(
-                media_embeds, media=dict(media), refusal=self.prepared_model.embeddings_refusal(), cache=self.cache,
-                towers=self.tower_outputs)
+                media_embeds, media=media, refusal=self.prepared_model.embeddings_refusal(), cache=self.cache,
+                towers=self.tower_outputs, ready=ready)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
         self._background.submit(handle)
         return handle

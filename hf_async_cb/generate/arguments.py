@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hf_async_cb.generate.cache_options import check_cache_implementation
-from hf_async_cb.generate.media import media_inputs
+from hf_async_cb.model.media_inputs import media_inputs
 from hf_async_cb.generate.peft_routing import check_no_row_routing
 from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
@@ -63,7 +63,7 @@ class GenerateCall:
     # inputs_embeds [batch, length, hidden] fed for the prompts (their rows aligned with attention_mask);
     # input_ids is then [batch, 0] when the call passed no ids (stock answers only the new tokens).
     inputs_embeds: torch.Tensor | None = None
-    media: dict | None = None  # a vision-language model's image inputs (generate/media.py), else None
+    media: dict | None = None  # a vision-language model's image inputs (model/media_inputs.py), else None
     virtual: object = None  # a PEFT prompt-tuning adapter's VirtualTokens (generate/prompt_learning.py), else None
 
     @property

@@ -35,7 +35,10 @@ from hf_async_cb.model.weight_kinds import is_plain
 
 _DEPTH = 4  # levels of objects inside objects read
 _LONGEST = 64  # items of a sequence or mapping read (and its length)
-_MODULE_BASICS = frozenset(vars(nn.Module())) | {"training"}  # nn.Module's own bookkeeping
+# nn.Module's own bookkeeping, and transformers' flags that change no forward: a model's output-capturing
+# hooks are installed at its first forward (a VLM's tower at its first image, inside a call: read in the
+# key, the flag made every VLM's second call drop the prefix cache and the tower outputs of its first).
+_MODULE_BASICS = frozenset(vars(nn.Module())) | {"training", "_output_capturing_hooks_installed", "_is_hf_initialized"}
 
 
 def _name(cls: type) -> str:

@@ -15,7 +15,9 @@ outputs are laid out again for every copy. Two kinds are recognised by their for
 Images are compared by content key (as the prefix cache names image embeddings), together with
 whatever else the tower is given per image; an output laid out otherwise (Pixtral packs its images into one
 sequence) has the tower run on every image, as before. Given an engine's TowerOutputCache
-(model/vision_feature_cache.py), images encoded by an earlier call are taken from it and not encoded again.
+(model/vision_feature_cache.py), images encoded by an earlier call are taken from it and not encoded again;
+a call of one image (a served request's merge) keeps that image's whole output, which a later call of
+that image alone takes, before any call has shown how the tower lays out several.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ class _Images:
         distinct = sorted(set(first))
         shown = type(self.tower) in _PER_IMAGE
         cache = self.cache
+        if n == 1 and cache is not None and not shown:
+            return self._alone(keys[0], others, every)
         held = {}
         if cache is not None and shown:
             for i in distinct:
@@ -202,6 +206,23 @@ class _Images:
             _NOT_PER_IMAGE.add(type(self.tower))
             _PER_IMAGE.discard(type(self.tower))
             return out if everything else every()
+
+
+    def _alone(self, key: bytes, others: str, every: Callable[[], object]):
+        """A call's one image, through a tower not yet seen laying several out per image (a serving
+        loop merges one request at a time): its whole output is that image's, kept as a whole and
+        given back as a whole, to a call of that image alone (never combined with others' outputs)."""
+        name = (self.name, others, key, "alone")
+        entry = self.cache.get(name)
+        if entry is not None:
+            return entry.rebuild([p.clone() if p is not None else None for p in entry.parts])
+        out = every()
+        try:
+            leaves, rebuild = _flatten(out)
+        except _NotPerImage:
+            return out
+        self.cache.put(name, rebuild, leaves)
+        return out
 
 
 def _flatten(value) -> tuple[list[torch.Tensor], Callable[[list], object]]:
