@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 import time
 import weakref
 from typing import Sequence
@@ -23,7 +24,7 @@ from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.pool_size import allocate_pool, pool_pages
 from hf_async_cb.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from hf_async_cb.engine.profiling import StepProfile
-from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
+from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt, known_suppressed
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
 from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
@@ -89,6 +90,7 @@ class Engine:
         self.config = config if config is not None else BatchingConfig()
         self.tokenizer = tokenizer  # lets add_request take text
         self._background: BackgroundLoop | None = None
+        self._lifecycle = threading.RLock()  # start() against start() and shutdown() from other threads
         self._closed = False
         self.last_profile: StepProfile | None = None  # of the last run, with BatchingConfig(profile=True)
         self.config.validate()
@@ -226,7 +228,7 @@ class Engine:
         """make_request() for a prompt already read as a list of ints (as_token_lists; generate()'s
         rows), which it keeps as it is: no second pass over its tokens. `checked`: the caller has run
         check_prompt on these ids and params already (generate() does, before the engine is taken)."""
-        params = with_model_eos(params, self.model, self.tokenizer)
+        params = known_suppressed(with_model_eos(params, self.model, self.tokenizer), self.prompt_limits.vocab_size)
         if not checked:
             check_prompt(ids, params, self.prompt_limits)
         if embeds is not None:
@@ -392,6 +394,10 @@ class Engine:
 
     def start(self, mode: str | None = None) -> None:
         """Run the loop on a background thread; then add_request() / abort() / shutdown()."""
+        with self._lifecycle:  # (two threads' start(): one loop, the other told it is running)
+            self._start(mode)
+
+    def _start(self, mode: str | None) -> None:
         self._check_open()
         if self._background is not None and self._background.ended:  # it stopped on an error: a new one
             self.shutdown(timeout=0)
@@ -433,7 +439,8 @@ class Engine:
         thread per request; keep it short, it runs between the loop's steps. If it raises, the
         request fails as for a raising stopping criterion."""
         self._check_open()
-        if self._background is None:
+        background = self._background  # (read once: a shutdown() from another thread may drop it meanwhile)
+        if background is None:
             raise RuntimeError("start() the engine before add_request().")
         if on_token is not None and not callable(on_token):
             raise ValueError(f"on_token must be a callable (request, token), got {on_token!r}.")
@@ -455,7 +462,7 @@ class Engine:
                 media_embeds, media=media, refusal=self.prepared_model.embeddings_refusal(), cache=self.cache,
                 towers=self.tower_outputs, ready=ready)
         handle._engine = weakref.ref(self)  # (abort() checks it; the handle does not keep the engine alive)
-        self._background.submit(handle)
+        background.submit(handle)  # (refused if that loop is stopping by now)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -463,22 +470,25 @@ class Engine:
         owner = getattr(handle, "_engine", None)
         if owner is None or owner() is not self:
             raise ValueError(f"request {getattr(handle, 'request_id', handle)!r} was not added to this engine.")
-        if self._background is not None:
-            self._background.abort(handle)
+        background = self._background
+        if background is not None:
+            background.abort(handle)
 
     def shutdown(self, cancel: bool = False, timeout: float | None = 60.0) -> None:
         """Stop the background loop: cancel=True aborts what is queued or running, else it finishes
         first. Waits at most `timeout` seconds; raises TimeoutError if the loop is still busy then.
         Called on the loop's thread (from on_token or a done-callback), it only asks: the loop stops
         as it would otherwise, without the wait, and a shutdown() from another thread joins it."""
-        if self._background is None:
-            return
         background = self._background
+        if background is None:
+            return
         if not background.stop(cancel, timeout):
             if background.on_loop_thread:  # asked, not joined: a thread cannot wait for itself
                 return
             raise TimeoutError(f"the engine's loop did not stop within {timeout} s")
-        self._background = None
+        with self._lifecycle:
+            if self._background is background:
+                self._background = None
 
     def close(self) -> None:
         """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give

@@ -65,6 +65,7 @@ class RequestHandle:
         self._abort = False
         self._callbacks: list = []
         self._before_admission = None  # run on the loop thread before it is taken in (its images' merge)
+        self._loop_thread: threading.Thread | None = None  # the thread of the loop serving it
 
     @property
     def request_id(self) -> str:
@@ -119,9 +120,19 @@ class RequestHandle:
     def _failure(self) -> RuntimeError:
         return RuntimeError(f"request {self.request_id} failed: {self.error!r}")
 
+    def _check_not_on_loop_thread(self) -> None:
+        """A wait on the loop's own thread (from on_token or a done-callback) would stop the loop, the
+        only thread that can end it: refused at once, never a hang."""
+        if threading.current_thread() is self._loop_thread:
+            raise RuntimeError(f"request {self.request_id} was waited for on the engine's loop thread (in on_token or a "
+                               "done-callback): the loop would stop until the wait ended, and only the loop can "
+                               "end it. Wait from another thread, or add_done_callback().")
+
     def _read_from(self, position: int) -> tuple[list[int], bool]:
         """The tokens from `position` on and whether the stream has ended; blocks until there is either."""
         with self._changed:
+            if position >= len(self._tokens) and not self._ended:
+                self._check_not_on_loop_thread()
             while position >= len(self._tokens) and not self._ended:
                 self._changed.wait()
             return self._tokens[position:], self._ended
@@ -145,6 +156,8 @@ class RequestHandle:
         return _AsyncTokens(self)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self._done.is_set():
+            self._check_not_on_loop_thread()
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
         if self.error is not None:
@@ -271,10 +284,12 @@ class _Worker:
                 self.active.clear()
         finally:
             self.pipeline.track_idle = False
+            model_guard(self.runner.model).release_reservation(self)  # (if it ended before holding the model)
 
     def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
         with self.runner.prepared("the background loop", serving=True):
+            model_guard(self.runner.model).release_reservation(self)  # (BackgroundLoop.start's claim)
             if self.stopping:  # asked to stop before it held the model: it must not serve then
                 model_guard(self.runner.model).stop_serving(self.thread_id)
             weights = WeightVersions(self.runner.model)
@@ -462,9 +477,14 @@ class BackgroundLoop:
     def start(self) -> None:
         # Refused here, not on the loop thread where no caller would see why (another loop that is
         # stopping is waited for there instead: ModelGuard.stop_serving).
-        if model_guard(self._worker.runner.model).serving_elsewhere():
+        guard = model_guard(self._worker.runner.model)
+        if not guard.reserve_serving(self._worker):  # (released by the loop once it holds the model)
             raise RuntimeError("the model is serving another Engine's background loop; shutdown() that one first.")
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            guard.release_reservation(self._worker)
+            raise
         _RUNNING.add(self)
 
     def submit(self, handle: RequestHandle) -> None:
@@ -477,6 +497,7 @@ class BackgroundLoop:
                 raise RuntimeError("the engine's loop is shutting down (or a shutdown() timed out): wait for it "
                                    "with shutdown(), then start() it again to add requests.")
             handle.request.on_token = _recorder(handle, handle.request.on_token)
+            handle._loop_thread = self.thread
             worker.intake.put(handle)
         worker.wake.set()
 

@@ -8,6 +8,8 @@ whose frequencies switch with the longest sequence of a forward (model/checks.ro
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +39,7 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
     sequences = {"bad_words_ids": [t for w in params.bad_words_ids for t in w],
                  "sequence_bias": [t for key, _ in params.sequence_bias for t in key]}
-    for name in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "sequence_bias"):
+    for name in ("bad_words_ids", "sequence_bias"):  # ((begin_)suppress_tokens: see known_suppressed)
         outside = [t for t in sequences.get(name, getattr(params, name)) if not 0 <= t < limits.vocab_size]
         if outside:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
@@ -60,3 +62,13 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
             "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
             "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
             f"{length + 1}, or run stock generate (batching='off').")
+
+
+def known_suppressed(params, vocab_size: int):
+    """`params` (SamplingParams) with the (begin_)suppress_tokens outside the vocabulary left out:
+    stock ignores them, as generate() does here (generate/stock_options.py)."""
+    names = ("suppress_tokens", "begin_suppress_tokens")
+    kept = {name: tuple(t for t in getattr(params, name) if 0 <= t < vocab_size) for name in names}
+    if all(kept[name] == getattr(params, name) for name in names):
+        return params
+    return dataclasses.replace(params, **kept)

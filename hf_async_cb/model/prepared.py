@@ -56,6 +56,7 @@ class ModelGuard:
         self._owner: int | None = None  # the thread of the engine call holding the model
         self._holds: list[str] = []  # the owner's nested holds, outermost first
         self._serving = False
+        self._reserved: object | None = None  # a background loop started whose thread has yet to hold the model
         self._stock: dict[int, int] = {}  # thread -> its stock calls in progress
 
     def _busy(self, what: str) -> RuntimeError:
@@ -115,6 +116,22 @@ class ModelGuard:
     def serving_elsewhere(self) -> bool:
         """Whether another thread holds the model for a background loop that is not stopping."""
         return self._serving and self._owner != threading.get_ident()
+
+    def reserve_serving(self, loop: object) -> bool:
+        """Claim the model for background loop `loop` as it starts (its own thread holds the model
+        later): False if another loop serves it or claimed it first, so that of two engines started
+        at once on one model, one is refused in its caller's thread."""
+        with self._cond:
+            if self.serving_elsewhere() or self._reserved not in (None, loop):
+                return False
+            self._reserved = loop
+            return True
+
+    def release_reservation(self, loop: object) -> None:
+        """`loop` holds the model now (or ended without): its claim is done."""
+        with self._cond:
+            if self._reserved is loop:
+                self._reserved = None
 
     def stop_serving(self, owner: int) -> None:
         """The background loop on thread `owner` is stopping: from now on other calls wait for it to
