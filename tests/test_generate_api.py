@@ -351,6 +351,9 @@ def test_neutral_arguments_run_and_a_typo_gets_stocks_message(mode):
     with pytest.raises(ValueError) as ours:
         model.generate(ids, attention_mask=mask, max_new_tokens=4, batching=mode, max_new_token=4)
     assert str(ours.value) == str(stock_error.value) and "typo" in str(ours.value)
-    with pytest.raises(ValueError, match="past_key_values|cache"):
+    with pytest.raises(ValueError, match="does not take `past_key_values`: the engine keeps its own paged cache"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, batching=mode,
                        past_key_values=transformers.DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="does not take `cache`"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, batching=mode,
+                       cache=transformers.DynamicCache(config=model.config))

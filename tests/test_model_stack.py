@@ -352,6 +352,57 @@ def test_quantized_weights_are_exact_and_never_fused(saved_llama, method):
     _assert_exact(model, UNFUSABLE_RUNS)
 
 
+def _k_proj(model):
+    return model.model.layers[0].self_attn.k_proj
+
+
+# Writes inside a quantized weight that bump no counter of the weight the model lists (its inner data,
+# its scales, the objects it carries) or that only move its rows (which a plain sum of its bits misses).
+INNER_WRITES = {
+    "bitsandbytes-nf4 absmax": ("bitsandbytes-nf4", lambda m: _k_proj(m).weight.quant_state.absmax.mul_(-1.5)),
+    "bitsandbytes-nf4 rows flipped": ("bitsandbytes-nf4", lambda m: _k_proj(m).weight.data.copy_(
+        _k_proj(m).weight.data.flip(0))),
+    "bitsandbytes-int8 rows flipped": ("bitsandbytes-int8", lambda m: _k_proj(m).weight.data.copy_(
+        _k_proj(m).weight.data.flip(0))),
+    "quanto-int8 data": ("quanto-int8", lambda m: _k_proj(m).weight._data.copy_(_k_proj(m).weight._data.flip(0))),
+    "hqq-4bit meta scale": ("hqq-4bit", lambda m: _k_proj(m).meta["scale"].mul_(-1.5)),
+    "torchao-int8 scale": ("torchao-int8-weight-only", lambda m: _k_proj(m).weight.scale.mul_(-1.5)),
+    "torchao-int8 qdata rows flipped": ("torchao-int8-weight-only", lambda m: _k_proj(m).weight.qdata.copy_(
+        _k_proj(m).weight.qdata.flip(0))),
+}
+
+
+@pytest.mark.parametrize("write", list(INNER_WRITES))
+def test_a_write_inside_a_quantized_weight_is_seen_by_the_next_call(saved_llama, write):
+    """The prefix cache keeps pages across calls; a write inside a quantized weight (torchao's qdata
+    and scale, bitsandbytes' quant_state, HQQ's meta dict, quanto's data) or one that only moves a
+    weight's rows changes no counter a plain weight list shows, and left the old K/V served: the
+    next call now computes them again, with stock's tokens for the model as it is now."""
+    method, change = INNER_WRITES[write]
+    model = QUANTIZED[method](saved_llama).eval()
+    shared = random_prompts(1, 24, 24, seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 2, 5, seed=4)]
+    ids, mask = left_pad(prompts)
+    config = BatchingConfig(page_size=8)
+
+    def run(batching):
+        return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, eos_token_id=None,
+                              pad_token_id=0, batching=batching, batching_config=config)
+
+    try:
+        before = run("off")
+        assert torch.equal(run("sync"), before)  # (its pages cached)
+        with torch.no_grad():
+            change(model)
+        expected = run("off")
+        assert not torch.equal(expected, before)  # (the write changes the tokens: stale pages would show)
+        assert torch.equal(run("sync"), expected)
+        assert torch.equal(run("async"), expected)
+        assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] > 0  # (the cache serves, just not stale pages)
+    finally:
+        hf_async_cb.release(model)
+
+
 def test_quanto_packed_weights_are_known_to_escape_cuda_graphs(saved_llama):
     """quanto's 2/4-bit weights run CUDA kernels on the legacy stream, which a CUDA graph does not
     record (on an H200 its graphs gave other tokens): the engine runs such models eagerly there.

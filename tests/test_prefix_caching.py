@@ -258,6 +258,7 @@ WRITES_WITHOUT_COUNTERS = {
     ".data.mul_(-1) (a sign flip: no norm sees it)": lambda w: w.data.mul_(-1.0),
     "a NumPy view": lambda w: w.detach().numpy().__imul__(1.7),
     "one value, one step": lambda w: w.data.view(-1)[7].add_(w.data.view(-1)[7].abs() * 0.01 + 1e-3),
+    "rows reordered (every sum the same)": lambda w: w.data.copy_(w.data.flip(0)),
 }
 
 

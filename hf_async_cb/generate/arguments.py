@@ -25,8 +25,7 @@ _UNSUPPORTED_ARGUMENTS = (
     "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
-_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False, "past_key_values": None,
-                         "cache": None}
+_IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
 
 # Other decoding strategies and outputs the engine does not produce, named in the error. (Anything
 # missing here is still caught: by the generation-mode check, and by probing stock's processors.)
@@ -95,6 +94,12 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
         inputs = check_inputs_embeds(embeds, inputs, model)
     tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as stock generate takes it
     kwargs.pop("trust_remote_code", None)  # (stock's, for a custom_generate from the Hub: refused above)
+    for name in ("past_key_values", "cache"):  # (one argument under its old and new names)
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate(batching={mode!r}) does not take `{name}`: the engine keeps its own paged "
+                             "cache (and reuses shared prefixes itself); drop it, or use batching='off' to continue "
+                             "from a cache of your own.")
+        kwargs.pop(name, None)
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     _check_model_kwargs_as_stock(model, model_kwargs)
     media = media_inputs(model, model_kwargs, mode)  # a vision-language model's images and their kin

@@ -36,7 +36,7 @@ from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, user_hooks
 from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.weight_kinds import content_sums, storage_key, versions
+from hf_async_cb.model.weight_kinds import content_sums, held_tensors, storage_key, versions
 
 
 def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | None:
@@ -49,8 +49,7 @@ def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | Non
     modules = [m for _, m in named]
     if runs_user_code(model, modules):
         return None
-    tensors = [*parameters_of(modules), *_unique(t for m in modules for t in m._buffers.values()),
-               *attribute_tensors(model, modules)]
+    tensors = model_tensors(model, modules)
     counters = versions(tensors)
     if counters is None:
         return None
@@ -62,6 +61,18 @@ def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | Non
     fingerprint = (sum(counters), hash(storages), _adapter_state(modules), settings,
                    numeric_context(tensors[0].device.type if tensors else "cpu"))
     return fingerprint + (content_sums(tensors),) if content else fingerprint
+
+
+def model_tensors(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
+    """Every tensor the model computes from: parameters, buffers, the attributes of modules of other
+    code than transformers', and what each of those holds inside (weight_kinds.held_tensors: a
+    quantized weight's inner data and scales, which a write can change without bumping any counter
+    of the weight itself)."""
+    modules = list(model.modules()) if modules is None else modules
+    listed = [*parameters_of(modules), *_unique(t for m in modules for t in m._buffers.values()),
+              *attribute_tensors(model, modules)]
+    seen = {id(t) for t in listed}
+    return listed + [inner for t in listed for inner in held_tensors(t, seen=seen)]
 
 
 def parameters_of(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -102,11 +113,23 @@ def _patched(module: torch.nn.Module) -> bool:
 
 
 def attribute_tensors(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
-    """Tensors the modules of other code than transformers' hold as plain attributes (parameters and
-    buffers are kept apart, in their own tables). transformers' own modules hold none that their
-    numerics read, only what a forward leaves for the next (Qwen2-VL's `rope_deltas`)."""
-    return [v for m in (modules or model.modules()) if not type(m).__module__.startswith("transformers.")
-            for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    """Tensors the modules of other code than transformers' hold as plain attributes, or inside the
+    containers and objects they hold (HQQ's `meta` dict of scales and zeros); parameters and buffers
+    are kept apart, in their own tables. transformers' own modules hold none that their numerics
+    read, only what a forward leaves for the next (Qwen2-VL's `rope_deltas`)."""
+    found: list[torch.Tensor] = []
+    for m in (modules or model.modules()):
+        if type(m).__module__.startswith("transformers."):
+            continue
+        for name, v in vars(m).items():
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif name not in _MODULE_TABLES and not isinstance(v, (str, int, float, bool, type(None))):
+                found += held_tensors(v)
+    return found
+
+
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: parameters, buffers, children, hooks
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -142,7 +165,7 @@ class WeightVersions:
     Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._tensors = [*model.parameters(), *model.buffers(), *attribute_tensors(model)]
+        self._tensors = model_tensors(model)
         self._device_type = self._tensors[0].device.type if self._tensors else "cpu"
         self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
         self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)

@@ -11,6 +11,8 @@ everything else runs through its own module's forward, as in stock.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -64,13 +66,15 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def content_sums(tensors) -> tuple:
     """Per tensor, numbers that change when its values do, whatever wrote them: a write through
     `.data`, a collective (`broadcast`, `all_reduce`: RL trainers' weight sync) or a NumPy view
-    bumps no version counter. The sum of the tensor's bits read as 32-bit words, wrapping (mod 2**32,
-    so the same whatever the reduction order), moves with any change of one word; a floating tensor
-    also gives the float32 sum of its values, which moves when every sign flips (each word then moves
-    by 2**31, and an even count of them cancels in the first). A tensor over no storage of its own (a
-    wrapper subclass: its inner tensors hold the data) or of another kind (complex) gives None.
-    About two reads of the data, one transfer per device (a float64 norm beside an int64 sum, the
-    first form, took 72 ms for an 8B bf16 model on an H100; benchmarks/fingerprint_cost.py times it)."""
+    bumps no version counter. Each row's bits read as 32-bit words are summed, wrapping (mod 2**32,
+    so the same whatever the reduction order), and the rows' sums weighted by their place: any
+    change of one word moves it, and so does a write that only moves rows (a flip, two heads
+    swapped), which a plain sum would not see. A floating tensor also gives its rows' float32 sums,
+    weighted likewise, which move when every sign flips (each word then moves by 2**31, and an even
+    count of them cancels in the first). A tensor over no storage of its own (a wrapper subclass: its
+    inner tensors hold the data, and are listed themselves: held_tensors) or of another kind
+    (complex) gives None. About two reads of the data, a few small kernels per tensor, one transfer
+    per device (benchmarks/fingerprint_cost.py times it)."""
     groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         data = _plain_view(t)
@@ -78,28 +82,113 @@ def content_sums(tensors) -> tuple:
             groups.setdefault(data.device, []).append((i, data))
     out: list = [None] * len(tensors)
     for device, members in groups.items():
-        words = torch.stack([_word_sum(t) for _, t in members]).tolist()
-        values = torch.stack([t.sum(dtype=torch.float32) if t.dtype in FLOATING else
-                              torch.zeros((), dtype=torch.float32, device=device) for _, t in members]).tolist()
-        for (i, _), word, value in zip(members, words, values):
+        word_rows, values = [], []
+        for _, t in members:
+            words, rows = _rows(t)
+            word_rows.append(words.sum(dim=1, dtype=torch.int32))
+            if t.dtype in FLOATING:
+                values.append(torch.dot(rows.sum(dim=1, dtype=torch.float32), _place_weights(rows.shape[0], device)[1]))
+            else:
+                values.append(torch.zeros((), dtype=torch.float32, device=device))
+        lengths = tuple(len(r) for r in word_rows)
+        weights, member = _layout(lengths, device)
+        # Integer arithmetic is exact whatever the order of the additions (wrapping in int64).
+        words = torch.zeros(len(members), dtype=torch.int64, device=device).index_add_(
+            0, member, torch.cat(word_rows).to(torch.int64) * weights)
+        for (i, _), word, value in zip(members, words.tolist(), torch.stack(values).tolist()):
             out[i] = (word, value)
     return tuple(out)
 
 
-def _word_sum(t: torch.Tensor) -> torch.Tensor:
-    """The wrapping int32 sum of t's bits as 32-bit words (as narrower words where its size is not a
-    multiple of 4 bytes: a tensor of an odd number of 16-bit values)."""
-    if not t.numel():
-        return torch.zeros((), dtype=torch.int32, device=t.device)
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t`'s data as [rows, words] (int32 words, or narrower where its size is not a multiple of 4
+    bytes: a tensor of an odd number of 16-bit values) and as [rows, values]: a row is its last
+    dimension (one value, for a vector), or all of it where a row is not a whole number of words."""
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    size = t.element_size()
-    if size < 4 and (flat.numel() * size) % 4 == 0:
-        words = flat.view(torch.int32)
-    else:
-        words = flat.view(_BITS[size])
+    if not flat.numel():
+        flat = flat.new_zeros(1)
+    size = flat.element_size()
+    words = flat.view(torch.int32) if size < 4 and (flat.numel() * size) % 4 == 0 else flat.view(_BITS[size])
     if words.dtype == torch.int64:  # (8-byte values: the low and high words)
         words = words.view(torch.int32)
-    return words.sum(dtype=torch.int32)
+    per_row = t.shape[-1] if t.dim() >= 2 and t.numel() else 1
+    row_bytes = per_row * size
+    word_size = words.element_size()
+    columns = row_bytes // word_size if row_bytes % word_size == 0 else words.numel()
+    return words.view(-1, columns), flat.view(-1, per_row)
+
+
+@functools.lru_cache(maxsize=256)
+def _place_weights(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed weights for `rows` row sums by their place: int64 (odd multiples of a large constant,
+    below 2**32) and float32 in [0.5, 1.5)."""
+    places = torch.arange(rows, dtype=torch.int64)
+    integer = (places * 2654435761 + 1) % (1 << 32)
+    real = 0.5 + torch.rand(rows, generator=torch.Generator().manual_seed(rows))
+    return integer.to(device), real.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer place weights of every row of tensors of `lengths` rows, laid end to end, and each
+    row's tensor index (a model's layout is the same call after call: built once)."""
+    weights = torch.cat([_place_weights(n, device)[0] for n in lengths])
+    member = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                     torch.tensor(lengths, device=device))
+    return weights, member
+
+
+def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors `value` holds beyond itself, where an in-place write bumps no counter of a weight
+    the model lists: a wrapper subclass's inner tensors (torchao's qdata and scale), the objects a
+    Parameter subclass carries (bitsandbytes' quant_state: absmax, code), a container's tensors (HQQ's
+    meta dict: scale, zero). Three levels deep at most, modules and configs left out (each is
+    listed on its own), each tensor once."""
+    seen = set() if seen is None else seen
+    found: list[torch.Tensor] = []
+
+    def walk(v, level: int) -> None:
+        if isinstance(v, torch.Tensor):
+            if level:  # (`value` itself may be listed by the caller already)
+                if id(v) in seen:
+                    return
+                seen.add(id(v))
+                found.append(v)
+            if is_plain(v) or level >= _HELD_DEPTH:
+                return
+            flatten = getattr(v, "__tensor_flatten__", None)
+            if callable(flatten):
+                try:
+                    for name in flatten()[0]:
+                        walk(getattr(v, name, None), level + 1)
+                except Exception:  # noqa: BLE001 - its attributes below still list them
+                    pass
+            for item in vars(v).values():
+                walk(item, level + 1)
+            return
+        if level >= _HELD_DEPTH or v is None or isinstance(v, (str, bytes, int, float, bool, nn.Module, type)):
+            return
+        if isinstance(v, dict):
+            for item in list(v.values())[:_HELD_ITEMS]:
+                walk(item, level + 1)
+        elif isinstance(v, (list, tuple)):
+            for item in v[:_HELD_ITEMS]:
+                walk(item, level + 1)
+        elif not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not _is_config(v):
+            for item in list(vars(v).values())[:_HELD_ITEMS]:
+                walk(item, level + 1)
+
+    walk(value, depth)
+    return found
+
+
+_HELD_DEPTH = 3
+_HELD_ITEMS = 64
+
+
+def _is_config(value) -> bool:
+    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig")
+               for base in type(value).__mro__)
 
 
 def _plain_view(t: torch.Tensor) -> torch.Tensor | None:
