@@ -73,8 +73,9 @@ def content_sums(tensors) -> tuple:
     weighted likewise, which move when every sign flips (each word then moves by 2**31, and an even
     count of them cancels in the first). A tensor over no storage of its own (a wrapper subclass: its
     inner tensors hold the data, and are listed themselves: held_tensors) or of another kind
-    (complex) gives None. About two reads of the data, a few small kernels per tensor, one transfer
-    per device (benchmarks/fingerprint_cost.py times it)."""
+    (complex) gives None. About two reads of the data, four small kernels per tensor and no
+    temporary larger than a tensor's row count, one transfer per device (benchmarks/fingerprint_cost.py
+    times it)."""
     groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         data = _plain_view(t)
@@ -82,20 +83,17 @@ def content_sums(tensors) -> tuple:
             groups.setdefault(data.device, []).append((i, data))
     out: list = [None] * len(tensors)
     for device, members in groups.items():
-        word_rows, values = [], []
+        words, values = [], []
         for _, t in members:
-            words, rows = _rows(t)
-            word_rows.append(words.sum(dim=1, dtype=torch.int32))
+            word_rows, rows = _rows(t)
+            # Integer arithmetic is exact whatever the order of the additions (int64, wrapping).
+            place = _place_weights(word_rows.shape[0], device)[0]
+            words.append((word_rows.sum(dim=1, dtype=torch.int32) * place).sum())
             if t.dtype in FLOATING:
                 values.append(torch.dot(rows.sum(dim=1, dtype=torch.float32), _place_weights(rows.shape[0], device)[1]))
             else:
                 values.append(torch.zeros((), dtype=torch.float32, device=device))
-        lengths = tuple(len(r) for r in word_rows)
-        weights, member = _layout(lengths, device)
-        # Integer arithmetic is exact whatever the order of the additions (wrapping in int64).
-        words = torch.zeros(len(members), dtype=torch.int64, device=device).index_add_(
-            0, member, torch.cat(word_rows).to(torch.int64) * weights)
-        for (i, _), word, value in zip(members, words.tolist(), torch.stack(values).tolist()):
+        for (i, _), word, value in zip(members, torch.stack(words).tolist(), torch.stack(values).tolist()):
             out[i] = (word, value)
     return tuple(out)
 
@@ -126,16 +124,6 @@ def _place_weights(rows: int, device: torch.device) -> tuple[torch.Tensor, torch
     integer = (places * 2654435761 + 1) % (1 << 32)
     real = 0.5 + torch.rand(rows, generator=torch.Generator().manual_seed(rows))
     return integer.to(device), real.to(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The integer place weights of every row of tensors of `lengths` rows, laid end to end, and each
-    row's tensor index (a model's layout is the same call after call: built once)."""
-    weights = torch.cat([_place_weights(n, device)[0] for n in lengths])
-    member = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                     torch.tensor(lengths, device=device))
-    return weights, member
 
 
 def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[torch.Tensor]:
