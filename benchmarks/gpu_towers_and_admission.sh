@@ -10,7 +10,9 @@
 #           H100: 6.07x, 0.728);
 #  serve    the 8B serving benchmark with a 1,024-token system prompt: async, async with late admission,
 #           caching off, sync (issues 28/30; prediction: async-late TTFT p50 14-16 ms against async's 20);
-#  weights  the per-call weights check (H100: 31 ms with the content pass, 14.4 ms without).
+#  weights  the per-call weights check (H100 at 2e43cee: 31 ms with the content pass, 14.4 ms without;
+#           prediction after the one-walk fingerprint and the place-weighted rows: ~9 ms without, ~30-36
+#           with: the same two reads, two more small kernels per tensor).
 # STEPS picks some of them (default: all, in this order). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
