@@ -409,17 +409,25 @@ class Engine:
         if self.tensor_parallel is not None:
             raise ValueError("a background loop cannot serve a tensor-parallel model: each rank would admit requests "
                              "at its own steps and the ranks' collectives would no longer match; use generate().")
-        if not model_guard(self.model).held_elsewhere():  # else another call has it swapped: the loop checks
-            self.runner.check_model_unchanged()
-        self.check_caches()
-        if not model_guard(self.model).serving_elsewhere():  # (else refused below, by the loop's own message)
+        # The model claimed for this loop first, so that of two engines started at once on one model one
+        # is refused here, with the reason; the loop's thread gives the claim up once it holds the model.
+        guard, claim = model_guard(self.model), object()
+        if not guard.reserve_serving(claim):
+            raise RuntimeError("the model is serving another Engine's background loop; shutdown() that one first.")
+        try:
+            if not guard.held_elsewhere():  # else another call has it swapped: the loop checks
+                self.runner.check_model_unchanged()
+            self.check_caches()
             self.prepared_model.embeddings_refusal()  # checked now: the serving loop holds the model from here on
-        background = BackgroundLoop(self, self._mode(mode))
-        if self.config.profile:  # the loop's steps, from here to shutdown()
-            background.pipeline.profile = self.last_profile = StepProfile(self.streams)
-        if self._online_seed is None:
-            self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
-        background.start()  # (refused when another engine's loop serves the model: then none is kept)
+            background = BackgroundLoop(self, self._mode(mode), claim)
+            if self.config.profile:  # the loop's steps, from here to shutdown()
+                background.pipeline.profile = self.last_profile = StepProfile(self.streams)
+            if self._online_seed is None:
+                self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
+            background.start()
+        except BaseException:
+            guard.release_reservation(claim)
+            raise
         self._background = background
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, logits_processor=None,

@@ -238,6 +238,7 @@ class _Worker:
         self.runner = runner
         self.config = config
         self.tower_outputs = tower_outputs
+        self.claim: object | None = None  # the model claimed for this loop (Engine.start), until it holds it
         self.intake: queue.Queue[RequestHandle] = queue.Queue()
         self.active: dict[int, RequestHandle] = {}
         self.aborts: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()  # asked by abort(), not yet applied
@@ -284,12 +285,12 @@ class _Worker:
                 self.active.clear()
         finally:
             self.pipeline.track_idle = False
-            model_guard(self.runner.model).release_reservation(self)  # (if it ended before holding the model)
+            model_guard(self.runner.model).release_reservation(self.claim)  # (if it ended before holding the model)
 
     def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
         with self.runner.prepared("the background loop", serving=True):
-            model_guard(self.runner.model).release_reservation(self)  # (BackgroundLoop.start's claim)
+            model_guard(self.runner.model).release_reservation(self.claim)  # (Engine.start's claim)
             if self.stopping:  # asked to stop before it held the model: it must not serve then
                 model_guard(self.runner.model).stop_serving(self.thread_id)
             weights = WeightVersions(self.runner.model)
@@ -463,28 +464,22 @@ def _drained(q: queue.SimpleQueue) -> list:
 class BackgroundLoop:
     """The engine's side of the loop thread: submit, abort, stop."""
 
-    def __init__(self, engine, mode: str) -> None:
+    def __init__(self, engine, mode: str, claim: object) -> None:
         # No reference to the engine (it holds this): an engine dropped without shutdown() is then
         # collected at once, and its finalizer below stops the loop.
         self.pipeline = engine.pipeline(mode)
         self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs,
                                engine.device.type)
+        self._worker.claim = claim  # (ModelGuard.reserve_serving's, given up once the loop holds the model)
         self.thread = threading.Thread(target=above_a_large_stack_chunk, args=(self._worker.run,), name="hf_async_cb-loop",
                                        daemon=True)  # (engine/stack_chunk.py)
         # The engine collected while the loop runs: cancel what it holds and end the thread.
         self._on_collected = weakref.finalize(engine, self._worker.request_stop, True)
 
     def start(self) -> None:
-        # Refused here, not on the loop thread where no caller would see why (another loop that is
-        # stopping is waited for there instead: ModelGuard.stop_serving).
-        guard = model_guard(self._worker.runner.model)
-        if not guard.reserve_serving(self._worker):  # (released by the loop once it holds the model)
-            raise RuntimeError("the model is serving another Engine's background loop; shutdown() that one first.")
-        try:
-            self.thread.start()
-        except BaseException:
-            guard.release_reservation(self._worker)
-            raise
+        # (The model is claimed by Engine.start already: another engine's loop is refused there, in
+        # its caller's thread; one that is stopping is waited for here, ModelGuard.stop_serving.)
+        self.thread.start()
         _RUNNING.add(self)
 
     def submit(self, handle: RequestHandle) -> None:
