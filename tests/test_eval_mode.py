@@ -148,3 +148,29 @@ def test_an_engine_call_waiting_for_a_stock_call_leaves_its_modes_alone():
     assert seen and all(all(modes) for modes in seen)  # every stock step in train mode
     assert all(_modes(model))
     assert torch.equal(results[0], _eval_tokens(model.eval()))
+
+
+@pytest.mark.parametrize("family, rates", [
+    ("starcoder2", dict(residual_dropout=0.3)),  # functional dropout of the module's own rate
+    ("starcoder2", dict(embedding_dropout=0.3)),
+    ("mixtral", dict(router_jitter_noise=0.5)),  # a router's noise, in training only
+    ("starcoder2", dict()),  # nothing random in training: no warning
+])
+def test_the_train_mode_warning_names_every_rate_that_acts_in_training(family, rates, caplog):
+    """The one warning for a train-mode model reads a module's own rates by name (functional dropout,
+    a router's jitter noise), not a fixed list of dropout names; the tokens are the eval tokens."""
+    from model_configs import tiny_config
+
+    config, _ = tiny_config(family)
+    for name, value in rates.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = scaled(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    ids, mask = left_pad(PROMPTS)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, batching="off")
+    model.train()
+    with caplog.at_level(logging.WARNING, logger="hf_async_cb"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, batching="sync")
+    assert torch.equal(got, expected)
+    warned = sum("training mode with dropout" in r.getMessage() for r in caplog.records)
+    assert warned == (1 if rates else 0)

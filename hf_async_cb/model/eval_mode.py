@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _HELD: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # model -> [calls, modules]
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-_RATES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_rate", "hidden_dropout")
+# A module's own rates of what acts in training only, by name: dropout layers' and functional dropout's
+# (`residual_dropout`, `embedding_dropout`), drop-path's, a router's jitter noise (`jitter_noise`).
+_RANDOM_IN_TRAINING = ("drop", "jitter", "noise")
 
 
 @contextlib.contextmanager
@@ -62,10 +64,12 @@ def as_in_eval(model: nn.Module, warn: bool = True) -> Iterator[None]:
 
 
 def _drops(modules: list[nn.Module]) -> bool:
-    """Whether any of these modules would drop something in train mode (a dropout layer or rate > 0)."""
+    """Whether any of these modules would act at random in train mode: a dropout layer, or a rate of
+    its own > 0 (see _RANDOM_IN_TRAINING)."""
     for m in modules:
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        if any(isinstance(getattr(m, name, None), float) and getattr(m, name) > 0 for name in _RATES):
+        if any(type(value) is float and value > 0 and any(word in name for word in _RANDOM_IN_TRAINING)
+               for name, value in vars(m).items()):
             return True
     return False
