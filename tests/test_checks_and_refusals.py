@@ -115,3 +115,30 @@ def test_a_row_larger_than_the_memory_budget_is_refused_without_a_rebuild():
     with pytest.raises(ValueError, match="all its memory budget allows"):
         model.generate(ids, max_new_tokens=30000, batching="sync", batching_config=config)
     assert hf_async_cb.runtime_info(model) == before
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_window_of_one_token_is_refused_by_name_and_two_runs(family):
+    """At sliding_window=1 stock's cached generate disagrees with its own uncached forward (its cache
+    keeps no past token), so there are no stock tokens to give: refused by name, before any work.
+    A window of 2 gives stock's tokens."""
+    from model_configs import tiny_config
+
+    prompts = random_prompts(3, 4, 12, seed=41)
+    ids, mask = left_pad(prompts)
+    for window in (1, 2):
+        config, _ = tiny_config(family)
+        config.sliding_window = window
+        torch.manual_seed(0)
+        model = scaled(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, batching="off")
+        if window == 1:
+            uncached = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, batching="off",
+                                      use_cache=False)
+            assert not torch.equal(expected, uncached)  # (why it is refused: stock disagrees with itself)
+            with pytest.raises(ValueError, match="sliding_window=1"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, batching="sync")
+        else:
+            for mode in ("sync", "async"):
+                got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, batching=mode)
+                assert torch.equal(got, expected), mode

@@ -54,6 +54,12 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
             raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
     if getattr(config, "is_causal", True) is False:
         raise ValueError(f"{name} has bidirectional attention (is_causal=False); hf_async_cb needs a causal LM.")
+    window = getattr(config, "sliding_window", None)
+    if (type(window) is int and window == 1 and getattr(config, "use_sliding_window", True) is not False
+            and (layer_types is None or "sliding_attention" in layer_types)):
+        raise ValueError(f"{name} has sliding_window=1 (each token sees itself alone): stock generate's own cache "
+                         "keeps no past token there and its tokens differ from its uncached forward's, so the "
+                         "engine has no stock tokens to give; use batching='off', or a window of 2 or more.")
     check_rows_computed_apart(model)  # per-tensor activation quantization (model/batch_invariance.py)
 
 
