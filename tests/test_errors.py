@@ -366,6 +366,9 @@ def test_rope_that_switches_with_the_longest_sequence_is_kept_below_its_switch(k
         assert torch.equal(out, expected)
     with pytest.raises(ValueError, match=rf"runs past 48 positions, where the model's '{kind}' RoPE"):
         model.generate(ids, attention_mask=mask, max_new_tokens=new + 1, batching="sync")
+    longer = torch.randint(3, 200, (1, 50), generator=torch.Generator().manual_seed(3))  # past the 48 positions:
+    with pytest.raises(ValueError, match=rf"where the model's '{kind}' RoPE"):  # the switch is the reason
+        model.generate(longer, max_new_tokens=2, batching="sync")
 
 
 def test_a_hybrid_model_is_refused_naming_only_its_other_layers():

@@ -44,6 +44,15 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
         if outside:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
     fed_positions = len(ids) + params.max_new_tokens - 1  # (the last token is sampled, never fed)
+    # (The RoPE switch first: where it applies, it is the reason a longer prompt cannot run.)
+    if limits.rope_switch is not None and fed_positions > limits.rope_switch[0]:
+        length, kind = limits.rope_switch
+        raise ValueError(
+            f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "
+            f"the model's {kind!r} RoPE starts to pick its frequencies by the longest sequence in a forward: past "
+            "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
+            "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
+            f"{length + 1}, or run stock generate (batching='off').")
     if limits.max_positions is not None:
         if len(ids) > limits.max_positions:
             raise ValueError(
@@ -54,14 +63,6 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
                 f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
                 f"{limits.max_positions} positions of its position table; lower max_new_tokens."
             )
-    if limits.rope_switch is not None and fed_positions > limits.rope_switch[0]:
-        length, kind = limits.rope_switch
-        raise ValueError(
-            f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past {length} positions, where "
-            f"the model's {kind!r} RoPE starts to pick its frequencies by the longest sequence in a forward: past "
-            "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
-            "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
-            f"{length + 1}, or run stock generate (batching='off').")
 
 
 def known_suppressed(params, vocab_size: int):
