@@ -644,12 +644,14 @@ def test_suppressed_tokens_run_on_the_device(option, eos_candidates, monkeypatch
     assert not torch.equal(plain, expected), "the option should change the tokens"
 
 
-def test_suppress_tokens_outside_the_vocabulary_are_a_clear_error_on_the_engine():
+def test_suppress_tokens_outside_the_vocabulary_are_ignored_on_the_engine_as_in_generate():
+    """As stock and generate() do (docs/api.md); the engine once refused them."""
     from hf_async_cb import SamplingParams
 
     engine = Engine(tiny_model("llama"), BatchingConfig())
-    with pytest.raises(ValueError, match="suppress_tokens"):
-        engine.generate([[3, 4]], SamplingParams(suppress_tokens=(5, 10_000)))
+    got = engine.generate([[3, 4]], SamplingParams(suppress_tokens=(5, 10_000), max_new_tokens=6, eos_token_ids=()))
+    expected = engine.generate([[3, 4]], SamplingParams(suppress_tokens=(5,), max_new_tokens=6, eos_token_ids=()))
+    assert got[0].output_token_ids == expected[0].output_token_ids
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
