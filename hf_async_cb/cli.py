@@ -140,6 +140,8 @@ def bench(args: argparse.Namespace) -> int:
     from hf_async_cb.tools import bench as b
 
     if args.serve:
+        if args.breakdown:
+            raise SystemExit("--breakdown profiles the batch bench's async loop: not with --serve")
         return serve(args)
     given = [f"--{name.replace('_', '-')}" for name in SERVE_ONLY if getattr(args, name) is not None]
     if given:
@@ -229,6 +231,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def profile(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401 - drawn after the whole run: checked before it
+    except ImportError:
+        raise SystemExit("profile draws its timeline with matplotlib: pip install 'hf-async-cb[demo]' "
+                         "(or matplotlib)") from None
     from hf_async_cb.config import BatchingConfig
     from hf_async_cb.engine.engine import Engine
     from hf_async_cb.engine.profiling import plot_timelines
@@ -310,11 +317,25 @@ def device_name(text: str) -> str:
 
 
 def writable_file(text: str) -> str:
-    """An argparse type: a file path whose folder exists (checked before a long run, not after)."""
-    folder = os.path.dirname(os.path.abspath(text))
+    """An argparse type: a file path whose folder exists and can be written in, and that is no folder
+    itself (checked before a long run, not after)."""
+    path = os.path.abspath(text)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name in it")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written (permissions)")
     return text
+
+
+def png_file(text: str) -> str:
+    """An argparse type: a writable file path for a picture, named .png (matplotlib would add the
+    suffix to a name without one, and refuse one it does not know, after the whole run)."""
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text}: the timeline is a PNG; name it ....png")
+    return writable_file(text)
 
 
 def _workload_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
@@ -406,7 +427,7 @@ def build_parser(prog: str = CONSOLE_PROG) -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)
     _workload_args(p, dict(shape="tiny", requests=16, prompt=32, new=32))
     p.add_argument("--last-ms", type=positive_float, default=None, help="draw only the last N ms of each run")
-    p.add_argument("--out", default="timeline.png", help="the PNG to write")
+    p.add_argument("--out", type=png_file, default="timeline.png", help="the PNG to write")
     p.set_defaults(func=profile)
     return parser
 
@@ -415,4 +436,8 @@ def main(argv: list[str] | None = None, prog: str = CONSOLE_PROG) -> int:
     """The console script's entry point; `python -m hf_async_cb` passes prog=MODULE_PROG."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser(prog).parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the frames it landed in (a bench says what it finished)
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -201,7 +201,8 @@ def test_bench_serve_prints_a_row_per_path(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv", [["--requests", "0"], ["--new", "0"], ["--prompt", "-3"], ["--requests", "2.5"],
                                   ["--mixed-prefill-tokens", "0"], ["--seed", "-1"], ["--device", "foo"],
-                                  ["--device", "tpu"], ["--json", "/nonexistent/folder/report.json"]])
+                                  ["--device", "tpu"], ["--json", "/nonexistent/folder/report.json"],
+                                  ["--json", "/tmp"]])
 def test_workload_sizes_below_one_are_usage_errors(argv, capsys):
     """Values that cannot run are refused by the parser (exit 2, the flag named), not by a traceback
     (nor, for --json, after the whole run)."""
@@ -292,3 +293,37 @@ def test_demo_counts_new_tokens_as_the_engine_and_its_bar_do():
         engine_count = sum(len(o.output_token_ids) for o in engine.generate(prompts, max_new_tokens=6))
     assert engine_count < 4 * 6  # some row stopped at its EOS
     assert cli.generated_tokens(out, width, (eos,)) == engine_count
+
+
+@pytest.mark.parametrize("out", ["/tmp", "timeline.xyz", "/nonexistent/folder/t.png"])
+def test_a_timeline_that_cannot_be_written_is_a_usage_error_before_the_run(out, capsys):
+    """profile --out is checked by the parser (a folder, a name matplotlib would change or refuse, a
+    folder that does not exist), not after the whole workload ran."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["profile", "--out", out])
+    assert stop.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_options_that_do_not_go_together_and_shapes_too_large_are_refused_up_front(monkeypatch):
+    with pytest.raises(SystemExit, match="--breakdown .*not with --serve"):
+        cli.main(["bench", "--serve", "--breakdown"])
+    monkeypatch.setattr(bench, "_available_host_memory", lambda: 2**30)  # a 1 GiB machine
+    with pytest.raises(SystemExit, match=r"llama3-8b shape's weights take 29.9 GiB .* 1.0 GiB free"):
+        bench.build_model("llama3-8b", torch.device("cpu"), torch.float32)
+
+
+def test_ctrl_c_ends_a_command_with_one_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "bench", interrupted)  # (the parser is built in main(): it takes this one)
+    assert cli.main(["bench"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+
+
+@pytest.mark.parametrize("name", ["release", "runtime_info", "prefix_cache_stats", "clear_prefix_cache"])
+def test_the_runtime_helpers_say_what_they_take(name):
+    import hf_async_cb
+
+    with pytest.raises(TypeError, match=rf"{name}\(\) takes the model generate\(\) ran on"):
+        getattr(hf_async_cb, name)("not a model")

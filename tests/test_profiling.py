@@ -88,3 +88,19 @@ def test_a_background_loop_is_profiled_too(mode):
     lanes = engine.last_profile.lanes()
     assert set(lanes) == set(CPU_LANES) and all(lanes.values())
     assert engine.last_profile.summary()["wall_s"] > 0
+
+
+def test_a_serving_loops_profile_has_its_share_of_the_prefix_cache():
+    """As a run's profile does (docs/api.md): a serving loop's, from start() to shutdown()."""
+    import copy
+
+    engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", profile=True, page_size=4))
+    shared = list(range(3, 27))
+    engine.start()
+    try:
+        for tail in ([30, 31], [40, 41, 42]):  # the second reads the first's pages
+            engine.add_request(shared + tail, max_new_tokens=3).result(timeout=60)
+    finally:
+        engine.shutdown(timeout=30)
+    share = engine.last_profile.summary()["prefix_cache"]
+    assert share["hit_tokens"] >= 20 and share["prefilled_tokens"] > 0, share

@@ -309,9 +309,7 @@ class Engine:
                     above_a_large_stack_chunk(_step_until_done, loop, remaining, progress)
                 loop.drain()
                 if self.config.profile and cache_before is not None:  # this run's share of the counters
-                    after = self.prefix_cache_stats()
-                    loop.profile.prefix_cache = {k: after[k] - cache_before[k] for k in
-                                                 ("hit_tokens", "prefilled_tokens", "evictions", "deferrals")}
+                    loop.profile.prefix_cache = self._cache_share(cache_before)
             except BaseException as error:
                 loop.abandon()
                 self.scheduler.clear_prefix_cache()  # the failed step may not have written what it registered
@@ -422,6 +420,7 @@ class Engine:
             background = BackgroundLoop(self, self._mode(mode), claim)
             if self.config.profile:  # the loop's steps, from here to shutdown()
                 background.pipeline.profile = self.last_profile = StepProfile(self.streams)
+                background.cache_before = self.prefix_cache_stats()
             if self._online_seed is None:
                 self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
             background.start()
@@ -494,9 +493,16 @@ class Engine:
             if background.on_loop_thread:  # asked, not joined: a thread cannot wait for itself
                 return
             raise TimeoutError(f"the engine's loop did not stop within {timeout} s")
+        if self.config.profile and background.cache_before is not None:  # (as Engine.run's)
+            background.pipeline.profile.prefix_cache = self._cache_share(background.cache_before)
         with self._lifecycle:
             if self._background is background:
                 self._background = None
+
+    def _cache_share(self, before: dict) -> dict:
+        """The prefix cache's counters since `before` (a run's or a serving loop's share)."""
+        after = self.prefix_cache_stats()
+        return {k: after[k] - before[k] for k in ("hit_tokens", "prefilled_tokens", "evictions", "deferrals")}
 
     def close(self) -> None:
         """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give

@@ -471,6 +471,7 @@ class BackgroundLoop:
         self._worker = _Worker(self.pipeline, engine.scheduler, engine.runner, engine.config, engine.tower_outputs,
                                engine.device.type)
         self._worker.claim = claim  # (ModelGuard.reserve_serving's, given up once the loop holds the model)
+        self.cache_before: dict | None = None  # the prefix cache's counters at the start (with profile=True)
         self.thread = threading.Thread(target=above_a_large_stack_chunk, args=(self._worker.run,), name="hf_async_cb-loop",
                                        daemon=True)  # (engine/stack_chunk.py)
         # The engine collected while the loop runs: cancel what it holds and end the thread.

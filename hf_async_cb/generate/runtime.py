@@ -148,6 +148,7 @@ def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed:
 def release(model: torch.nn.Module) -> bool:
     """Free the model's generate runtime (KV pool, CUDA graphs, fused weights) now. Returns whether
     there was one. The next generate(batching=...) call builds it again."""
+    _check_module(model, "release")
     guard = model_guard(model, create=False)
     if guard is None:
         return False
@@ -165,6 +166,7 @@ def release(model: torch.nn.Module) -> bool:
 def clear_prefix_cache(model: torch.nn.Module) -> bool:
     """Forget the prefixes the model's generate runtime cached (e.g. after writing its weights
     through `.data`, which the runtime cannot see). Returns whether it had a runtime."""
+    _check_module(model, "clear_prefix_cache")
     guard = model_guard(model, create=False)
     if guard is None:
         return False
@@ -179,14 +181,22 @@ def clear_prefix_cache(model: torch.nn.Module) -> bool:
 def prefix_cache_stats(model: torch.nn.Module) -> dict | None:
     """The counters of the model's generate runtime's prefix cache (Engine.prefix_cache_stats), or
     None without a runtime or with prefix caching off."""
+    _check_module(model, "prefix_cache_stats")
     runtime = _RUNTIMES.get(model)
     return None if runtime is None or runtime.engine is None else runtime.engine.prefix_cache_stats()
 
 
 def runtime_info(model: torch.nn.Module) -> str | None:
     """What the model's generate runtime holds (pool, graphs, calls), or None if it has none."""
+    _check_module(model, "runtime_info")
     runtime = _RUNTIMES.get(model)
     return None if runtime is None else runtime.describe()
+
+
+def _check_module(model, name: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hf_async_cb.{name}() takes the model generate() ran on (a torch.nn.Module), "
+                        f"got {type(model).__name__}.")
 
 
 def _free_device_memory(device: torch.device) -> None:

@@ -19,6 +19,7 @@ import gc
 import inspect
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -128,12 +129,39 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     fields = dict(SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields, bos_token_id=1, eos_token_id=2,
                                   pad_token_id=0)
+    _check_fits(shape, config, device, dtype)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # benchmarks ignore EOS: every request runs to max_new
     model.generation_config.pad_token_id = 0
     return model
+
+
+def _check_fits(shape: str, config, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, with the sizes, a shape whose weights alone exceed the memory the device has free (an
+    8B float32 model on a small CPU machine was killed by the kernel after minutes of building)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_host_memory()
+    if free is not None and weights > free:
+        raise SystemExit(f"the {shape} shape's weights take {weights / 2**30:.1f} GiB in {dtype} and {device} has "
+                         f"{free / 2**30:.1f} GiB free: pick a smaller --shape")
+
+
+def _available_host_memory() -> int | None:
+    """Bytes the kernel says a process can still take (MemAvailable, page cache included); None
+    where it does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float | None:
