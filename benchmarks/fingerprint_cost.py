@@ -3,6 +3,10 @@ one pass over the weights, so that a write no version counter sees cannot leave 
 against the version-counter check, on a real shape with random weights.
 
     PYTHONPATH=. python benchmarks/fingerprint_cost.py [--shape llama3-8b] [--repeat 10]
+    PYTHONPATH=. python benchmarks/fingerprint_cost.py --narrow --repeat 150   # the walk alone, on a CPU
+
+--narrow keeps the shape's structure (its layers and modules) at hidden size 64, so that what is timed
+is the Python walk over the modules, not the reads of the weights (a CPU figure of the walk).
 """
 import argparse
 import json
@@ -11,6 +15,7 @@ import time
 import torch
 
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.tools.bench import SHAPES, build_model, copy_bandwidth, default_device
 
 
@@ -32,8 +37,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b")
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--narrow", action="store_true", help="the shape's structure at hidden size 64, on the CPU")
     args = p.parse_args()
-    device = default_device()
+    device = torch.device("cpu") if args.narrow else default_device()
+    if args.narrow:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        fields = dict(SHAPES[args.shape], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=256)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type", "llama"), **fields))
+        numerics = timed(lambda: numerics_key(model), args.repeat, device)
+        print(json.dumps(dict(shape=args.shape, narrow=True, counters_ms=round(timed(lambda: kv_fingerprint(model),
+                                                                                   args.repeat, device) * 1e3, 2),
+                              content_ms=round(timed(lambda: kv_fingerprint(model, content=True), args.repeat,
+                                                     device) * 1e3, 2),
+                              numerics_key_ms=round(numerics * 1e3, 2))))
+        return
     model = build_model(args.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     counters = timed(lambda: kv_fingerprint(model), args.repeat, device)
