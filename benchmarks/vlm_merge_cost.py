@@ -26,7 +26,7 @@ import gpu_vlm  # noqa: E402
 import vlm_serving  # noqa: E402
 
 import hf_async_cb  # noqa: E402
-from hf_async_cb.engine import engine as engine_module  # noqa: E402
+from hf_async_cb.engine import serving_api  # noqa: E402  (where add_request finds media_embeds)
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     model = gpu_vlm.qwen_vl(text, vision, dtype, device)
     requests = vlm_serving.requests_of(model, args.merges, 64, grid, device, seed=0)
     timings, profiled = [], {}
-    real = engine_module.media_embeds
+    real = serving_api.media_embeds
 
     def timed(model, request, **kwargs):
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -63,14 +63,14 @@ def main(argv=None) -> int:
             sync()
         timings.append(time.perf_counter() - began)
 
-    engine_module.media_embeds = timed
+    serving_api.media_embeds = timed
     engine = hf_async_cb.Engine(model, hf_async_cb.BatchingConfig(mode="async"))
     engine.start()
     try:
         for ids, media in requests:
             engine.add_request(ids, max_new_tokens=4, media=media).result(timeout=600)
     finally:
-        engine_module.media_embeds = real
+        serving_api.media_embeds = real
         engine.shutdown(timeout=600)
         engine.close()
     report = {"shape": args.shape, "merge_ms": [round(t * 1e3, 1) for t in timings]}

@@ -483,18 +483,18 @@ def test_the_merge_cost_benchmark_runs_on_the_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    from hf_async_cb.engine import engine as engine_module
+    from hf_async_cb.engine import serving_api
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import vlm_merge_cost
 
-    real = engine_module.media_embeds
+    real = serving_api.media_embeds
     out = tmp_path / "merge.json"
     assert vlm_merge_cost.main(["--shape", "tiny", "--device", "cpu", "--merges", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert len(report["merge_ms"]) == 2 and all(ms > 0 for ms in report["merge_ms"])
     assert "media_embeds" in report["profile"]
-    assert engine_module.media_embeds is real
+    assert serving_api.media_embeds is real
 
 
 @pytest.mark.parametrize("name", ["gemma3", "paligemma2", "llava"])
