@@ -5,6 +5,7 @@ generation path; `bench --serve`: requests arriving over time, with their latenc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -158,12 +159,21 @@ def bench(args: argparse.Namespace) -> int:
     config = BatchingConfig(page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                             max_running_requests=max(requests, 1), cuda_graphs=args.cuda_graphs,
                             progress=args.progress, mixed_prefill_tokens=args.mixed_prefill_tokens)
+    done = []
+
     def finished(r) -> None:  # as each path ends: a run cut short still says what it measured
+        done.append(r)
         print(f"[bench] {r.path}: {r.tokens_per_s:,.0f} tokens/s, {b.format_seconds(r.seconds)} s", file=sys.stderr,
               flush=True)
 
-    report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
-                   sample=args.sample, on_result=finished)
+    try:
+        report = b.run(shape, requests, prompt, new, paths, device, config=config, mixed=args.mixed,
+                       sample=args.sample, on_result=finished)
+    except KeyboardInterrupt:  # --json keeps the paths that finished, marked as cut short
+        _write_json(args.json, {"shape": shape, "requests": requests, "prompt": prompt, "new": new,
+                                "device": str(device), "interrupted": True,
+                                "results": [dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in done]})
+        raise
     print(b.format_table(report))
     _write_json(args.json, report)
     return 0

@@ -327,3 +327,23 @@ def test_the_runtime_helpers_say_what_they_take(name):
 
     with pytest.raises(TypeError, match=rf"{name}\(\) takes the model generate\(\) ran on"):
         getattr(hf_async_cb, name)("not a model")
+
+
+def test_a_bench_cut_short_keeps_the_paths_it_finished_in_its_json(monkeypatch, tmp_path, capsys):
+    """Ctrl-C after the first path: --json still gets that path's row, marked as cut short."""
+    import json
+
+    real = bench.run_path
+
+    def async_interrupted(path, *args, **kwargs):
+        if path == "async" and kwargs.get("phase") != "warm-up":  # (every path is warmed up first)
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_path", async_interrupted)
+    out = tmp_path / "report.json"
+    code = cli.main(["bench", "--device", "cpu", "--shape", "tiny", "--requests", "2", "--prompt", "4", "--new", "2",
+                     "--compare", "sync,async", "--json", str(out)])
+    assert code == 130
+    report = json.loads(out.read_text())
+    assert report["interrupted"] and [r["path"] for r in report["results"]] == ["sync"]
