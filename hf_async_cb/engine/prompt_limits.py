@@ -8,9 +8,7 @@ whose frequencies switch with the longest sequence of a forward (model/checks.ro
 
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,4 +70,4 @@ def known_suppressed(params, vocab_size: int):
     kept = {name: tuple(t for t in getattr(params, name) if 0 <= t < vocab_size) for name in names}
     if all(kept[name] == getattr(params, name) for name in names):
         return params
-    return dataclasses.replace(params, **kept)
+    return replace(params, **kept)

@@ -7,8 +7,9 @@ no state from call to call. So that a difference is never silent (batches of mor
 
 1. Before any work, each is probed on copies of one row (the call's batch size, its first row):
    it must return one result per row (a criterion's single bool or 0-d tensor, the pre-4.39 form,
-   is its verdict on the whole batch, which stock applies to every row: refused), all equal, unless the rows differ by torch's random draws
-   (noise: sampling, not indexing; the probe runs under two seeds on a forked generator). One
+   is its verdict on the whole batch, which stock applies to every row: refused), all equal,
+   unless the rows differ by torch's random draws (noise: sampling, not indexing; the probe runs
+   under two seeds on a forked generator). One
    built for a batch size or treating rows by their index is refused.
 2. The probe calls it twice more on the same input and seed: a different result, or state that
    changed again after a first call (a first call may set things up lazily), mean it keeps state

@@ -165,18 +165,19 @@ class WeightVersions:
     Other module settings are read per call (kv_fingerprint), not here."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._tensors = model_tensors(model)
+        modules = list(model.modules())
+        self._tensors = model_tensors(model, modules)
         self._device_type = self._tensors[0].device.type if self._tensors else "cpu"
-        self._adapters = [m for m in model.modules() if "_active_adapter" in m.__dict__]
-        self._slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
+        self._adapters = [m for m in modules if "_active_adapter" in m.__dict__]
+        self._slots = [(table, name, t) for m in modules for table in (m._parameters, m._buffers)
                        for name, t in table.items() if t is not None]
-        attributes = {id(t) for t in attribute_tensors(model)}
-        self._slots += [(vars(m), name, t) for m in model.modules() for name, t in vars(m).items()
-                        if isinstance(t, torch.Tensor) and id(t) in attributes]
-        self._hooked = self.runs_user_code = runs_user_code(model)
+        listed = {id(t) for t in self._tensors}  # (the attribute tensors among them, in their modules' dicts)
+        self._slots += [(vars(m), name, t) for m in modules if not type(m).__module__.startswith("transformers.")
+                        for name, t in vars(m).items() if isinstance(t, torch.Tensor) and id(t) in listed]
+        self._hooked = self.runs_user_code = runs_user_code(model, modules)
         # The modules' structure, for restructured(): each tensor and child in its table, and the hook tables.
-        self._children = [(m._modules, name, child) for m in model.modules() for name, child in m._modules.items()]
-        self._hook_tables = [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks)]
+        self._children = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
+        self._hook_tables = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         self._hooks = self._hook_keys()
         self._config = model.config
         self._settings = config_snapshot(model.config)

@@ -29,10 +29,15 @@ def media_inputs(model, model_kwargs: dict, mode: str) -> dict | None:
     no images: its unknown arguments are then refused as before)."""
     if not takes_media(model):
         return None
-    accepted = _forward_parameters(model) - _TEXT_INPUTS
+    accepted = _media_names(model)
     media = {name: model_kwargs.pop(name) for name in list(model_kwargs) if name in accepted}
     media = {name: value for name, value in media.items() if value is not None}
     return media or None
+
+
+def _media_names(model) -> set[str]:
+    """What the model's forward takes beside the text inputs."""
+    return _forward_parameters(model) - _TEXT_INPUTS
 
 
 def _forward_parameters(model) -> set[str]:
@@ -55,7 +60,7 @@ def checked_media(model, media) -> tuple[dict, object]:
     if not takes_media(model):
         raise ValueError(f"{name} takes no images (its forward has no pixel_values): media= is for "
                          "vision-language models.")
-    accepted = _forward_parameters(model) - _TEXT_INPUTS
+    accepted = _media_names(model)
     text = sorted(k for k in media if k in _TEXT_INPUTS)
     if text:
         raise ValueError(f"media holds {text}: the prompt (its image placeholders included) is add_request's "

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hf_async_cb.model.compiled import compiled_wrappers
-from hf_async_cb.model.weight_kinds import is_plain
+from hf_async_cb.model.weight_kinds import is_plain, is_transformers_config
 
 _DEPTH = 4  # levels of objects inside objects read
 _LONGEST = 64  # items of a sequence or mapping read (and its length)
@@ -52,13 +52,7 @@ def _leave_out(value) -> bool:
     """Objects the key reads elsewhere or that do not change a forward: submodules, configs."""
     if type(value) in _SCALARS:  # (most of a module's attributes: read at once)
         return False
-    if isinstance(value, nn.Module):
-        return True
-    for base in type(value).__mro__:
-        if base.__name__ in ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig") and \
-                base.__module__.startswith("transformers."):
-            return True
-    return False
+    return isinstance(value, nn.Module) or is_transformers_config(value)
 
 
 def tensor_kind(t: torch.Tensor, depth: int = 0) -> tuple:

@@ -169,8 +169,8 @@ def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | Non
 
 
 def signature(model: torch.nn.Module) -> tuple:
-    """What a preparation of `model` depends on (cheap: one walk of the modules). Fusions bypass some modules' calls and CUDA graphs replay none of Python's, so a
-    module put in place of another, a class swapped, a forward set on an instance or a forward hook
+    """What a preparation of `model` depends on (cheap: one walk of the modules). Fusions bypass
+    some modules' calls and CUDA graphs replay none of Python's, so a module put in place of another, a class swapped, a forward set on an instance or a forward hook
     added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
     their feature, are not counted) counts as a change, as do parameters, the tensors custom modules
     hold as attributes (graphs read them where they were) and the config."""

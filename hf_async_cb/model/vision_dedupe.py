@@ -207,7 +207,6 @@ class _Images:
             _PER_IMAGE.discard(type(self.tower))
             return out if everything else every()
 
-
     def _alone(self, key: bytes, others: str, every: Callable[[], object]):
         """A call's one image, through a tower not yet seen laying several out per image (a serving
         loop merges one request at a time): its whole output is that image's, kept as a whole and

@@ -162,7 +162,7 @@ def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[to
         elif isinstance(v, (list, tuple)):
             for item in v[:_HELD_ITEMS]:
                 walk(item, level + 1)
-        elif not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not _is_config(v):
+        elif not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not is_transformers_config(v):
             for item in list(vars(v).values())[:_HELD_ITEMS]:
                 walk(item, level + 1)
 
@@ -174,9 +174,10 @@ _HELD_DEPTH = 3
 _HELD_ITEMS = 64
 
 
-def _is_config(value) -> bool:
+def is_transformers_config(value) -> bool:
+    """Whether `value` is a transformers model or generation config (read on its own, elsewhere)."""
     return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig", "GenerationConfig")
-               for base in type(value).__mro__)
+               and base.__module__.startswith("transformers.") for base in type(value).__mro__)
 
 
 def _plain_view(t: torch.Tensor) -> torch.Tensor | None:
