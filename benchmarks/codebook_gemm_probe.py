@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
-    from hf_async_cb.kernels.skinny_gemm import skinny_linear_4bit, skinny_linear_codebook_4bit
+    from hf_async_cb.kernels.skinny_gemm import skinny_linear_grouped, skinny_linear_codebook_4bit
 
     dev = torch.device("cuda")
     results = []
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             row["codebook_form_us"] = _time_us(lambda i: skinny_linear_codebook_4bit(
                 x, packed[i % copies], states[i % copies][1].absmax, states[i % copies][1].code, 64))
             if args.hqq:
-                row["hqq_form_us"] = _time_us(lambda i: skinny_linear_4bit(x, *hqq[i % copies], 64))
+                row["hqq_form_us"] = _time_us(lambda i: skinny_linear_grouped(x, *hqq[i % copies], 64))
             split = max(1, min(16, 264 // max(1, N // 64)))
             probes = {"all": [(j, lk) for j in (0, 1) for lk in LOOKUPS.items()],
                       "joined": [(1, lk) for lk in LOOKUPS.items() if lk[1]], "none": []}[args.probes]

@@ -1,5 +1,6 @@
-"""HQQ 4-bit projections (hqq's HQQLinear: 4 bits packed as "4bit_u8", groups along the input
-dimension, plain scales and zeros) through the skinny GEMM's grouped 4-bit form: the kernel rebuilds
+"""HQQ projections (hqq's HQQLinear: 8, 6, 5, 4, 2, 1.58 or 1 bits packed as "8bit_u8", "4bit_u8",
+"2bit_u8" or "1bit_u8", groups along the input dimension, plain scales and zeros) through the skinny
+GEMM's grouped form: the kernel rebuilds
 every weight as HQQ's dequantize rounds it ((q - zero) rounded, times scale, rounded, in the compute
 dtype), its compiled variants are the ones listed for compiling ahead, and an HQQ model routed
 through it gives stock's logits and greedy tokens (on the CPU the kernel runs in Triton's
@@ -16,7 +17,7 @@ from quantized_checks import (assert_engine_greedy_matches_stock, engine_launche
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
 from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
-from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_4bit
+from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_grouped
 
 quantize = pytest.importorskip("hqq.core.quantize")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,13 +56,30 @@ def test_kernel_rebuilds_hqq_weights_exactly(dtype, n, k, group, config, split):
     weights come out as they are, and must equal HQQ's dequantized ones bit for bit. With fractional
     zeros, fp16 rounds (q - zero) before the scale: a single rounding would differ on many weights."""
     module = _hqq_linear(n, k, dtype=dtype, group_size=group, round_zero=False, seed=n + k)
-    found = hqq_4bit(module)
+    found = hqq_grouped(module)
     assert found is not None
     expected = module.dequantize()
     eye = torch.eye(k, dtype=dtype, device=DEVICE)
-    got = torch.cat([skinny.skinny_linear_4bit(rows, found.packed, found.scale, found.zero, group,
+    got = torch.cat([skinny.skinny_linear_grouped(rows, found.packed, found.scale, found.zero, group,
                                                config=dict(config, SPLIT_K=split)) for rows in eye.split(256)])
     assert got.dtype == dtype and torch.equal(got.t(), expected)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("nbits", [8, 6, 2, 1.58, 1])
+def test_kernel_rebuilds_every_width_exactly(nbits, split):
+    """The other packings HQQ writes whole bytes of (8 // bits parts of the rows a byte, the first in
+    the highest bits), on a tile with masked rows (N = 96 at BLOCK_N 64) and several groups: every
+    weight bit for bit as HQQ dequantizes it, in fp16 (the rounding steps) on the CPU."""
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    module = _hqq_linear(96, 192, dtype=dtype, nbits=nbits, round_zero=False, seed=int(nbits * 10))
+    found = hqq_grouped(module)
+    assert found is not None and found.bits == {8: 8, 6: 8, 2: 2, 1.58: 2, 1: 1}[nbits]
+    assert found.packed.shape == (96 * found.bits // 8, 192)
+    eye = torch.eye(192, dtype=dtype, device=DEVICE)
+    got = skinny.skinny_linear_grouped(eye, found.packed, found.scale, found.zero, 64, bits=found.bits,
+                                       config=dict(BLOCK_N=64, SPLIT_K=split))
+    assert torch.equal(got.t(), module.dequantize())
 
 
 def test_the_rounding_steps_matter():
@@ -69,7 +87,7 @@ def test_the_rounding_steps_matter():
     roundings on this module (so the test above tells them apart)."""
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     module = _hqq_linear(96, 192, dtype=dtype, round_zero=False, seed=96 + 192)
-    found = hqq_4bit(module)
+    found = hqq_grouped(module)
     q = torch.cat([found.packed >> 4, found.packed & 15]).float()
     groups = lambda t: t.float().reshape(96, -1).repeat_interleave(64, 1)  # noqa: E731
     once = ((q - groups(found.zero)) * groups(found.scale)).to(dtype)
@@ -77,13 +95,14 @@ def test_the_rounding_steps_matter():
 
 
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_kernel_matches_hqq_matmul(split, rows):
-    module = _hqq_linear(96, 256, seed=rows)
-    found = hqq_4bit(module)
+@pytest.mark.parametrize("rows, nbits", [(1, 4), (3, 4), (17, 4), (3, 8), (17, 2), (5, 1)])
+def test_kernel_matches_hqq_matmul(split, rows, nbits):
+    module = _hqq_linear(96, 256, seed=rows, nbits=nbits)
+    found = hqq_grouped(module)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE, DTYPE)
     expected = torch.matmul(x, module.dequantize().t())
-    got = skinny.skinny_linear_4bit(x, found.packed, found.scale, found.zero, 64, config=dict(SPLIT_K=split))
+    got = skinny.skinny_linear_grouped(x, found.packed, found.scale, found.zero, 64, bits=found.bits,
+                                       config=dict(SPLIT_K=split))
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # (summation order only)
 
@@ -93,45 +112,57 @@ def test_kernel_refuses_what_it_does_not_take():
     packed = torch.zeros(16, 128, dtype=torch.uint8, device=DEVICE)
     ones = torch.ones(64, device=DEVICE, dtype=DTYPE)
     with pytest.raises(ValueError, match="group size"):
-        skinny.skinny_linear_4bit(x, packed, ones[:32], ones[:32], 96)
+        skinny.skinny_linear_grouped(x, packed, ones[:32], ones[:32], 96)
     with pytest.raises(ValueError, match="scale must hold 64"):
-        skinny.skinny_linear_4bit(x, packed, ones[:8], ones, 64)
+        skinny.skinny_linear_grouped(x, packed, ones[:8], ones, 64)
     with pytest.raises(ValueError, match="zero must hold"):
-        skinny.skinny_linear_4bit(x, packed, ones, ones.to(torch.float16), 64)
+        skinny.skinny_linear_grouped(x, packed, ones, ones.to(torch.float16), 64)
     with pytest.raises(ValueError, match="packed uint8"):
-        skinny.skinny_linear_4bit(x, packed.to(torch.int8), ones, ones, 64)
+        skinny.skinny_linear_grouped(x, packed.to(torch.int8), ones, ones, 64)
     with pytest.raises(ValueError, match="multiple of the group"):
-        skinny.skinny_linear_4bit(x, packed, ones, ones, 64, config=dict(BLOCK_K=32))
+        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, config=dict(BLOCK_K=32))
+    with pytest.raises(ValueError, match="bits a weight"):
+        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=3)
+    with pytest.raises(ValueError, match="scale must hold 128"):  # at 2 bits, 16 packed rows are 64 weight rows
+        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=2)
+    with pytest.raises(ValueError, match="only the grouped form"):
+        WeightForm(torch.int8, bits=8)
 
 
 def test_which_hqq_modules_are_taken():
-    taken = hqq_4bit(_hqq_linear(32, 128))
+    taken = hqq_grouped(_hqq_linear(32, 128))
     assert taken is not None and taken.packed.shape == (16, 128) and taken.scale.numel() == 32 * 128 // 64
-    assert hqq_4bit(_hqq_linear(32, 128, group_size=32)) is not None
-    assert hqq_4bit(_hqq_linear(32, 128, bias=True)).bias is not None  # added to the rounded product
-    assert hqq_4bit(_hqq_linear(32, 128, nbits=8)) is None
-    assert hqq_4bit(_hqq_linear(32, 96, group_size=48)) is None  # not a power of two
-    assert hqq_4bit(_hqq_linear(32, 128, axis=0)) is None  # groups along the output dimension
-    assert hqq_4bit(_hqq_linear(33, 128)) is None  # an odd row count: its halves are not whole rows
-    assert hqq_4bit(_hqq_linear(32, 128, view_as_float=True)) is None
+    assert hqq_grouped(_hqq_linear(32, 128, group_size=32)) is not None
+    assert hqq_grouped(_hqq_linear(32, 128, bias=True)).bias is not None  # added to the rounded product
+    assert hqq_grouped(_hqq_linear(32, 128, nbits=8)).bits == 8
+    assert hqq_grouped(_hqq_linear(32, 128, nbits=5)).packed.shape == (32, 128)  # (5 and 6 bits pack as 8)
+    assert hqq_grouped(_hqq_linear(32, 128, nbits=2)).packed.shape == (8, 128)
+    assert hqq_grouped(_hqq_linear(32, 128, nbits=1)).packed.shape == (4, 128)
+    assert hqq_grouped(_hqq_linear(40, 128, nbits=3)) is None  # ten 3-bit fields an int32: HQQ's own forward
+    assert hqq_grouped(_hqq_linear(36, 128, nbits=1)) is None  # its eighths are not whole rows
+    assert hqq_grouped(_hqq_linear(34, 128, nbits=2)) is None  # its quarters are not whole rows
+    assert hqq_grouped(_hqq_linear(32, 96, group_size=48)) is None  # not a power of two
+    assert hqq_grouped(_hqq_linear(32, 128, axis=0)) is None  # groups along the output dimension
+    assert hqq_grouped(_hqq_linear(33, 128)) is None  # an odd row count: its halves are not whole rows
+    assert hqq_grouped(_hqq_linear(32, 128, view_as_float=True)) is None
     for key in ("quant_zero", "quant_scale"):  # quantized meta-data (loaded from an older checkpoint)
         module = _hqq_linear(32, 128)
         module.meta[key] = True
-        assert hqq_4bit(module) is None
+        assert hqq_grouped(module) is None
     module = _hqq_linear(32, 128)
     module.meta["zero"] = module.meta["zero"].double()  # HQQ would promote the dequantized weight
-    assert hqq_4bit(module) is None
+    assert hqq_grouped(module) is None
     backend = quantize.HQQLinear.backend
     try:
         quantize.HQQLinear.set_backend(quantize.HQQBackend.PYTORCH_COMPILE)  # inductor's own fusion of the steps
-        assert hqq_4bit(_hqq_linear(32, 128)) is None
+        assert hqq_grouped(_hqq_linear(32, 128)) is None
         quantize.HQQLinear.set_backend(quantize.HQQBackend.PYTORCH_FORWARD)
-        assert hqq_4bit(_hqq_linear(32, 128)) is not None
+        assert hqq_grouped(_hqq_linear(32, 128)) is not None
     finally:
         quantize.HQQLinear.set_backend(backend)
-    assert not any(hqq_4bit(m) for m in tiny_model("llama").modules())  # plain weights: the usual kernel
+    assert not any(hqq_grouped(m) for m in tiny_model("llama").modules())  # plain weights: the usual kernel
     model = _hqq_model()
-    found = [m for m in model.modules() if hqq_4bit(m) is not None]
+    found = [m for m in model.modules() if hqq_grouped(m) is not None]
     assert len(found) == model.config.num_hidden_layers * 7
     assert "14 HQQ 4-bit projections read as 4-bit" in DecodeGemms(model, None).summary()
 
@@ -139,13 +170,13 @@ def test_which_hqq_modules_are_taken():
 @pytest.fixture
 def grouped_calls(monkeypatch):
     calls = []
-    real = skinny.skinny_linear_4bit
+    real = skinny.skinny_linear_grouped
 
-    def counted(x, packed, scale, zero, group_size, *, config=None):
+    def counted(x, packed, scale, zero, group_size, *, bits=4, config=None):
         calls.append((x.numel() // x.shape[-1], tuple(packed.shape)))
-        return real(x, packed, scale, zero, group_size, config=config)
+        return real(x, packed, scale, zero, group_size, bits=bits, config=config)
 
-    monkeypatch.setattr(decode_gemm, "skinny_linear_4bit", counted)
+    monkeypatch.setattr(decode_gemm, "skinny_linear_grouped", counted)
     return calls
 
 
@@ -178,20 +209,28 @@ def test_engine_greedy_matches_stock(mode, grouped_calls):
     assert_engine_greedy_matches_stock(_hqq_model("llama"), mode, grouped_calls)
 
 
+@pytest.mark.parametrize("nbits, mode", [(8, "sync"), (2, "async")])
+def test_engine_greedy_matches_stock_at_other_widths(nbits, mode, grouped_calls):
+    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=nbits)
+    assert f"HQQ {8 if nbits == 8 else 2}-bit projections read as" in DecodeGemms(model, None).summary()
+    assert_engine_greedy_matches_stock(model, mode, grouped_calls)
+
+
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
-    """The grouped 4-bit form's variants (what the build compiles ahead) have the keys its launches
-    look up, split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike."""
+    """The grouped form's variants (what the build compiles ahead) have the keys its launches look up,
+    split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike, at 4 and 8 bits."""
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
     seen = interpreter_launches(monkeypatch)
     n, k = 64, 512
-    for rows in (1, 5, 40):
-        x = torch.randn(rows, k, dtype=DTYPE)
-        ones = torch.ones(n * k // 64, dtype=DTYPE)
-        skinny.skinny_linear_4bit(x, torch.ones(n // 2, k, dtype=torch.uint8), ones, ones, 64)
+    for bits in (4, 8):
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, k, dtype=DTYPE)
+            ones = torch.ones(n * k // 64, dtype=DTYPE)
+            skinny.skinny_linear_grouped(x, torch.ones(n * bits // 8, k, dtype=torch.uint8), ones, ones, 64, bits=bits)
     launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
-    listed = {variant_key(v) for bucket in (1, 8, 64) for v in
-              skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(torch.uint8, 64))}
+    listed = {variant_key(v) for bucket in (1, 8, 64) for bits in (4, 8) for v in
+              skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(torch.uint8, 64, bits=bits))}
     assert launched and launched <= listed
     assert any(kernel is skinny._splitk_reduce_kernel for kernel, _, _ in seen)
 
@@ -226,21 +265,22 @@ def test_an_engine_lists_every_grouped_launch(monkeypatch):
 
 
 def test_grouped_form_compiles_for_sm90():
-    """The grouped 4-bit form in bf16 (plain, SWAP_AB, split-K with a masked K tail) builds for an H200
-    without a GPU."""
+    """The grouped form in bf16 (plain, SWAP_AB, split-K with a masked K tail; 4, 8, 2 and 1 bits) builds
+    for an H200 without a GPU."""
     from sm90 import assert_compiles_for_sm90
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "b_ptr": "*u8", "out_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
     aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     kernels = []
-    for split, swap, even_k in ((1, False, True), (1, True, True), (4, False, False)):
+    for split, swap, even_k, bits in ((1, False, True, 4), (1, True, True, 4), (4, False, False, 4), (1, False, True, 8),
+                                      (4, False, True, 2), (1, True, False, 1)):
         c = skinny._config(32, 4096, 4096, torch.bfloat16, torch.uint8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 64)
         kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
                         dict(sig, out_ptr="*fp32") if split > 1 else sig,
                         dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
                              EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64,
-                             PRESCALED=False, CODEBOOK=0),
+                             PRESCALED=False, CODEBOOK=0, BITS=bits),
                         dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     assert_compiles_for_sm90(kernels)
 
@@ -256,6 +296,7 @@ def test_every_default_launch_fits_an_h200s_shared_memory():
            "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
     aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     forms = [(WeightForm(torch.uint8, g), 4096, 4096) for g in (32, 128)] + [(WeightForm(torch.uint8, 64), 96, 192)]
+    forms += [(WeightForm(torch.uint8, 128, bits=8), 4096, 4096)]
     forms += [(WeightForm(torch.int8), 4096, 4096), (WeightForm(torch.int8, prescaled=True), 4096, 4096)]
     kernels = {}
     for form, n, k in forms:

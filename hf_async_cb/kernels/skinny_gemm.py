@@ -28,9 +28,9 @@ weight's BLOCK_N rows, not the few rows of x, fill the MMA's M dimension (on Hop
 then use wgmma for tiles of 64 rows or more); whether that streams faster is the H200's to say
 (benchmarks/tune_gemm.py sweeps both).
 
-Weight forms besides the activations' own dtype (scaled int8, grouped 4-bit, pre-scaled: each read
-as its quantized bytes, rebuilt tile by tile) are kernels/skinny_gemm_forms.py's; a `WeightForm`
-record names the one a launch or a listed variant runs.
+Weight forms besides the activations' own dtype (scaled int8, HQQ's grouped 8/4/2/1-bit, pre-scaled,
+codebook 4-bit: each read as its quantized bytes, rebuilt tile by tile) are kernels/skinny_gemm_forms.py's;
+a `WeightForm` record names the one a launch or a listed variant runs.
 
 M is a `do_not_specialize` argument: one compiled variant serves every M of a BLOCK_M bucket, so
 the engine's CUDA-graph buckets compile a bounded number of variants. N and K are the weight's,
@@ -52,9 +52,9 @@ import triton.language as tl
 from hf_async_cb.devices import num_sms
 # The forms' Triton helpers are the kernel's globals: its cache key counts them (variant.settle_cache_keys).
 from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _codebook_4bit_pointers,
-                                                   _codebook_4bit_tile, _grouped_4bit_pointers,
-                                                   _grouped_4bit_tile, _prescaled_tile, check_codebook_4bit,
-                                                   check_grouped_4bit, check_prescaled, check_scaled_int8)
+                                                   _codebook_4bit_tile, _grouped_pointers, _grouped_tile,
+                                                   _prescaled_tile, check_codebook_4bit, check_grouped,
+                                                   check_prescaled, check_scaled_int8)
 from hf_async_cb.kernels.variant import Variant
 
 MAX_M = 256
@@ -71,12 +71,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
                         SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr,
-                        CODEBOOK: tl.constexpr):
+                        CODEBOOK: tl.constexpr, BITS: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
     The weight forms (kernels/skinny_gemm_forms.py): an int8 weight is converted to x's dtype exactly;
     SCALED: the rounded product times its output row's scale (s_ptr), rounded again (with split-K,
-    the reduce kernel does this); GROUP > 0: w_ptr packed 4-bit, s_ptr and z_ptr a scale and a zero
-    per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
+    the reduce kernel does this); GROUP > 0: w_ptr BITS-bit weights packed as HQQ packs them, s_ptr
+    and z_ptr a scale and a zero per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
     before the product, so the partials of split-K are only added; CODEBOOK > 0: w_ptr two 4-bit
     codes per byte along K, z_ptr their 16 values, s_ptr an absmax per GROUP weights along K."""
     pid_n = tl.program_id(0)
@@ -91,8 +91,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     if CODEBOOK > 0:
         w_ptrs, s_ptrs = _codebook_4bit_pointers(w_ptr, s_ptr, n0, k0, K, BLOCK_N, BLOCK_K, GROUP)
     elif GROUP > 0:
-        w_ptrs, shift, s_ptrs, z_ptrs = _grouped_4bit_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N, BLOCK_K,
-                                                               GROUP)
+        w_ptrs, shift, s_ptrs, z_ptrs = _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N, BLOCK_K,
+                                                          GROUP, BITS)
     else:
         # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
         w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
@@ -114,8 +114,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                                     BLOCK_K, GROUP, EVEN_K, EVEN_N)
             s_ptrs += BLOCK_K // GROUP
         elif GROUP > 0:
-            w = _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
-                                   BLOCK_K, GROUP, EVEN_K, EVEN_N)
+            w = _grouped_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
+                              BLOCK_K, GROUP, EVEN_K, EVEN_N, BITS)
             s_ptrs += BLOCK_K // GROUP
             z_ptrs += BLOCK_K // GROUP
         else:
@@ -315,18 +315,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _launch(x, weight, bias, config, PLAIN)
 
 
-def skinny_linear_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                       group_size: int, *, config: dict | None = None) -> torch.Tensor:
-    """y = x @ w.T for a 4-bit weight w [N, K] in HQQ's layout (4bit_u8, axis=1): `packed` [N / 2, K]
-    uint8 holds row n < N / 2 in its high nibbles (row n) and row n + N / 2 in its low ones; `scale` and
-    `zero` hold one value per `group_size` weights along K, in x's dtype, weight n's groups at
-    n * K / group_size on (N * K / group_size values in all). Each tile is rebuilt in x's dtype as
-    HQQ's dequantize rounds ((q - zero) rounded, times scale, rounded), then multiplied as
-    skinny_linear does (fp32 accumulation, output in x's dtype). group_size: a power of two from 16
-    to 256 dividing K; a config's BLOCK_K must be a multiple of it (the default is). Raises
-    ValueError for what it does not take."""
-    scale, zero = check_grouped_4bit(x, packed, scale, zero, group_size)
-    return _launch(x, packed, None, config, WeightForm(torch.uint8, group_size), scale, zero)
+def skinny_linear_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                          group_size: int, *, bits: int = 4, config: dict | None = None) -> torch.Tensor:
+    """y = x @ w.T for a weight w [N, K] of `bits` (8, 4, 2 or 1) bits per weight in HQQ's layout
+    (axis=1; the "8bit_u8", "4bit_u8", "2bit_u8", "1bit_u8" packings): `packed` [N * bits / 8, K] uint8
+    holds 8 / bits parts of w's rows, the first N * bits / 8 rows in its highest bits (at 4 bits: row
+    n < N / 2 in the high nibbles of row n, row n + N / 2 in the low ones); `scale` and `zero` hold one
+    value per `group_size` weights along K, in x's dtype, weight n's groups at n * K / group_size on
+    (N * K / group_size values in all). Each tile is rebuilt in x's dtype as HQQ's dequantize rounds
+    ((q - zero) rounded, times scale, rounded), then multiplied as skinny_linear does (fp32
+    accumulation, output in x's dtype). group_size: a power of two from 16 to 256 dividing K; a
+    config's BLOCK_K must be a multiple of it (the default is). Raises ValueError for what it does
+    not take."""
+    scale, zero = check_grouped(x, packed, scale, zero, group_size, bits)
+    return _launch(x, packed, None, config, WeightForm(torch.uint8, group_size, bits=bits), scale, zero)
 
 
 def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -351,7 +353,7 @@ def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: t
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
             form: WeightForm, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
-    """skinny_linear (or a 4-bit form's) once its form's arguments are checked: the shapes' checks
+    """skinny_linear (or a packed form's) once its form's arguments are checked: the shapes' checks
     and the launch."""
     N, K = _dims(weight, form)
     if x.dtype not in _DTYPES:
@@ -397,16 +399,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
 
 
 def _dims(weight: torch.Tensor, form: WeightForm) -> tuple[int, int]:
-    """The product's (N, K) of a weight as `form` stores it (the 4-bit forms pack two weights a byte:
-    HQQ's along N, bitsandbytes' along K)."""
+    """The product's (N, K) of a weight as `form` stores it (the packed forms hold several weights a
+    byte: HQQ's along N, 8 / bits of them; bitsandbytes' two along K)."""
     if form.codebook:
         return weight.shape[0], 2 * weight.shape[1]
-    return weight.shape[0] * (2 if form.group else 1), weight.shape[1]
+    return weight.shape[0] * (8 // form.bits if form.group else 1), weight.shape[1]
 
 
 def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtype, sms: int | None,
             config: dict | None, group: int) -> dict:
-    """default_config's launch parameters under `config`'s overrides; the grouped 4-bit form's BLOCK_K
+    """default_config's launch parameters under `config`'s overrides; the grouped and codebook forms' BLOCK_K
     is a multiple of its group (by default the group itself where the default is less). Unless
     `config` sets num_stages, the stages are cut to what fits MAX_SHARED_MEMORY with x's tile in
     x's `dtype` (default_config counts both tiles in the weight's): a group of 128 doubles BLOCK_K,
@@ -416,7 +418,7 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtyp
         base["BLOCK_K"] = max(base["BLOCK_K"], group)
     cfg = _check_config({**base, **(config or {})})
     if group and cfg["BLOCK_K"] % group:
-        raise ValueError(f"skinny GEMM 4-bit forms: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group "
+        raise ValueError(f"skinny GEMM packed forms: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group "
                          f"(block) size ({group})")
     if "num_stages" not in (config or {}):
         weight_bytes = 0.5 if group else weight_dtype.itemsize
@@ -437,7 +439,7 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: Weig
     gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                 EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
                 IEEE=dtype == torch.float32, SCALED=form.scaled and split == 1, GROUP=form.group,
-                PRESCALED=form.prescaled, CODEBOOK=form.rounding(dtype))
+                PRESCALED=form.prescaled, CODEBOOK=form.rounding(dtype), BITS=form.bits)
     reduce = dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=form.scaled) if split > 1 else None
     return cfg, k_per_split, gemm, reduce
 

@@ -3,8 +3,9 @@ are rebuilt in x's dtype, and the checks of its arguments (kernels/skinny_gemm.p
 
 - scaled int8 (torchao's weight-only int8; `skinny_linear(..., scale=)`): converted exactly tile
   by tile, the scale per output row applied after the product;
-- grouped 4-bit (HQQ's layout; `skinny_linear_4bit`): the packed nibbles rebuilt tile by tile as
-  HQQ's dequantize rounds them, with a scale and a zero per group along K;
+- grouped (HQQ's layouts; `skinny_linear_grouped`): 8, 4, 2 or 1 bits a weight, packed as HQQ packs
+  them (8 // bits weights a byte, from rows N * bits / 8 apart), rebuilt tile by tile as HQQ's
+  dequantize rounds them, with a scale and a zero per group along K;
 - pre-scaled (optimum-quanto's int8 or float8_e4m3fn; `skinny_linear(..., row_scale=)`): each weight
   times its row's scale, rounded to x's dtype as qbytes_mm rounds `scale * weight`, before the product;
 - codebook 4-bit (bitsandbytes' nf4 and fp4; `skinny_linear_codebook_4bit`): two weights per byte
@@ -29,13 +30,15 @@ import triton.language as tl
 
 CODEBOOK_ROUNDING = (torch.bfloat16, torch.float16, torch.float32)  # what the codebook form's weights round to
 PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's (quanto's qint8, qfloat8; torchao's float8)
+GROUPED_BITS = (8, 4, 2, 1)  # the grouped form's widths: HQQ's "8bit_u8", "4bit_u8", "2bit_u8", "1bit_u8" packings
 
 
 @dataclass(frozen=True)
 class WeightForm:
     """How the kernel reads a weight: `dtype` its stored elements (None: the activations' own),
-    `group` the grouped 4-bit form's group size along K, `prescaled` the row scale applied before
-    the product (else an int8 weight's scale is applied after it). Hashable: ModelFacts holds it."""
+    `group` the grouped form's group size along K, `prescaled` the row scale applied before
+    the product (else an int8 weight's scale is applied after it), `bits` the grouped form's bits per
+    weight (GROUPED_BITS; 4 for every other form). Hashable: ModelFacts holds it."""
 
     dtype: torch.dtype | None = None
     group: int = 0
@@ -43,12 +46,17 @@ class WeightForm:
     scale_dtype: torch.dtype | None = None  # the pre-scaled form's row scales (None: the activations' dtype)
     codebook: bool = False  # the codebook 4-bit form (group: its absmax block along K)
     round_dtype: torch.dtype | None = None  # the codebook form's rebuilt weights' dtype (None: the activations')
+    bits: int = 4  # the grouped form's bits per weight
 
     def __post_init__(self) -> None:
         self.name  # noqa: B018 (raises for a combination no launch makes)
 
     @property
     def name(self) -> str:
+        if self.bits != 4 and not (self.dtype == torch.uint8 and self.group > 0 and not self.codebook
+                                   and self.bits in GROUPED_BITS):
+            raise ValueError(f"only the grouped form reads {self.bits}-bit weights (of {GROUPED_BITS}); "
+                             f"got {self.bits} bits with {self.dtype}, group {self.group}, codebook={self.codebook}")
         if self.codebook or self.round_dtype is not None:
             if (self.codebook and self.dtype == torch.uint8 and self.group > 0 and not self.prescaled
                     and self.scale_dtype is None and self.round_dtype in (None, *CODEBOOK_ROUNDING)):
@@ -59,7 +67,7 @@ class WeightForm:
             if self.dtype == torch.int8 and not self.group and not self.prescaled:
                 return "scaled_int8"
             if self.dtype == torch.uint8 and self.group > 0 and not self.prescaled:
-                return "grouped_4bit"
+                return f"grouped_{self.bits}bit"
             if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
                 return "prescaled"
         raise ValueError(f"no skinny GEMM weight form reads {self.dtype} with group {self.group}, "
@@ -109,47 +117,53 @@ def check_prescaled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return row_scale.reshape(-1).contiguous()
 
 
-def check_grouped_4bit(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                       group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grouped 4-bit form's scale and zero, flat, once its arguments are checked (ValueError
-    otherwise; skinny_linear_4bit says what it takes)."""
+def check_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped form's scale and zero, flat, once its arguments are checked (ValueError otherwise;
+    skinny_linear_grouped says what it takes)."""
+    if bits not in GROUPED_BITS:
+        raise ValueError(f"skinny_linear_grouped reads {GROUPED_BITS} bits a weight, got {bits!r}")
+    parts = 8 // bits
     if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"skinny_linear_4bit takes a packed uint8 weight [N / 2, K], got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
-    N, K = 2 * packed.shape[0], packed.shape[1]
+        raise ValueError(f"skinny_linear_grouped takes a packed uint8 weight [N / {parts}, K] at {bits} bits, "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    N, K = parts * packed.shape[0], packed.shape[1]
     if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0
             and K % group_size == 0):
-        raise ValueError(f"skinny_linear_4bit takes a group size that is a power of two from 16 to 256 dividing "
-                         f"K = {K}, got {group_size!r}")
+        raise ValueError(f"skinny_linear_grouped takes a group size that is a power of two from 16 to 256 "
+                         f"dividing K = {K}, got {group_size!r}")
     groups = N * K // group_size
     for name, t in (("scale", scale), ("zero", zero)):
         if t.dtype != x.dtype or t.numel() != groups or t.device != x.device:
-            raise ValueError(f"skinny_linear_4bit: {name} must hold {groups} values in x's dtype ({x.dtype}) on "
-                             f"x's device, got {t.numel()} in {t.dtype} on {t.device}")
+            raise ValueError(f"skinny_linear_grouped: {name} must hold {groups} values in x's dtype ({x.dtype}) "
+                             f"on x's device, got {t.numel()} in {t.dtype} on {t.device}")
     return scale.reshape(-1).contiguous(), zero.reshape(-1).contiguous()
 
 
 @triton.jit
-def _grouped_4bit_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP: tl.constexpr):
-    """A program's first grouped 4-bit tile: (packed byte pointers, the nibble's shift per row, the
-    groups' scale and zero pointers [BLOCK_N, BLOCK_K / GROUP]). Row n < N / 2 is the high nibbles
-    of packed row n, row n >= N / 2 the low nibbles of row n - N / 2."""
+def _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP: tl.constexpr, BITS: tl.constexpr):
+    """A program's first grouped tile: (packed byte pointers, each row's shift, the groups' scale and
+    zero pointers [BLOCK_N, BLOCK_K / GROUP]). HQQ packs 8 / BITS parts of N * BITS / 8 rows each into
+    one byte, the first part in the highest bits: row n is in part p = n // (N * BITS / 8), held in
+    packed row n - p * N * BITS / 8 at bit 8 - BITS * (p + 1) (BITS 4: row n < N / 2 in the high
+    nibbles of packed row n, the others in the low nibbles of row n - N / 2)."""
     rows = n0 + tl.arange(0, BLOCK_N)
-    low = rows >= N // 2
+    part = tl.minimum(rows // (N // (8 // BITS)), 8 // BITS - 1)  # (rows past N: masked, a shift in range)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + tl.where(low, rows - N // 2, rows).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
-    shift = tl.where(low, 0, 4).to(tl.uint8)[:, None]
+    w_ptrs = w_ptr + (rows - part * (N // (8 // BITS))).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
+    shift = (8 - BITS * (part + 1)).to(tl.uint8)[:, None]
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     g_offs = rows.to(tl.int64)[:, None] * (K // GROUP) + (k0 // GROUP + offs_g)[None, :]  # weight n's groups
     return w_ptrs, shift, s_ptr + g_offs, z_ptr + g_offs
 
 
 @triton.jit
-def _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k_at, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """The grouped 4-bit tile at K offset `k_at` in `dtype`: its packed bytes, zeros and scales loaded
-    (masked past N, and past K unless EVEN_K), rebuilt by _dequantize_4bit."""
+def _grouped_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k_at, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                  BITS: tl.constexpr):
+    """The grouped tile at K offset `k_at` in `dtype`: its packed bytes, zeros and scales loaded
+    (masked past N, and past K unless EVEN_K), rebuilt by _dequantize_grouped."""
     if EVEN_K:
         if EVEN_N:
             packed = tl.load(w_ptrs)
@@ -165,16 +179,16 @@ def _grouped_4bit_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k_at, K, dtype: tl.c
         packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
         zero = tl.load(z_ptrs, mask=g_ok, other=0.0)
         scale = tl.load(s_ptrs, mask=g_ok, other=0.0)
-    return _dequantize_4bit(packed, shift, zero, scale, dtype, BLOCK_N, BLOCK_K, GROUP)
+    return _dequantize_grouped(packed, shift, zero, scale, dtype, BLOCK_N, BLOCK_K, GROUP, BITS)
 
 
 @triton.jit
-def _dequantize_4bit(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes (the nibble `shift` selects) and
-    its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds:
-    (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..15, is exact in any of them)."""
-    q = ((packed >> shift) & 0xF).to(tl.float32)
+def _dequantize_grouped(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes (the BITS at `shift`) and its
+    groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds: (q - zero)
+    rounded to dtype, times scale, rounded to dtype (q, 0..255, is exact in any of them)."""
+    q = ((packed >> shift) & ((1 << BITS) - 1)).to(tl.float32)
     d = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) - zero.to(tl.float32)[:, :, None]
     w = d.to(dtype).to(tl.float32) * scale.to(tl.float32)[:, :, None]
     return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K))

@@ -10,8 +10,8 @@ only if `GemmChoice` recorded that it beat cuBLAS there. A shape never measured 
 gate/up groups (model/fusion.py). Linears whose weight is torchao's weight-only int8 (one scale
 per output row) take the kernel's scaled int8 form for every decode bucket without a measurement:
 it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
-activations' dtype at every call), with the same rounding steps. HQQ's 4-bit HQQLinear (`hqq_4bit`
-says which) takes the grouped 4-bit form alike: it reads the packed nibbles, where HQQ's forward
+activations' dtype at every call), with the same rounding steps. HQQ's HQQLinear at 8, 4, 2 or 1 bits
+(`hqq_grouped` says which) takes the grouped form alike: it reads the packed bytes, where HQQ's forward
 dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. Frozen
 optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) and torchao's
 weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the library scales the whole
@@ -41,13 +41,13 @@ from torch import nn
 
 from hf_async_cb.kernels import llm_int8
 from hf_async_cb.kernels.gemm_choice import GemmChoice
-from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_4bit,
-                                              skinny_linear_codebook_4bit)
+from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_codebook_4bit,
+                                              skinny_linear_grouped)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.attention import current_metadata
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
-    Bnb4bit, BnbInt8, Hqq4bit, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8, hqq_4bit,
-    quanto_bytes, scaled_int8, torchao_float8)
+    Bnb4bit, BnbInt8, HqqGrouped, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
+    hqq_grouped, quanto_bytes, scaled_int8, torchao_float8)
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -128,13 +128,13 @@ class _ScaledInt8Projection(_QuantizedProjection):
         return skinny_linear(x, self.qdata, None, scale=scale)
 
 
-class _Hqq4bitProjection(_QuantizedProjection):
-    """An HQQ 4-bit linear (hqq_4bit) through the kernel's grouped 4-bit form: it reads the packed
-    weight once (half a byte per weight, plus a scale and a zero per group), where HQQ's own forward
+class _HqqGroupedProjection(_QuantizedProjection):
+    """An HQQ linear (hqq_grouped) through the kernel's grouped form: it reads the packed weight once
+    (a byte per weight's packed byte, plus a scale and a zero per group), where HQQ's own forward
     writes and reads a dequantized copy of the whole weight every call. The bias is added to the
     rounded product, as HQQ's forward adds it."""
 
-    def __init__(self, module: nn.Module, found: Hqq4bit) -> None:
+    def __init__(self, module: nn.Module, found: HqqGrouped) -> None:
         super().__init__(module, found.packed)
         self.found = found
 
@@ -143,7 +143,7 @@ class _Hqq4bitProjection(_QuantizedProjection):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         f = self.found
-        out = skinny_linear_4bit(x, f.packed, f.scale, f.zero, f.group_size)
+        out = skinny_linear_grouped(x, f.packed, f.scale, f.zero, f.group_size, bits=f.bits)
         if f.bias is not None:
             out += f.bias
         return out
@@ -268,7 +268,7 @@ class DecodeGemms:
                          if type(m) is nn.Linear and id(m) not in fused and _eligible(m.weight)]
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
-        self._hqq = [(m, found) for m in model.modules() if (found := hqq_4bit(m)) is not None]
+        self._hqq = [(m, found) for m in model.modules() if (found := hqq_grouped(m)) is not None]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
@@ -319,8 +319,8 @@ class DecodeGemms:
                  for w, b in [(m.weight, m.bias) for m in self._linears] + [(g.weight, g.bias) for g in self._groups]]
         picks += [KernelPick(qdata.shape[0], qdata.shape[1], False, SCALED_INT8, every_bucket, None)
                   for _, (qdata, _) in self._int8]
-        picks += [KernelPick(2 * f.packed.shape[0], f.packed.shape[1], False, WeightForm(torch.uint8, f.group_size),
-                             every_bucket, f.scale.dtype) for _, f in self._hqq]
+        picks += [KernelPick(8 // f.bits * f.packed.shape[0], f.packed.shape[1], False, f.form, every_bucket,
+                             f.scale.dtype) for _, f in self._hqq]
         picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, f.form, every_bucket, f.dtype)
                   for _, f in self._quanto + self._float8]
         for m, f in self._bnb:  # (the model's dtype stands for the activations')
@@ -363,7 +363,7 @@ class DecodeGemms:
             module.forward = _ScaledInt8Projection(module, qdata, scale)
             self._attached.append(module)
         for module, found in self._hqq:
-            module.forward = _Hqq4bitProjection(module, found)
+            module.forward = _HqqGroupedProjection(module, found)
             self._attached.append(module)
         for module, found in self._quanto + self._float8:
             module.forward = _PrescaledProjection(module, found)
@@ -385,7 +385,9 @@ class DecodeGemms:
 
     def summary(self) -> str:
         scaled = f"; {len(self._int8)} weight-only int8 projections read as int8" if self._int8 else ""
-        grouped = f"; {len(self._hqq)} HQQ 4-bit projections read as 4-bit" if self._hqq else ""
+        widths = sorted({f.bits for _, f in self._hqq}, reverse=True)
+        grouped = "".join(f"; {sum(f.bits == b for _, f in self._hqq)} HQQ {b}-bit projections read as {b}-bit"
+                          for b in widths)
         int8 = sum(f.data.dtype == torch.int8 for _, f in self._quanto)
         quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
         if len(self._quanto) > int8:

@@ -3,7 +3,7 @@ qualifies: a picker per library returns the tensors (and the rounding) the kerne
 library's own forward with, or None where anything differs (its own forward then runs, as in stock).
 
 - `scaled_int8`: torchao's weight-only int8 (the scaled int8 form);
-- `hqq_4bit`: HQQ's 4-bit HQQLinear (the grouped 4-bit form);
+- `hqq_grouped`: HQQ's HQQLinear at 8, 6, 5, 4, 2 or 1 bits (the grouped form);
 - `quanto_bytes`, `torchao_float8`: optimum-quanto's frozen int8/float8 QLinear, torchao's weight-only
   float8 (the pre-scaled form);
 - `bnb_4bit`: bitsandbytes' nf4 / fp4 Linear4bit (the codebook 4-bit form);
@@ -56,27 +56,37 @@ def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     return qdata, scale
 
 
-class Hqq4bit(NamedTuple):
-    """What the grouped 4-bit form reads of an HQQ 4-bit linear (skinny_linear_4bit's arguments)."""
+class HqqGrouped(NamedTuple):
+    """What the grouped form reads of an HQQ linear (skinny_linear_grouped's arguments)."""
 
-    packed: torch.Tensor  # uint8 [N / 2, K]: rows n < N / 2 in the high nibbles, the others in the low ones
+    packed: torch.Tensor  # uint8 [N * bits / 8, K]: 8 / bits parts of the rows, the first in the highest bits
     scale: torch.Tensor  # [N * K / group_size], HQQ's compute dtype
     zero: torch.Tensor  # the same
     group_size: int
+    bits: int  # 8, 4, 2 or 1 (GROUPED_BITS): the packing's field width
     bias: torch.Tensor | None
+
+    @property
+    def form(self) -> WeightForm:
+        return WeightForm(torch.uint8, self.group_size, bits=self.bits)
 
 
 _HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x, dequantize().t()) (+= bias)
+# HQQ's packings the grouped form reads, by the field width they hold (nbits 5 and 6 pack as 8 bits, 1.58
+# as 2); "3bit_32" (ten 3-bit fields an int32, in parts that need not start at a row) runs HQQ's forward.
+_HQQ_PACKINGS = {"8bit_u8": 8, "4bit_u8": 4, "2bit_u8": 2, "1bit_u8": 1}
 
 
-def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
-    """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped 4-bit form
-    reproduces exactly, else None. Taken: 4 bits packed as "4bit_u8" (not viewed as float), groups
-    along the input dimension (axis=1) of a power-of-two size from 16 to 256 dividing in_features,
-    scale and zero plain tensors of the compute dtype (not quantized, not offloaded), an even
-    out_features, a bias (if any) of the compute dtype, and HQQ's eager PyTorch backend (its default:
-    dequantize, then matmul), whose rounding the kernel repeats. Anything else (other bits, axis=0,
-    quantized or offloaded meta-data, the compiled or ATen backends) runs HQQ's own forward."""
+def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
+    """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped form
+    reproduces exactly, else None. Taken: weights packed as "8bit_u8", "4bit_u8", "2bit_u8" or
+    "1bit_u8" (nbits 8, 6, 5, 4, 2, 1.58, 1; not viewed as float) with each packed part whole rows
+    (out_features a multiple of 8 / bits), groups along the input dimension (axis=1) of a
+    power-of-two size from 16 to 256 dividing in_features, scale and zero plain tensors of the
+    compute dtype (not quantized, not offloaded), a bias (if any) of the compute dtype, and HQQ's
+    eager PyTorch backend (its default: dequantize, then matmul), whose rounding the kernel repeats.
+    Anything else (3 bits, axis=0, quantized or offloaded meta-data, the compiled or ATen backends)
+    runs HQQ's own forward."""
     cls = type(module)
     if cls.__name__ != "HQQLinear" or not cls.__module__.startswith("hqq.") or not getattr(module, "ready", False):
         return None
@@ -85,9 +95,9 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
     meta, packed, bias = getattr(module, "meta", None), getattr(module, "W_q", None), getattr(module, "bias", None)
     if not isinstance(meta, dict) or not isinstance(packed, torch.Tensor):
         return None
-    if (meta.get("nbits") != 4 or meta.get("axis") != 1 or meta.get("packing") != "4bit_u8"
-            or meta.get("view_as_float") or meta.get("quant_zero") or meta.get("quant_scale")
-            or "zero_scale" in meta):
+    bits = _HQQ_PACKINGS.get(meta.get("packing"))
+    if (bits is None or meta.get("axis") != 1 or meta.get("view_as_float") or meta.get("quant_zero")
+            or meta.get("quant_scale") or "zero_scale" in meta):
         return None
     scale, zero, shape, group = meta.get("scale"), meta.get("zero"), meta.get("shape"), meta.get("group_size")
     dtype = meta.get("compute_dtype", torch.float16)  # what Quantizer.dequantize computes in
@@ -95,8 +105,9 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
             and len(shape) == 2 and isinstance(group, int)):
         return None
     N, K = shape
-    if not (N % 2 == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
-            and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * 2 == N * K
+    parts = 8 // bits
+    if not (N % parts == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
+            and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * parts == N * K
             and dtype in _DTYPES and runs_on(packed.device)):
         return None
     for t in (scale, zero):
@@ -106,8 +117,8 @@ def hqq_4bit(module: nn.Module) -> Hqq4bit | None:
     if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == dtype
                                  and tuple(bias.shape) == (N,) and bias.device == packed.device):
         return None
-    return Hqq4bit(packed.detach().reshape(N // 2, K), scale.reshape(-1), zero.reshape(-1), group,
-                   None if bias is None else bias.detach())
+    return HqqGrouped(packed.detach().reshape(N // parts, K), scale.reshape(-1), zero.reshape(-1), group, bits,
+                      None if bias is None else bias.detach())
 
 
 class PrescaledWeight(NamedTuple):
