@@ -9,6 +9,8 @@ image tokens and preemption."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -536,3 +538,47 @@ def test_a_call_with_images_reads_the_weights_contents_once(monkeypatch):
         assert torch.equal(_stock(model, inputs, batching="sync"), expected)
         assert len(reads) == 1, reads
     hf_async_cb.release(model)
+
+
+# The families whose processors return mm_token_type_ids (the image/video/text type of each token) for their
+# multimodal rotary positions.
+MM_TOKEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+
+
+@pytest.mark.parametrize("name", MM_TOKEN_TYPES)
+def test_inputs_without_mm_token_type_ids_run_as_stock_runs_them(name):
+    """Inputs built by hand or by an older processor (input_ids, attention_mask, pixel_values,
+    image_grid_thw, no mm_token_type_ids): stock generate runs them (its generation positions fall
+    back to the plain ones without the token types), so the engine's merge does too, with stock's
+    tokens in both loops: rows with and without images, several images in a row; and a served
+    request (Engine.add_request(media=...)) likewise."""
+    model = _model(name)
+    hf_async_cb.release(model)
+    for scenario in ("mixed", "two_images"):
+        inputs = V.build_inputs(name, scenario)
+        assert inputs.pop("mm_token_type_ids") is not None
+        try:
+            expected = _stock(model, inputs)
+        except ValueError as error:  # (none in the installed transformers: were stock to refuse, so must we)
+            for mode in MODES:
+                with pytest.raises(ValueError, match=re.escape(str(error)[:60])):
+                    _stock(model, inputs, batching=mode)
+            continue
+        for mode in MODES:
+            assert torch.equal(_stock(model, inputs, batching=mode), expected), (scenario, mode)
+    hf_async_cb.release(model)
+    if name != "qwen2_vl":
+        return
+    row = V.build_inputs(name, "mixed", only_row=0)
+    del row["mm_token_type_ids"]
+    expected = _stock(model, row)[0, row["input_ids"].shape[1]:].tolist()
+    for mode in MODES:
+        engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, page_size=4))
+        engine.start()
+        try:
+            media = {k: v for k, v in row.items() if k not in ("input_ids", "attention_mask")}
+            handle = engine.add_request(row["input_ids"][0].tolist(), max_new_tokens=NEW, media=media)
+            assert handle.result(timeout=120).output_token_ids == expected, mode
+        finally:
+            engine.shutdown(timeout=60)
+            engine.close()

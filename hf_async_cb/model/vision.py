@@ -4,10 +4,11 @@ features, read where it hands them to its language model.
 Each family merges images its own way (placeholder tokens replaced by projected features, image
 newlines, tiles, multimodal rotary positions). Rather than follow each, the call's batch runs once
 through the model's forward, images included, as stock generate's first step runs it (the vision
-tower batched over the call's rows), and stops where the language model is entered: what the
-language model receives then (`inputs_embeds`, `position_ids`, its mask) is what the prompt must
-feed. The rows' embeddings that differ from the plain token embeddings become PromptEmbeds, and
-their rotary positions (Qwen2-VL's [t, h, w] and the shift they leave) come along.
+tower batched over the call's rows, the position ids generate gives it), and stops where the
+language model is entered: what the language model receives then (`inputs_embeds`, `position_ids`,
+its mask) is what the prompt must feed. The rows' embeddings that differ from the plain token
+embeddings become PromptEmbeds, and their rotary positions (Qwen2-VL's [t, h, w] and the shift they
+leave) come along.
 
 A mask the model builds itself is read too: where image tokens attend to the later tokens of
 their image (Gemma 3's bidirectional blocks), each prompt keeps the last position each token sees
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 
 import numpy as np
 import torch
@@ -217,7 +219,8 @@ def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> d
         with (packed_vision_attention(model), convolutions_as_gemms(model), aligned_mlps(model),
               fused_vision_rotary(model), fused_tower_norms(model, language_model(model)),
               distinct_images(model, towers)):
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media)
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **media,
+                  **_generation_positions(model, input_ids, attention_mask, media))
     except _Entered:
         pass
     finally:
@@ -225,6 +228,23 @@ def _language_model_inputs(model, input_ids, attention_mask, media, towers) -> d
     if not received:
         raise ValueError(f"{type(model).__name__}'s forward never reached its language model.")
     return received
+
+
+def _generation_positions(model, input_ids, attention_mask, media) -> dict:
+    """The position ids stock generate hands the model's first forward (`position_ids=`; nothing for
+    a forward that takes none, as generate passes none there). A plain forward computes its own, and
+    for some families they differ: without `mm_token_type_ids` (inputs built by hand or by an older
+    processor), Qwen2-VL's, Qwen3-VL's and GLM-4V's forward refuses images with grids, where their
+    generate (`_prepare_position_ids_for_generation`) falls back to the plain positions and runs."""
+    prepare = getattr(model, "_prepare_position_ids_for_generation", None)
+    if prepare is None or getattr(model.config, "is_encoder_decoder", False):
+        return {}
+    if "position_ids" not in set(inspect.signature(model.forward).parameters):
+        return {}
+    try:
+        return {"position_ids": prepare(input_ids, {"attention_mask": attention_mask, **media})}
+    except (AttributeError, TypeError):  # a model that opts out (raises AttributeError) or another signature
+        return {}
 
 
 def _rotary_rows(position_ids, valid: torch.Tensor) -> torch.Tensor | None:
