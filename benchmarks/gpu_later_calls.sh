@@ -21,8 +21,8 @@ for step in $STEPS; do
   echo "=== $step"
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -s tests/test_first_use.py -p no:cacheprovider --tb=short -rf 2>&1 \
-        | grep -v -i warn | tail -40 > "$OUT/tests.txt"; grep -E "passed|failed|launchers|Error|assert" "$OUT/tests.txt" | head -12 ;;
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -s tests/test_first_use.py -p no:cacheprovider --tb=short -rf -W ignore 2>&1 \
+        | tail -40 > "$OUT/tests.txt"; grep -E "passed|failed|launchers|Error|assert" "$OUT/tests.txt" | head -12 ;;
     first1b)
       timeout ${FIRST_TIMEOUT:-220} python3 benchmarks/gpu_first_call.py --shape llama3.2-1b \
         --calls 64:128:256:s,7:128:256:s,7:128:256:s,7:128:256:g,7:128:256:g \

@@ -134,15 +134,16 @@ def test_the_activation_runs_in_the_kernel_where_triton_runs(act, fused, monkeyp
     from hf_async_cb.kernels.paged_attention import runs_on
     from hf_async_cb.model import aligned_mlp
 
-    if not runs_on(torch.device("cpu")):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not runs_on(device):
         pytest.skip("the kernel runs on CUDA or in Triton's interpreter")
     calls = []
     kernel = aligned_mlp.silu_mul
     monkeypatch.setattr(aligned_mlp, "silu_mul",
                         lambda y, gelu_tanh=False: calls.append((y.dim(), gelu_tanh)) or kernel(y, gelu_tanh))
     torch.manual_seed(0)
-    m = GatedMLP(act=act)
-    x = torch.randn(2, 5, 32)
+    m = GatedMLP(act=act).to(device)
+    x = torch.randn(2, 5, 32, device=device)
     with torch.no_grad():
         expected = m(x)
         with _taken(m)():
