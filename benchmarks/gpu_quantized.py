@@ -163,7 +163,11 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
         row["stock_s"] = round(stock_s, 3)
         print(f"  {name}: stock {stock_s:.2f} s", flush=True)
     phases.taken()
-    first_s, _ = timing.timed(lambda: model.generate(ids, batching="async", **options), device)
+    first_call = lambda: model.generate(ids, batching="async", **options)  # noqa: E731
+    if "first-profile" in paths:  # the first call under cProfile: its slowest functions, cumulative
+        first_s, _ = timing.timed(lambda: _profiled(first_call, row), device)
+    else:
+        first_s, _ = timing.timed(first_call, device)
     row["first_call_phases"] = phases.taken()  # (where the first call's time went: tools/phases.py)
     ours_s, ours = timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
     tokens = len(prompts) * new
@@ -225,6 +229,25 @@ def top_kernels(call, device: torch.device, steps: int, top: int = 12) -> list[d
             for name, (n, us) in ranked]
 
 
+def _profiled(call, row: dict, top: int = 20):
+    """call() under cProfile: its `top` functions by cumulative time (row["first_call_profile"]) and by
+    their own time (row["first_call_self"])."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    out = profile.runcall(call)
+    stats = pstats.Stats(profile).stats
+    for key, column in (("first_call_profile", 3), ("first_call_self", 2)):
+        found = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:top]
+        row[key] = [f"{times[column]:8.2f} s {times[1]:>7} {file.rsplit('/', 1)[-1]}:{line} {name}"
+                    for (file, line, name), times in found]
+        print(f"  first call, by {'cumulative' if column == 3 else 'own'} time:", flush=True)
+        for entry in row[key]:
+            print("   ", entry, flush=True)
+    return out
+
+
 def _first_difference(a: torch.Tensor, b: torch.Tensor):
     """The median position of the first differing new token over rows that differ (None: none)."""
     differ = (a != b)
@@ -243,7 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
-    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, kernels (a profiled call: top kernels per step)")
+    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, kernels (a profiled call: top "
+                   "kernels per step), first-profile (the first call under cProfile: its slowest functions)")
     p.add_argument("--bnb-4bit-buckets", default=None,
                    help="rows buckets at which bitsandbytes' Linear4bit takes the codebook form (e.g. 2,4,8; "
                         "default: decode_gemm.BNB_4BIT_CUDA_BUCKETS)")
