@@ -13,7 +13,13 @@
 #  weights  the per-call weights check (H100 at 2e43cee: 31 ms with the content pass, 14.4 ms without;
 #           prediction after the one-walk fingerprint and the place-weighted rows: ~9 ms without, ~30-36
 #           with: the same two reads, two more small kernels per tensor).
-# STEPS picks some of them (default: all, in this order). Results in $OUT.
+#  rates    (not in the default) the 8B shape's sync, async and async-late loops at 4, 16, 32 and 64 req/s
+#           (issue 30: whether late admission can be the default; H100 at 4 req/s with a system prompt:
+#           async-late TTFT p50 15.0 ms, sync 14.9, async 19.6; prediction: async-late within 1 ms of sync at
+#           4 and 16, equal to async at 64, throughput within 1% of async everywhere);
+#  vlmlate  (not in the default) serving with images, sync, async and async-late (H100: async TTFT p50
+#           151.7 ms against sync's 134.5; prediction: async-late within 5 ms of sync).
+# STEPS picks some of them (default: the first five, in this order). Results in $OUT.
 set -uo pipefail
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,6 +42,12 @@ for step in $STEPS; do
       timeout 330 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 64 --rate 4 --lengths sharegpt \
         --system-prompt 1024 --compare async,async-late,async-nocache,sync --json "$OUT/serve8b.json" 2>&1 \
         | grep -v -i warn | tail -9 ;;
+    rates)
+      timeout 420 python3 benchmarks/serving_rates.py --shape llama3-8b --rates 4,16,32,64 --paths sync,async,async-late \
+        --peer-rate 0 --budget 360 --json "$OUT/rates8b.json" 2>&1 | grep -v -i warn | tail -16 ;;
+    vlmlate)
+      timeout 300 python3 benchmarks/vlm_serving.py --requests 64 --rate 8 --new 128 --loops sync,async,async-late \
+        --json "$OUT/vlm_serving.json" 2>&1 | grep -v -i warn | tail -4 ;;
     weights)
       timeout 90 python3 benchmarks/fingerprint_cost.py 2>&1 | tail -1 | tee "$OUT/fingerprint.txt" ;;
   esac

@@ -65,14 +65,17 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=380.0, help="start no run after this many seconds")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="our paths' BatchingConfig.cuda_graphs (default: on CUDA; on the CPU, the same keys eagerly)")
+    p.add_argument("--paths", default="sync,async", help="our loops at every rate (e.g. sync,async,async-late: "
+                   "bench's path names)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    bench.check_paths(args.paths.split(","))
 
     started = time.perf_counter()
     device = torch.device(args.device) if args.device else bench.default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = bench.build_model(args.shape, device, dtype)
-    runs = [(float(r), ("sync", "async")) for r in args.rates.split(",")]
+    runs = [(float(r), tuple(args.paths.split(","))) for r in args.rates.split(",")]
     if args.peer_rate:  # last: ours come first within the budget
         paths, notes = serving.runnable_paths(("hf-cb-sync",), device)
         print(*notes, sep="\n")

@@ -57,8 +57,10 @@ def requests_of(model, count: int, text: int, grid: int, device, seed: int) -> l
     return out
 
 
-def serve(model, mode: str, requests, arrivals, new: int) -> dict:
-    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode))
+def serve(model, path: str, requests, arrivals, new: int) -> dict:
+    """One loop's run: `path` sync, async, or async-late (BatchingConfig.late_admission)."""
+    mode, _, variant = path.partition("-")
+    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, late_admission=variant == "late"))
     engine.start()
     try:
         warm = [engine.add_request(ids, max_new_tokens=new, media=media) for ids, media in requests[1]]
@@ -92,8 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--text", type=int, default=64)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--loops", default="sync,async", help="of sync, async, async-late (late admission)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    loops = args.loops.split(",")
+    if not set(loops) <= {"sync", "async", "async-late"}:
+        p.error(f"--loops takes sync, async and async-late, got {args.loops!r}")
     device = torch.device(args.device)
     text, vision, grid = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
     arrivals = arrival_times(args.requests, args.rate if args.rate > 0 else math.inf)
     report = {"shape": args.shape, "requests": args.requests, "rate": args.rate, "new": args.new,
               "image_tokens": grid * grid // 4, "device": str(device)}
-    for mode in ("sync", "async"):
+    for mode in loops:
         result = serve(model, mode, (timed, warmup), arrivals, args.new)
         report[mode] = result
         ttft, itl = result["ttft_ms"], result["itl_ms"]
