@@ -43,7 +43,9 @@ class StepInputs:
     processor_rows: list[tuple[int, object, torch.Tensor, int]]
     # Slow path: rows whose raw logits and processed scores go back to the host (output_scores/logits).
     keep_rows: list[int] = field(default_factory=list)
-    kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw logits, processed scores) of keep_rows
+    # (raw logits, processed scores) of keep_rows, and {kept row index: processed scores in the dtype
+    # its logits processor returned} where that is not float32 (ModelRunner.step)
+    kept: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]] | None = None
     faults: dict[int, BaseException] | None = None  # slow path: row -> what its logits processor raised
     processors: HistoryProcessors | None = None  # rows whose processors read their history, else None
     token_block: TokenBlock | None = None  # tokens some rows may not sample this step, else None

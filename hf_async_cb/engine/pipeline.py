@@ -66,7 +66,9 @@ class InFlight:
     sampled: torch.Tensor  # device [2, S] tokens + log-probabilities, kept alive until downloaded
     download: Download
     keep_rows: list[int]
-    kept: tuple[torch.Tensor, torch.Tensor] | None  # device (raw logits, processed scores) of keep_rows
+    # device (raw logits, processed scores) of keep_rows, and {kept row index: processed scores} of
+    # those whose logits processor returned another dtype than float32, in that dtype
+    kept: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]] | None
     faults: dict[int, BaseException] | None  # row -> what its request's logits processor raised
     first_tokens: bool = False  # some request samples its first token here (its user waits for it)
 
@@ -224,12 +226,13 @@ class Pipeline:
                     self._fail(req, error, "logits processor", finished)
         if flight.kept is not None:
             with self.streams.on(self.streams.d2h):  # after the step's compute: the event above fired
-                raw, processed = (t.cpu() for t in flight.kept)
+                raw, processed, own = flight.kept
+                raw, processed, own = raw.cpu(), processed.cpu(), {i: t.cpu() for i, t in own.items()}
             for i, row in enumerate(flight.keep_rows):
                 req = flight.sample_requests[row]
                 if not req.is_finished:
                     req.output_logits.append(raw[i])
-                    req.output_scores.append(processed[i])
+                    req.output_scores.append(own[i] if i in own else processed[i])  # (own: the processor's dtype)
         for req, token, logprob in zip(flight.sample_requests, tokens, logprobs):
             req.num_pending -= 1
             if req.is_finished:

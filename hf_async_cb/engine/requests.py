@@ -252,7 +252,7 @@ class Request:
     embeds: Any = None
     # Slow path: keep each step's raw logits and processed scores (generate's output_logits/scores).
     keep_scores: bool = False
-    output_scores: list = field(default_factory=list)  # CPU [V] float32 per output token
+    output_scores: list = field(default_factory=list)  # CPU [V] per output token: float32, or its processor's dtype
     output_logits: list = field(default_factory=list)
     # What this request's own logits processor, stopping criterion or token callback raised (it
     # then ended ABORTED); None otherwise.

@@ -151,13 +151,17 @@ class ModelRunner:
             inputs.processors.apply(logits, self.history, inputs.meta)
         if inputs.token_block is not None:
             inputs.token_block.apply(logits)
+        own: dict[int, torch.Tensor] = {}  # row -> the scores its processor returned, in their own dtype
         for row, processor, history, pending_row in inputs.processor_rows:
             # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
             try:
-                logits[row] = processor(history[None], logits[row : row + 1])[0]
+                scores = processor(history[None], logits[row : row + 1])
+                logits[row] = scores[0]
+                if scores.dtype != logits.dtype and scores.is_floating_point():
+                    own[row] = scores[0]  # e.g. `scores.half()`: see _own_dtype_scores
             except BaseException as error:  # noqa: BLE001 - this request's own code: the pipeline fails it alone
                 if inputs.faults is None:
                     inputs.faults = {}
@@ -169,10 +173,36 @@ class ModelRunner:
             sampling = inputs.sampling
             if sampling is not None:
                 sampling = sampling.rows(rows)
-            inputs.kept = (raw, processed_scores(logits[rows], sampling))
-        if kernels:
-            return _draw_packed(logits, inputs.sampling)
-        return pack(*sample(logits, inputs.sampling))
+            inputs.kept = (raw, processed_scores(logits[rows], sampling), _own_dtype_scores(rows, own, sampling))
+        packed = _draw_packed(logits, inputs.sampling) if kernels else pack(*sample(logits, inputs.sampling))
+        if own:
+            _draw_wide_rows(packed, own, logits.dtype, inputs.sampling)
+        return packed
+
+
+def _own_dtype_scores(rows: list[int], own: dict[int, torch.Tensor],
+                      sampling: SamplingTensors | None) -> dict[int, torch.Tensor]:
+    """Kept row index -> its processed scores in the dtype its logits processor returned, for the
+    kept `rows` whose processor returned another dtype than float32. Stock generate stores what its
+    processor list returns as `scores` (fp16 after a caller's `scores.half()`, float64 after a
+    `.double()`; its warpers, in the list, keep that dtype), so the engine reports those values in
+    that dtype too, from the processor's own tensor (float32 would round float64 values). Its
+    `logits` stay float32, as stock's (it casts the model's logits to float32 whatever their dtype).
+    `sampling`: the parameters of `rows` (SamplingTensors.rows), or None."""
+    return {i: processed_scores(own[row][None], sampling.rows([i]) if sampling is not None else None)[0]
+            .to(own[row].dtype) for i, row in enumerate(rows) if row in own}
+
+
+def _draw_wide_rows(packed: torch.Tensor, own: dict[int, torch.Tensor], dtype: torch.dtype,
+                    sampling: SamplingTensors | None) -> None:
+    """Redraw, in `packed`, the rows whose logits processor returned a dtype wider than `dtype`
+    (float64), from those values: their float32 copy may round two different scores to one, where
+    argmax then takes the lower id while stock's argmax over the returned float64 values takes the
+    higher. (A narrower dtype, fp16 or bf16, converts to float32 exactly: its ties are the same.)"""
+    wide = [row for row, scores in own.items() if torch.promote_types(scores.dtype, dtype) != dtype]
+    if wide:
+        scores = torch.stack([own[row].to(packed.device) for row in wide])
+        packed[:, wide] = pack(*sample(scores, sampling.rows(wide) if sampling is not None else None))
 
 
 def _draw_packed(logits: torch.Tensor, sampling: SamplingTensors | None) -> torch.Tensor:

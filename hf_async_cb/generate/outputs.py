@@ -29,11 +29,13 @@ def stock_output(call: GenerateCall, input_ids: torch.Tensor, requests: list[Req
 def _per_step(rows: list[list[torch.Tensor]], steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per-request lists of [V] tensors (kept on the host) -> stock's tuple of [batch, V] per step,
     on `device`. Steps after a row finished hold NaN (stock computes values there from pad inputs;
-    nobody should read them)."""
+    nobody should read them), in the dtype of the step's other rows: float32, or the one a logits
+    processor returned (stock's scores keep it), which a float32 filler would promote away."""
     vocab = next(len(r[0]) for r in rows if r)
     out = []
     for t in range(steps):
-        filler = torch.full((vocab,), float("nan"))
+        present = [r[t] for r in rows if t < len(r)]
+        filler = torch.full((vocab,), float("nan"), dtype=present[0].dtype)
         out.append(torch.stack([r[t] if t < len(r) else filler for r in rows]).to(device))
     return tuple(out)
 
