@@ -1,5 +1,5 @@
-"""HQQ projections (hqq's HQQLinear: 8, 6, 5, 4, 2, 1.58 or 1 bits packed as "8bit_u8", "4bit_u8",
-"2bit_u8" or "1bit_u8", groups along the input dimension, plain scales and zeros) through the skinny
+"""HQQ projections (hqq's HQQLinear: 8, 6, 5, 4, 3, 2, 1.58 or 1 bits packed as "8bit_u8", "4bit_u8",
+"3bit_32", "2bit_u8" or "1bit_u8", groups along the input dimension, plain scales and zeros) through the skinny
 GEMM's grouped form: the kernel rebuilds
 every weight as HQQ's dequantize rounds it ((q - zero) rounded, times scale, rounded, in the compute
 dtype), its compiled variants are the ones listed for compiling ahead, and an HQQ model routed
@@ -16,7 +16,7 @@ from quantized_checks import (assert_engine_greedy_matches_stock, engine_launche
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
-from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
+from hf_async_cb.kernels.skinny_gemm_forms import WeightForm, grouped_word
 from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_grouped
 
 quantize = pytest.importorskip("hqq.core.quantize")
@@ -66,19 +66,21 @@ def test_kernel_rebuilds_hqq_weights_exactly(dtype, n, k, group, config, split):
 
 
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("nbits", [8, 6, 2, 1.58, 1])
-def test_kernel_rebuilds_every_width_exactly(nbits, split):
-    """The other packings HQQ writes whole bytes of (8 // bits parts of the rows a byte, the first in
-    the highest bits), on a tile with masked rows (N = 96 at BLOCK_N 64) and several groups: every
-    weight bit for bit as HQQ dequantizes it, in fp16 (the rounding steps) on the CPU."""
+@pytest.mark.parametrize("nbits, n", [(8, 96), (6, 96), (3, 96), (3, 33), (2, 96), (1.58, 96), (1, 96)])
+def test_kernel_rebuilds_every_width_exactly(nbits, n, split):
+    """The other packings HQQ writes (8 // bits parts of the rows a byte, the first in the highest
+    bits; at 3 bits ten parts of the flat groups a 32-bit word, a part starting anywhere in a row), on a
+    tile with masked rows (N = 96 or 33 at BLOCK_N 64) and several groups: every weight bit for bit as
+    HQQ dequantizes it, in fp16 (the rounding steps) on the CPU."""
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
-    module = _hqq_linear(96, 192, dtype=dtype, nbits=nbits, round_zero=False, seed=int(nbits * 10))
+    module = _hqq_linear(n, 192, dtype=dtype, nbits=nbits, round_zero=False, seed=int(nbits * 10) + n)
     found = hqq_grouped(module)
-    assert found is not None and found.bits == {8: 8, 6: 8, 2: 2, 1.58: 2, 1: 1}[nbits]
-    assert found.packed.shape == (96 * found.bits // 8, 192)
+    assert found is not None and found.bits == {8: 8, 6: 8, 3: 3, 2: 2, 1.58: 2, 1: 1}[nbits]
+    assert found.shape == (n, 192)
+    assert found.packed.shape == ((-(-n * 3 // 10), 64) if nbits == 3 else (n * found.bits // 8, 192))
     eye = torch.eye(192, dtype=dtype, device=DEVICE)
     got = skinny.skinny_linear_grouped(eye, found.packed, found.scale, found.zero, 64, bits=found.bits,
-                                       config=dict(BLOCK_N=64, SPLIT_K=split))
+                                       shape=found.shape, config=dict(BLOCK_N=64, SPLIT_K=split))
     assert torch.equal(got.t(), module.dequantize())
 
 
@@ -95,14 +97,14 @@ def test_the_rounding_steps_matter():
 
 
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("rows, nbits", [(1, 4), (3, 4), (17, 4), (3, 8), (17, 2), (5, 1)])
+@pytest.mark.parametrize("rows, nbits", [(1, 4), (3, 4), (17, 4), (3, 8), (17, 2), (5, 1), (6, 3)])
 def test_kernel_matches_hqq_matmul(split, rows, nbits):
     module = _hqq_linear(96, 256, seed=rows, nbits=nbits)
     found = hqq_grouped(module)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE, DTYPE)
     expected = torch.matmul(x, module.dequantize().t())
     got = skinny.skinny_linear_grouped(x, found.packed, found.scale, found.zero, 64, bits=found.bits,
-                                       config=dict(SPLIT_K=split))
+                                       shape=found.shape, config=dict(SPLIT_K=split))
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # (summation order only)
 
@@ -122,7 +124,13 @@ def test_kernel_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="multiple of the group"):
         skinny.skinny_linear_grouped(x, packed, ones, ones, 64, config=dict(BLOCK_K=32))
     with pytest.raises(ValueError, match="bits a weight"):
-        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=3)
+        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=5)
+    with pytest.raises(ValueError, match="needs the weight's shape"):
+        skinny.skinny_linear_grouped(x, packed.to(torch.int32), ones, ones, 64, bits=3)
+    with pytest.raises(ValueError, match="int32 packing of 448 words"):
+        skinny.skinny_linear_grouped(x, packed.to(torch.int32), ones, ones, 64, bits=3, shape=(32, 128))
+    with pytest.raises(ValueError, match="is not the packing's"):
+        skinny.skinny_linear_grouped(x, packed, ones, ones, 64, shape=(16, 128))
     with pytest.raises(ValueError, match="scale must hold 128"):  # at 2 bits, 16 packed rows are 64 weight rows
         skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=2)
     with pytest.raises(ValueError, match="only the grouped form"):
@@ -138,7 +146,8 @@ def test_which_hqq_modules_are_taken():
     assert hqq_grouped(_hqq_linear(32, 128, nbits=5)).packed.shape == (32, 128)  # (5 and 6 bits pack as 8)
     assert hqq_grouped(_hqq_linear(32, 128, nbits=2)).packed.shape == (8, 128)
     assert hqq_grouped(_hqq_linear(32, 128, nbits=1)).packed.shape == (4, 128)
-    assert hqq_grouped(_hqq_linear(40, 128, nbits=3)) is None  # ten 3-bit fields an int32: HQQ's own forward
+    taken = hqq_grouped(_hqq_linear(33, 128, nbits=3))  # ten 3-bit fields an int32, parts across rows
+    assert taken.bits == 3 and taken.shape == (33, 128) and taken.packed.dtype == torch.int32
     assert hqq_grouped(_hqq_linear(36, 128, nbits=1)) is None  # its eighths are not whole rows
     assert hqq_grouped(_hqq_linear(34, 128, nbits=2)) is None  # its quarters are not whole rows
     assert hqq_grouped(_hqq_linear(32, 96, group_size=48)) is None  # not a power of two
@@ -172,9 +181,9 @@ def grouped_calls(monkeypatch):
     calls = []
     real = skinny.skinny_linear_grouped
 
-    def counted(x, packed, scale, zero, group_size, *, bits=4, config=None):
+    def counted(x, packed, scale, zero, group_size, *, bits=4, shape=None, config=None):
         calls.append((x.numel() // x.shape[-1], tuple(packed.shape)))
-        return real(x, packed, scale, zero, group_size, bits=bits, config=config)
+        return real(x, packed, scale, zero, group_size, bits=bits, shape=shape, config=config)
 
     monkeypatch.setattr(decode_gemm, "skinny_linear_grouped", counted)
     return calls
@@ -209,28 +218,30 @@ def test_engine_greedy_matches_stock(mode, grouped_calls):
     assert_engine_greedy_matches_stock(_hqq_model("llama"), mode, grouped_calls)
 
 
-@pytest.mark.parametrize("nbits, mode", [(8, "sync"), (2, "async")])
+@pytest.mark.parametrize("nbits, mode", [(8, "sync"), (3, "async"), (2, "async")])
 def test_engine_greedy_matches_stock_at_other_widths(nbits, mode, grouped_calls):
     model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=nbits)
-    assert f"HQQ {8 if nbits == 8 else 2}-bit projections read as" in DecodeGemms(model, None).summary()
+    assert f"HQQ {nbits}-bit projections read as" in DecodeGemms(model, None).summary()
     assert_engine_greedy_matches_stock(model, mode, grouped_calls)
 
 
 def test_the_listed_variants_are_the_launched_ones(monkeypatch):
     """The grouped form's variants (what the build compiles ahead) have the keys its launches look up,
-    split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike, at 4 and 8 bits."""
+    split-K (K = 512 at 1 and 5 rows) and not (40 rows) alike, at 4, 8 and 3 bits."""
     from hf_async_cb.kernels.variant import jit_key, variant_key
 
     seen = interpreter_launches(monkeypatch)
     n, k = 64, 512
-    for bits in (4, 8):
+    for bits in (4, 8, 3):
+        packed = torch.ones(-(-n * k // 640), 64, dtype=torch.int32) if bits == 3 else \
+            torch.ones(n * bits // 8, k, dtype=torch.uint8)
         for rows in (1, 5, 40):
             x = torch.randn(rows, k, dtype=DTYPE)
             ones = torch.ones(n * k // 64, dtype=DTYPE)
-            skinny.skinny_linear_grouped(x, torch.ones(n * bits // 8, k, dtype=torch.uint8), ones, ones, 64, bits=bits)
+            skinny.skinny_linear_grouped(x, packed, ones, ones, 64, bits=bits, shape=(n, k))
     launched = {jit_key(kernel, args, kwargs) for kernel, args, kwargs in seen}
-    listed = {variant_key(v) for bucket in (1, 8, 64) for bits in (4, 8) for v in
-              skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(torch.uint8, 64, bits=bits))}
+    listed = {variant_key(v) for bucket in (1, 8, 64) for bits in (4, 8, 3) for v in
+              skinny.variants(n, k, DTYPE, False, bucket, {}, WeightForm(grouped_word(bits), 64, bits=bits))}
     assert launched and launched <= listed
     assert any(kernel is skinny._splitk_reduce_kernel for kernel, _, _ in seen)
 
@@ -256,16 +267,18 @@ def test_model_variants_list_the_hqq_projections():
     assert {(v.args[7], v.args[8]) for v in listed if v.constexprs.get("GROUP") == 64} == {(n, k) for n, k, _ in shapes}
 
 
-def test_an_engine_lists_every_grouped_launch(monkeypatch):
+@pytest.mark.parametrize("nbits", [4, 3])
+def test_an_engine_lists_every_grouped_launch(nbits, monkeypatch):
     """What an engine on an HQQ model hands the precompile (model_variants of its facts, at that point
     of its build) covers every skinny GEMM launch its decode steps make, at several batch sizes."""
-    seen, launched, listed = engine_launches_and_listing(monkeypatch, _hqq_model())
+    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=nbits)
+    seen, launched, listed = engine_launches_and_listing(monkeypatch, model)
     assert any(kwargs.get("GROUP") == 64 for _, _, kwargs in seen)
     assert launched and launched <= listed
 
 
 def test_grouped_form_compiles_for_sm90():
-    """The grouped form in bf16 (plain, SWAP_AB, split-K with a masked K tail; 4, 8, 2 and 1 bits) builds
+    """The grouped form in bf16 (plain, SWAP_AB, split-K with a masked K tail; 4, 8, 3, 2 and 1 bits) builds
     for an H200 without a GPU."""
     from sm90 import assert_compiles_for_sm90
 
@@ -274,10 +287,10 @@ def test_grouped_form_compiles_for_sm90():
     aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     kernels = []
     for split, swap, even_k, bits in ((1, False, True, 4), (1, True, True, 4), (4, False, False, 4), (1, False, True, 8),
-                                      (4, False, True, 2), (1, True, False, 1)):
+                                      (4, False, True, 2), (1, True, False, 1), (4, False, True, 3), (1, True, False, 3)):
         c = skinny._config(32, 4096, 4096, torch.bfloat16, torch.uint8, 132, dict(SPLIT_K=split, SWAP_AB=swap), 64)
         kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",
-                        dict(sig, out_ptr="*fp32") if split > 1 else sig,
+                        dict(sig, out_ptr="*fp32" if split > 1 else "*bf16", w_ptr="*i32" if bits == 3 else "*u8"),
                         dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
                              EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64,
                              PRESCALED=False, CODEBOOK=0, BITS=bits),
@@ -296,13 +309,13 @@ def test_every_default_launch_fits_an_h200s_shared_memory():
            "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
     aligned = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "s_ptr", "z_ptr", "N", "K", "k_per_split", "stride_xm"]
     forms = [(WeightForm(torch.uint8, g), 4096, 4096) for g in (32, 128)] + [(WeightForm(torch.uint8, 64), 96, 192)]
-    forms += [(WeightForm(torch.uint8, 128, bits=8), 4096, 4096)]
+    forms += [(WeightForm(torch.uint8, 128, bits=8), 4096, 4096), (WeightForm(torch.int32, 64, bits=3), 4096, 4096)]
     forms += [(WeightForm(torch.int8), 4096, 4096), (WeightForm(torch.int8, prescaled=True), 4096, 4096)]
     kernels = {}
     for form, n, k in forms:
         for bucket in (16, 128, 256):  # the tiles grow with the rows bucket (1 to 16 share 16's)
             (variant, *_) = skinny.variants(n, k, torch.bfloat16, False, bucket, {}, form)
-            w = {torch.uint8: "*u8", torch.int8: "*i8"}[form.dtype]
+            w = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32"}[form.dtype]
             out = "*bf16" if not variant.constexprs["SPLIT_K"] > 1 else "*fp32"
             key = (w, out, tuple(sorted(variant.constexprs.items())), tuple(sorted(variant.options.items())))
             kernels[key] = ("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel",

@@ -54,7 +54,7 @@ from hf_async_cb.devices import num_sms
 from hf_async_cb.kernels.skinny_gemm_forms import (PLAIN, SCALED_INT8, WeightForm, _codebook_4bit_pointers,
                                                    _codebook_4bit_tile, _grouped_pointers, _grouped_tile,
                                                    _prescaled_tile, check_codebook_4bit, check_grouped,
-                                                   check_prescaled, check_scaled_int8)
+                                                   check_prescaled, check_scaled_int8, grouped_word)
 from hf_async_cb.kernels.variant import Variant
 
 MAX_M = 256
@@ -114,8 +114,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                                     BLOCK_K, GROUP, EVEN_K, EVEN_N)
             s_ptrs += BLOCK_K // GROUP
         elif GROUP > 0:
-            w = _grouped_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k0 + k, K, x_ptr.dtype.element_ty, BLOCK_N,
-                              BLOCK_K, GROUP, EVEN_K, EVEN_N, BITS)
+            w = _grouped_tile(w_ptr, w_ptrs, s_ptrs, z_ptrs, shift, n0, n_ok, k0 + k, N, K, x_ptr.dtype.element_ty,
+                              BLOCK_N, BLOCK_K, GROUP, EVEN_K, EVEN_N, BITS)
             s_ptrs += BLOCK_K // GROUP
             z_ptrs += BLOCK_K // GROUP
         else:
@@ -316,19 +316,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def skinny_linear_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                          group_size: int, *, bits: int = 4, config: dict | None = None) -> torch.Tensor:
-    """y = x @ w.T for a weight w [N, K] of `bits` (8, 4, 2 or 1) bits per weight in HQQ's layout
-    (axis=1; the "8bit_u8", "4bit_u8", "2bit_u8", "1bit_u8" packings): `packed` [N * bits / 8, K] uint8
-    holds 8 / bits parts of w's rows, the first N * bits / 8 rows in its highest bits (at 4 bits: row
-    n < N / 2 in the high nibbles of row n, row n + N / 2 in the low ones); `scale` and `zero` hold one
+                          group_size: int, *, bits: int = 4, shape: tuple[int, int] | None = None,
+                          config: dict | None = None) -> torch.Tensor:
+    """y = x @ w.T for a weight w [N, K] of `bits` (8, 4, 3, 2 or 1) bits per weight in HQQ's layout
+    (axis=1; the "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8", "1bit_u8" packings): `packed` [N * bits / 8,
+    K] uint8 holds 8 / bits parts of w's rows, the first N * bits / 8 rows in its highest bits (at 4
+    bits: row n < N / 2 in the high nibbles of row n, row n + N / 2 in the low ones); at 3 bits, int32
+    words [ceil(N * K / group_size / 10), group_size] hold ten parts of w's groups (HQQ's order), and
+    `shape` must give (N, K), which that packing does not tell; `scale` and `zero` hold one
     value per `group_size` weights along K, in x's dtype, weight n's groups at n * K / group_size on
     (N * K / group_size values in all). Each tile is rebuilt in x's dtype as HQQ's dequantize rounds
     ((q - zero) rounded, times scale, rounded), then multiplied as skinny_linear does (fp32
     accumulation, output in x's dtype). group_size: a power of two from 16 to 256 dividing K; a
     config's BLOCK_K must be a multiple of it (the default is). Raises ValueError for what it does
     not take."""
-    scale, zero = check_grouped(x, packed, scale, zero, group_size, bits)
-    return _launch(x, packed, None, config, WeightForm(torch.uint8, group_size, bits=bits), scale, zero)
+    scale, zero, dims = check_grouped(x, packed, scale, zero, group_size, bits, shape)
+    return _launch(x, packed, None, config, WeightForm(grouped_word(bits), group_size, bits=bits), scale, zero,
+                   dims)
 
 
 def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -352,10 +356,11 @@ def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: t
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None,
-            form: WeightForm, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+            form: WeightForm, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None,
+            dims: tuple[int, int] | None = None) -> torch.Tensor:
     """skinny_linear (or a packed form's) once its form's arguments are checked: the shapes' checks
-    and the launch."""
-    N, K = _dims(weight, form)
+    and the launch. `dims`: the product's (N, K) where the weight's packing does not tell them."""
+    N, K = dims or _dims(weight, form)
     if x.dtype not in _DTYPES:
         raise ValueError(f"skinny_linear takes x in one of {_DTYPES}, got {x.dtype}")
     if weight.device != x.device or (bias is not None and bias.device != x.device):
@@ -421,7 +426,7 @@ def _config(M: int, N: int, K: int, dtype: torch.dtype, weight_dtype: torch.dtyp
         raise ValueError(f"skinny GEMM packed forms: BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the group "
                          f"(block) size ({group})")
     if "num_stages" not in (config or {}):
-        weight_bytes = 0.5 if group else weight_dtype.itemsize
+        weight_bytes = 0.5 if group and weight_dtype == torch.uint8 else weight_dtype.itemsize  # (3 bits: words)
         stage = block_m(M) * cfg["BLOCK_K"] * dtype.itemsize + cfg["BLOCK_N"] * cfg["BLOCK_K"] * weight_bytes
         while cfg["num_stages"] > 1 and cfg["num_stages"] * stage > MAX_SHARED_MEMORY:
             cfg["num_stages"] -= 1

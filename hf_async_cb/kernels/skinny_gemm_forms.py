@@ -3,9 +3,9 @@ are rebuilt in x's dtype, and the checks of its arguments (kernels/skinny_gemm.p
 
 - scaled int8 (torchao's weight-only int8; `skinny_linear(..., scale=)`): converted exactly tile
   by tile, the scale per output row applied after the product;
-- grouped (HQQ's layouts; `skinny_linear_grouped`): 8, 4, 2 or 1 bits a weight, packed as HQQ packs
-  them (8 // bits weights a byte, from rows N * bits / 8 apart), rebuilt tile by tile as HQQ's
-  dequantize rounds them, with a scale and a zero per group along K;
+- grouped (HQQ's layouts; `skinny_linear_grouped`): 8, 4, 3, 2 or 1 bits a weight, packed as HQQ
+  packs them (8 // bits weights a byte, from rows N * bits / 8 apart; at 3 bits ten a 32-bit word),
+  rebuilt tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K;
 - pre-scaled (optimum-quanto's int8 or float8_e4m3fn; `skinny_linear(..., row_scale=)`): each weight
   times its row's scale, rounded to x's dtype as qbytes_mm rounds `scale * weight`, before the product;
 - codebook 4-bit (bitsandbytes' nf4 and fp4; `skinny_linear_codebook_4bit`): two weights per byte
@@ -30,7 +30,7 @@ import triton.language as tl
 
 CODEBOOK_ROUNDING = (torch.bfloat16, torch.float16, torch.float32)  # what the codebook form's weights round to
 PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's (quanto's qint8, qfloat8; torchao's float8)
-GROUPED_BITS = (8, 4, 2, 1)  # the grouped form's widths: HQQ's "8bit_u8", "4bit_u8", "2bit_u8", "1bit_u8" packings
+GROUPED_BITS = (8, 4, 3, 2, 1)  # the grouped form's widths: HQQ's "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8", "1bit_u8"
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class WeightForm:
 
     @property
     def name(self) -> str:
-        if self.bits != 4 and not (self.dtype == torch.uint8 and self.group > 0 and not self.codebook
+        if self.bits != 4 and not (self.dtype == grouped_word(self.bits) and self.group > 0 and not self.codebook
                                    and self.bits in GROUPED_BITS):
             raise ValueError(f"only the grouped form reads {self.bits}-bit weights (of {GROUPED_BITS}); "
                              f"got {self.bits} bits with {self.dtype}, group {self.group}, codebook={self.codebook}")
@@ -66,7 +66,7 @@ class WeightForm:
                 return "plain"
             if self.dtype == torch.int8 and not self.group and not self.prescaled:
                 return "scaled_int8"
-            if self.dtype == torch.uint8 and self.group > 0 and not self.prescaled:
+            if self.dtype == grouped_word(self.bits) and self.group > 0 and not self.prescaled:
                 return f"grouped_{self.bits}bit"
             if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
                 return "prescaled"
@@ -88,6 +88,11 @@ class WeightForm:
     def scaled(self) -> bool:
         """Whether the scale per output row comes after the product (the kernel's SCALED)."""
         return self.name == "scaled_int8"
+
+
+def grouped_word(bits: int) -> torch.dtype:
+    """The dtype HQQ packs `bits`-bit weights in: ten 3-bit fields an int32 ("3bit_32"), else bytes."""
+    return torch.int32 if bits == 3 else torch.uint8
 
 
 PLAIN = WeightForm()
@@ -118,26 +123,39 @@ def check_prescaled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def check_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                  group_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grouped form's scale and zero, flat, once its arguments are checked (ValueError otherwise;
-    skinny_linear_grouped says what it takes)."""
+                  group_size: int, bits: int, shape: tuple[int, int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """The grouped form's scale and zero, flat, and the weight's (N, K), once its arguments are
+    checked (ValueError otherwise; skinny_linear_grouped says what it takes)."""
     if bits not in GROUPED_BITS:
         raise ValueError(f"skinny_linear_grouped reads {GROUPED_BITS} bits a weight, got {bits!r}")
-    parts = 8 // bits
-    if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise ValueError(f"skinny_linear_grouped takes a packed uint8 weight [N / {parts}, K] at {bits} bits, "
-                         f"got {packed.dtype} {tuple(packed.shape)}")
-    N, K = parts * packed.shape[0], packed.shape[1]
-    if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0
-            and K % group_size == 0):
-        raise ValueError(f"skinny_linear_grouped takes a group size that is a power of two from 16 to 256 "
-                         f"dividing K = {K}, got {group_size!r}")
+    if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0):
+        raise ValueError(f"skinny_linear_grouped takes a group size that is a power of two from 16 to 256, "
+                         f"got {group_size!r}")
+    if bits == 3:  # ten fields a word, in parts of the flat groups: the packing does not tell N and K
+        if shape is None:
+            raise ValueError("skinny_linear_grouped at 3 bits needs the weight's shape (N, K)")
+        N, K = shape
+        words = -(-N * K // group_size // 10) * group_size
+        if packed.dtype != torch.int32 or packed.numel() != words or not packed.is_contiguous():
+            raise ValueError(f"skinny_linear_grouped at 3 bits takes HQQ's int32 packing of {words} words for "
+                             f"({N}, {K}), got {packed.dtype} {tuple(packed.shape)}")
+    else:
+        parts = 8 // bits
+        if packed.dim() != 2 or packed.dtype != torch.uint8:
+            raise ValueError(f"skinny_linear_grouped takes a packed uint8 weight [N / {parts}, K] at {bits} bits, "
+                             f"got {packed.dtype} {tuple(packed.shape)}")
+        N, K = parts * packed.shape[0], packed.shape[1]
+        if shape is not None and tuple(shape) != (N, K):
+            raise ValueError(f"skinny_linear_grouped: shape {tuple(shape)} is not the packing's ({N}, {K})")
+    if K % group_size:
+        raise ValueError(f"skinny_linear_grouped takes a group size dividing K = {K}, got {group_size}")
     groups = N * K // group_size
     for name, t in (("scale", scale), ("zero", zero)):
         if t.dtype != x.dtype or t.numel() != groups or t.device != x.device:
             raise ValueError(f"skinny_linear_grouped: {name} must hold {groups} values in x's dtype ({x.dtype}) "
                              f"on x's device, got {t.numel()} in {t.dtype} on {t.device}")
-    return scale.reshape(-1).contiguous(), zero.reshape(-1).contiguous()
+    return scale.reshape(-1).contiguous(), zero.reshape(-1).contiguous(), (N, K)
 
 
 @triton.jit
@@ -149,21 +167,42 @@ def _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N: tl.constexpr, 
     packed row n - p * N * BITS / 8 at bit 8 - BITS * (p + 1) (BITS 4: row n < N / 2 in the high
     nibbles of packed row n, the others in the low nibbles of row n - N / 2)."""
     rows = n0 + tl.arange(0, BLOCK_N)
-    part = tl.minimum(rows // (N // (8 // BITS)), 8 // BITS - 1)  # (rows past N: masked, a shift in range)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (rows - part * (N // (8 // BITS))).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
-    shift = (8 - BITS * (part + 1)).to(tl.uint8)[:, None]
+    if BITS == 3:  # (its words are found tile by tile: _three_bit_words)
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * 0 + offs_k[None, :] * 0
+        shift = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    else:
+        part = tl.minimum(rows // (N // (8 // BITS)), 8 // BITS - 1)  # (rows past N: masked, a shift in range)
+        w_ptrs = w_ptr + (rows - part * (N // (8 // BITS))).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
+        shift = (8 - BITS * (part + 1)).to(tl.uint8)[:, None]
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     g_offs = rows.to(tl.int64)[:, None] * (K // GROUP) + (k0 // GROUP + offs_g)[None, :]  # weight n's groups
     return w_ptrs, shift, s_ptr + g_offs, z_ptr + g_offs
 
 
 @triton.jit
-def _grouped_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k_at, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  BITS: tl.constexpr):
-    """The grouped tile at K offset `k_at` in `dtype`: its packed bytes, zeros and scales loaded
-    (masked past N, and past K unless EVEN_K), rebuilt by _dequantize_grouped."""
+def _three_bit_words(w_ptr, n0, k_at, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """(word pointers, shifts) [BLOCK_N, BLOCK_K] of the 3-bit tile at rows n0.. and K offset `k_at` in
+    HQQ's "3bit_32": the [N * K / GROUP, GROUP] groups of the weight cut in ten parts of
+    step = ceil(N * K / GROUP / 10) groups, part p in bits 27 - 3p of the int32 words [step, GROUP],
+    group r at word row r - p * step. A part need not start at a row, so the part is found per group."""
+    step = (N * (K // GROUP) + 9) // 10
+    rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    groups = rows[:, None] * (K // GROUP) + (k_at // GROUP + tl.arange(0, BLOCK_K // GROUP))[None, :]
+    part = tl.minimum(groups // step, 9)  # (groups past the weight: masked, a shift in range)
+    words = (groups - part * step)[:, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    shift = tl.broadcast_to((27 - 3 * part).to(tl.int32)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    return w_ptr + tl.reshape(words, (BLOCK_N, BLOCK_K)), tl.reshape(shift, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _grouped_tile(w_ptr, w_ptrs, s_ptrs, z_ptrs, shift, n0, n_ok, k_at, N, K, dtype: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                  EVEN_N: tl.constexpr, BITS: tl.constexpr):
+    """The grouped tile at K offset `k_at` in `dtype`: its packed bytes (3 bits: words), zeros and
+    scales loaded (masked past N, and past K unless EVEN_K), rebuilt by _dequantize_grouped."""
+    if BITS == 3:
+        w_ptrs, shift = _three_bit_words(w_ptr, n0, k_at, N, K, BLOCK_N, BLOCK_K, GROUP)
     if EVEN_K:
         if EVEN_N:
             packed = tl.load(w_ptrs)
@@ -185,9 +224,9 @@ def _grouped_tile(w_ptrs, s_ptrs, z_ptrs, shift, n_ok, k_at, K, dtype: tl.conste
 @triton.jit
 def _dequantize_grouped(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes (the BITS at `shift`) and its
-    groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds: (q - zero)
-    rounded to dtype, times scale, rounded to dtype (q, 0..255, is exact in any of them)."""
+    """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes or words (the BITS at `shift`)
+    and its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds:
+    (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..255, is exact in any of them)."""
     q = ((packed >> shift) & ((1 << BITS) - 1)).to(tl.float32)
     d = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) - zero.to(tl.float32)[:, :, None]
     w = d.to(dtype).to(tl.float32) * scale.to(tl.float32)[:, :, None]

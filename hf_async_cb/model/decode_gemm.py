@@ -10,7 +10,7 @@ only if `GemmChoice` recorded that it beat cuBLAS there. A shape never measured 
 gate/up groups (model/fusion.py). Linears whose weight is torchao's weight-only int8 (one scale
 per output row) take the kernel's scaled int8 form for every decode bucket without a measurement:
 it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
-activations' dtype at every call), with the same rounding steps. HQQ's HQQLinear at 8, 4, 2 or 1 bits
+activations' dtype at every call), with the same rounding steps. HQQ's HQQLinear at 8, 4, 3, 2 or 1 bits
 (`hqq_grouped` says which) takes the grouped form alike: it reads the packed bytes, where HQQ's forward
 dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. Frozen
 optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) and torchao's
@@ -129,8 +129,8 @@ class _ScaledInt8Projection(_QuantizedProjection):
 
 
 class _HqqGroupedProjection(_QuantizedProjection):
-    """An HQQ linear (hqq_grouped) through the kernel's grouped form: it reads the packed weight once
-    (a byte per weight's packed byte, plus a scale and a zero per group), where HQQ's own forward
+    """An HQQ linear (hqq_grouped) through the kernel's grouped form: it reads the packed weight as it is
+    stored (plus a scale and a zero per group), where HQQ's own forward
     writes and reads a dequantized copy of the whole weight every call. The bias is added to the
     rounded product, as HQQ's forward adds it."""
 
@@ -143,7 +143,7 @@ class _HqqGroupedProjection(_QuantizedProjection):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         f = self.found
-        out = skinny_linear_grouped(x, f.packed, f.scale, f.zero, f.group_size, bits=f.bits)
+        out = skinny_linear_grouped(x, f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape)
         if f.bias is not None:
             out += f.bias
         return out
@@ -319,8 +319,7 @@ class DecodeGemms:
                  for w, b in [(m.weight, m.bias) for m in self._linears] + [(g.weight, g.bias) for g in self._groups]]
         picks += [KernelPick(qdata.shape[0], qdata.shape[1], False, SCALED_INT8, every_bucket, None)
                   for _, (qdata, _) in self._int8]
-        picks += [KernelPick(8 // f.bits * f.packed.shape[0], f.packed.shape[1], False, f.form, every_bucket,
-                             f.scale.dtype) for _, f in self._hqq]
+        picks += [KernelPick(*f.shape, False, f.form, every_bucket, f.scale.dtype) for _, f in self._hqq]
         picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, f.form, every_bucket, f.dtype)
                   for _, f in self._quanto + self._float8]
         for m, f in self._bnb:  # (the model's dtype stands for the activations')

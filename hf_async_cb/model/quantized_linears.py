@@ -3,7 +3,7 @@ qualifies: a picker per library returns the tensors (and the rounding) the kerne
 library's own forward with, or None where anything differs (its own forward then runs, as in stock).
 
 - `scaled_int8`: torchao's weight-only int8 (the scaled int8 form);
-- `hqq_grouped`: HQQ's HQQLinear at 8, 6, 5, 4, 2 or 1 bits (the grouped form);
+- `hqq_grouped`: HQQ's HQQLinear at 8, 6, 5, 4, 3, 2 or 1 bits (the grouped form);
 - `quanto_bytes`, `torchao_float8`: optimum-quanto's frozen int8/float8 QLinear, torchao's weight-only
   float8 (the pre-scaled form);
 - `bnb_4bit`: bitsandbytes' nf4 / fp4 Linear4bit (the codebook 4-bit form);
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hf_async_cb.kernels.skinny_gemm import runs_on
-from hf_async_cb.kernels.skinny_gemm_forms import PRESCALED_WEIGHTS, WeightForm
+from hf_async_cb.kernels.skinny_gemm_forms import PRESCALED_WEIGHTS, WeightForm, grouped_word
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,34 +59,36 @@ def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
 class HqqGrouped(NamedTuple):
     """What the grouped form reads of an HQQ linear (skinny_linear_grouped's arguments)."""
 
-    packed: torch.Tensor  # uint8 [N * bits / 8, K]: 8 / bits parts of the rows, the first in the highest bits
+    packed: torch.Tensor  # uint8 [N * bits / 8, K]: 8 / bits parts of the rows, the first in the highest
+    # bits; at 3 bits HQQ's int32 words [ceil(N * K / group_size / 10), group_size]
     scale: torch.Tensor  # [N * K / group_size], HQQ's compute dtype
     zero: torch.Tensor  # the same
     group_size: int
-    bits: int  # 8, 4, 2 or 1 (GROUPED_BITS): the packing's field width
+    bits: int  # 8, 4, 3, 2 or 1 (GROUPED_BITS): the packing's field width
     bias: torch.Tensor | None
+    shape: tuple[int, int]  # the weight's (N, K)
 
     @property
     def form(self) -> WeightForm:
-        return WeightForm(torch.uint8, self.group_size, bits=self.bits)
+        return WeightForm(grouped_word(self.bits), self.group_size, bits=self.bits)
 
 
 _HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x, dequantize().t()) (+= bias)
 # HQQ's packings the grouped form reads, by the field width they hold (nbits 5 and 6 pack as 8 bits, 1.58
-# as 2); "3bit_32" (ten 3-bit fields an int32, in parts that need not start at a row) runs HQQ's forward.
-_HQQ_PACKINGS = {"8bit_u8": 8, "4bit_u8": 4, "2bit_u8": 2, "1bit_u8": 1}
+# as 2; "3bit_32": ten 3-bit fields an int32).
+_HQQ_PACKINGS = {"8bit_u8": 8, "4bit_u8": 4, "3bit_32": 3, "2bit_u8": 2, "1bit_u8": 1}
 
 
 def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
     """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped form
-    reproduces exactly, else None. Taken: weights packed as "8bit_u8", "4bit_u8", "2bit_u8" or
-    "1bit_u8" (nbits 8, 6, 5, 4, 2, 1.58, 1; not viewed as float) with each packed part whole rows
-    (out_features a multiple of 8 / bits), groups along the input dimension (axis=1) of a
+    reproduces exactly, else None. Taken: weights packed as "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8"
+    or "1bit_u8" (nbits 8, 6, 5, 4, 3, 2, 1.58, 1; not viewed as float), the byte packings' parts whole
+    rows (out_features a multiple of 8 / bits), groups along the input dimension (axis=1) of a
     power-of-two size from 16 to 256 dividing in_features, scale and zero plain tensors of the
     compute dtype (not quantized, not offloaded), a bias (if any) of the compute dtype, and HQQ's
     eager PyTorch backend (its default: dequantize, then matmul), whose rounding the kernel repeats.
-    Anything else (3 bits, axis=0, quantized or offloaded meta-data, the compiled or ATen backends)
-    runs HQQ's own forward."""
+    Anything else (axis=0, quantized or offloaded meta-data, the compiled or ATen backends) runs
+    HQQ's own forward."""
     cls = type(module)
     if cls.__name__ != "HQQLinear" or not cls.__module__.startswith("hqq.") or not getattr(module, "ready", False):
         return None
@@ -105,10 +107,13 @@ def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
             and len(shape) == 2 and isinstance(group, int)):
         return None
     N, K = shape
-    parts = 8 // bits
-    if not (N % parts == 0 and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
-            and packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() * parts == N * K
-            and dtype in _DTYPES and runs_on(packed.device)):
+    if bits == 3:  # ten parts of the flat groups, the last padded: ceil(N * K / group / 10) words a column
+        whole = isinstance(group, int) and group > 0 and packed.numel() == -(-N * K // group // 10) * group
+    else:
+        whole = N % (8 // bits) == 0 and packed.numel() * (8 // bits) == N * K
+    if not (whole and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
+            and packed.dtype == grouped_word(bits) and packed.is_contiguous() and dtype in _DTYPES
+            and runs_on(packed.device)):
         return None
     for t in (scale, zero):
         if (not is_plain(t) or t.dtype != dtype or t.numel() != N * K // group or t.device != packed.device
@@ -117,8 +122,9 @@ def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
     if bias is not None and not (isinstance(bias, torch.Tensor) and is_plain(bias) and bias.dtype == dtype
                                  and tuple(bias.shape) == (N,) and bias.device == packed.device):
         return None
-    return HqqGrouped(packed.detach().reshape(N // parts, K), scale.reshape(-1), zero.reshape(-1), group, bits,
-                      None if bias is None else bias.detach())
+    packed = packed.detach() if bits == 3 else packed.detach().reshape(N * bits // 8, K)
+    return HqqGrouped(packed, scale.reshape(-1), zero.reshape(-1), group, bits, None if bias is None else bias.detach(),
+                      (N, K))
 
 
 class PrescaledWeight(NamedTuple):
