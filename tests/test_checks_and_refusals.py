@@ -117,6 +117,22 @@ def test_a_row_larger_than_the_memory_budget_is_refused_without_a_rebuild():
     assert hf_async_cb.runtime_info(model) == before
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_row_that_fits_the_pool_exactly_runs_in_every_call(mode):
+    """A pool of 4 pages of 8 tokens holds a row of prompt + max_new_tokens - 1 = 32 KV tokens (the last
+    sampled token is never fed): the first call (checked by the engine) ran it, and later calls (checked
+    before the engine is taken) refused it, counting prompt + max_new_tokens."""
+    model = _llama()
+    config = {"num_pages": 4, "page_size": 8}
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    expected = model.generate(ids, max_new_tokens=13, eos_token_id=None, batching="off")
+    for _ in range(2):
+        out = model.generate(ids, max_new_tokens=13, eos_token_id=None, batching=mode, batching_config=config)
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="needs up to 33 tokens.*BatchingConfig.num_pages sets it; raise num_pages"):
+        model.generate(ids, max_new_tokens=14, eos_token_id=None, batching=mode, batching_config=config)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_a_window_of_one_token_is_refused_by_name_and_two_runs(family):
     """At sliding_window=1 stock's cached generate disagrees with its own uncached forward (its cache

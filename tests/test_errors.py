@@ -135,6 +135,20 @@ def test_unsupported_generate_options_are_named(model, kwargs, match):
         gen(model, torch.tensor([[5, 6, 7]]), max_new_tokens=3, **kwargs)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_hidden_states_or_attentions_without_a_dict_output_run_as_in_stock(model, flag, mode):
+    """Without return_dict_in_generate stock returns the sequences alone (the flag "may be ignored", it
+    warns): they were refused as an unknown model argument. With it, refused by name."""
+    ids, mask = left_pad([[5, 6, 7], [8, 9]])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, batching="off", **{flag: True})
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=3, batching=mode, **{flag: True})
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match=f"{flag}=True with return_dict_in_generate=True.*batching='off'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, batching=mode, return_dict_in_generate=True,
+                       **{flag: True})
+
+
 def test_text_streamer_refuses_batches_as_in_stock(model):
     class Tok:
         def decode(self, *a, **k):

@@ -143,6 +143,26 @@ def test_float_or_bool_token_ids_are_refused(engine, prompts):
         engine.generate(prompts, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("prefix, match", [
+    ([5.5], "holds 5.5"), ([True], "holds True"), (["a"], "holds 'a'"), ([256], "outside the vocabulary"),
+    ([-1], "outside the vocabulary"), ([3, 2**40], "outside the vocabulary"), (5, "sequence of integer"),
+    (torch.tensor([[5]]), "1-D"),
+])
+def test_a_history_prefix_is_checked_as_a_prompt_is(engine, prefix, match):
+    """make_request's history_prefix was read with int(): 5.5 ran as 5 and True as 1, and ids outside the
+    vocabulary ran too (the device's history options skip them without a word)."""
+    with pytest.raises(ValueError, match=match):
+        engine.make_request([5, 6], SamplingParams(max_new_tokens=2, no_repeat_ngram_size=2), history_prefix=prefix)
+
+
+def test_a_history_prefix_of_integers_runs(engine):
+    prefix = [np.int64(5), torch.tensor(38), 7]
+    request = engine.make_request([5], SamplingParams(max_new_tokens=2, no_repeat_ngram_size=2), history_prefix=prefix)
+    assert request.history_prefix == [5, 38, 7]
+    engine.run([request])
+    assert request.output_token_ids[0] != 38  # (5, 38) is in the history: 38 is banned after the prompt's 5
+
+
 def test_integer_scalars_and_arrays_are_token_ids(engine):
     expected = engine.generate([[5, 6, 7]], max_new_tokens=3)[0].output_token_ids
     for prompts in ([[np.int64(5), torch.tensor(6), 7]], [np.array([5, 6, 7], dtype=np.int32)],

@@ -22,7 +22,7 @@ from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.pool_size import allocate_pool, pool_pages
 from hf_async_cb.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from hf_async_cb.engine.profiling import StepProfile
-from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt, known_suppressed
+from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt, history_ids, known_suppressed
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds, checked_embeds
 from hf_async_cb.engine.progress import Progress
 from hf_async_cb.engine.requests import (
@@ -230,8 +230,11 @@ class Engine(ServingAPI):
         if embeds is not None:
             embeds = checked_embeds(embeds, len(ids), self.model.get_input_embeddings(),
                                     self.prepared_model.embeddings_refusal(), self.cache)
+        # (generate() passes the rows' left padding, checked with its prompts: `checked`)
+        history = [int(t) for t in history_prefix] if checked else \
+            history_ids(history_prefix, self.prompt_limits.vocab_size)
         request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                          history_prefix=[int(t) for t in history_prefix], on_token=on_token, embeds=embeds)
+                          history_prefix=history, on_token=on_token, embeds=embeds)
         self.scheduler.check_fits(request)
         return request
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from hf_async_cb.model.embeddings_path import input_vocab_size
@@ -61,6 +62,27 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
                 f"prompt ({len(ids)}) + max_new_tokens ({params.max_new_tokens}) runs past the model's "
                 f"{limits.max_positions} positions of its position table; lower max_new_tokens."
             )
+
+
+def history_ids(history_prefix, vocab_size: int) -> list[int]:
+    """Engine.make_request's `history_prefix` as a list of ints, checked as a prompt's ids are: integers
+    only (a float or a bool was truncated by int(), silently) and in the vocabulary (the history options
+    skipped an id outside it without a word, and stock's processors on the slow path index their scores
+    with it). generate() passes each row's left padding, which it checked with the prompt."""
+    from hf_async_cb.engine.requests import _as_int
+
+    if isinstance(history_prefix, (str, bytes)) or not hasattr(history_prefix, "__iter__"):
+        raise ValueError(f"history_prefix must be a sequence of integer token ids, got {history_prefix!r}.")
+    if isinstance(history_prefix, (torch.Tensor, np.ndarray)) and history_prefix.ndim != 1:
+        raise ValueError(f"history_prefix must be 1-D, got shape {tuple(history_prefix.shape)}.")
+    ids = [_as_int(t) for t in history_prefix]
+    for t, v in zip(history_prefix, ids):
+        if v is None:
+            raise ValueError(f"history_prefix holds {t!r} ({type(t).__name__}): token ids must be integers.")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"history_prefix has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
 
 
 def known_suppressed(params, vocab_size: int):

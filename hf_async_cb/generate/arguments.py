@@ -106,6 +106,14 @@ def parse_call(model, mode: str, generation_config, arguments: dict) -> Generate
     for key, neutral in _IGNORED_MODEL_KWARGS.items():
         if model_kwargs.get(key, neutral) == neutral:
             model_kwargs.pop(key, None)
+        elif not gc.return_dict_in_generate:
+            # Stock computes them and returns the sequences alone (it warns the flag "may be ignored"):
+            # the engine's sequences are the same. (This was refused as an unknown model argument.)
+            model_kwargs.pop(key, None)
+            setattr(gc, key, neutral)
+        else:
+            raise ValueError(f"generate(batching={mode!r}) does not return {key.removeprefix('output_')} "
+                             f"({key}=True with return_dict_in_generate=True); use batching='off' for it.")
     unknown = sorted(set(model_kwargs) - _ALLOWED_MODEL_KWARGS)
     if unknown:
         raise ValueError(f"generate(batching={mode!r}) does not support the arguments {unknown}.")

@@ -61,8 +61,11 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
                          f"included: {outside[:5].tolist()}")
     for prompt in call.prompts:
         check_prompt(prompt, options.params, limits, tokens_in_vocab=True)
-    row_pages = max((-(-(len(p) + extra + max_new) // page) for p in call.prompts), default=0)
-    with runtime_engine(model, config.with_mode(mode), pages_needed, row_pages) as engine:
+    # The KV tokens the longest row can hold, counted as the engine counts them (Request.max_total_tokens:
+    # the last sampled token is never fed). Counting prompt + max_new_tokens here refused, from the second
+    # call on, a row that fits the pool exactly and that the first call (checked by the engine) had run.
+    row_tokens = max((len(p) + extra + max_new - 1 for p in call.prompts), default=0)
+    with runtime_engine(model, config.with_mode(mode), pages_needed, row_tokens) as engine:
         # The caches checked (one reading of the weights) before the images' merge reads the tower outputs.
         engine.check_caches()
         input_ids, requests, streamer = build_requests(engine, call, options)

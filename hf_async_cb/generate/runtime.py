@@ -69,12 +69,13 @@ class ModelRuntime:
     def fits(self, model: torch.nn.Module, config: BatchingConfig) -> bool:
         return _structure(config) == self.structure and self.prepared.matches(model)
 
-    def check_row_fits(self, row_pages: int) -> None:
+    def check_row_fits(self, row_tokens: int) -> None:
         """Where the pool already holds all its memory allows (it got fewer pages than it asked for),
-        refuse a row needing more pages than it has, as the engine would, without a rebuild."""
+        refuse a row holding more KV tokens than it has (`row_tokens`: the longest row's
+        Request.max_total_tokens), as the engine would, without a rebuild."""
         engine = self.engine
         if engine is not None and engine.num_pages < self._page_cap:
-            engine.scheduler.check_fits_pages(row_pages)
+            engine.scheduler.check_fits_tokens(row_tokens, num_pages_given=self.structure.num_pages is not None)
 
     def engine_for(self, model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Engine:
         """The engine, its pool grown first if this call needs more pages than it has."""
@@ -120,7 +121,7 @@ class ModelRuntime:
 
 @contextlib.contextmanager
 def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed: int,
-                   row_pages: int = 0) -> Iterator[Engine]:
+                   row_tokens: int = 0) -> Iterator[Engine]:
     """The model's engine for one generate call; the caller holds the model's guard for the whole call
     (`model_guard(model).held("generate", kind="outer")`, as engine_generate does)."""
     runtime = _RUNTIMES.get(model)
@@ -134,7 +135,7 @@ def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed:
         runtime = ModelRuntime(model, config)  # raises with the model as it was found
         with _RUNTIMES_LOCK:
             _RUNTIMES[model] = runtime
-    runtime.check_row_fits(row_pages)  # (refused, the runtime kept as it is)
+    runtime.check_row_fits(row_tokens)  # (refused, the runtime kept as it is)
     try:
         engine = runtime.engine_for(model, config, pages_needed)
     except BaseException:
