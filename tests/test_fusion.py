@@ -301,3 +301,39 @@ def test_engine_with_fused_projections_matches_stock_and_gives_the_model_back(fa
     with pytest.raises(ValueError):
         model.generate(ids, max_new_tokens=4, num_return_sequences=2, batching=mode, batching_config=cfg)
     assert {name: m for name, m in model.named_modules() if name.split(".")[-1] in MEMBERS} == originals
+
+
+@pytest.mark.parametrize("when", ["before the first call", "between calls"])
+def test_weights_shared_with_another_model_stay_shared(when):
+    """A weight whose storage another tensor also holds (a second model given the first's weights by
+    `load_state_dict(..., assign=True)`, a reference model sharing the policy's) keeps that storage:
+    fusing (first call) or giving the weights their own storage back (Engine.close) used to move it
+    to a new one, after which the other model no longer saw the model's training steps, where stock
+    keeps them one tensor (its tokens silently went stale)."""
+    import hf_async_cb
+
+    config = hf_async_cb.BatchingConfig(fuse_projections=True, fuse_elementwise=False, max_batch_tokens=32)
+    policy, reference = fresh("llama"), fresh("llama")
+    ids = input_ids(batch=2, length=9)
+    if when == "before the first call":
+        reference.load_state_dict(policy.state_dict(), assign=True)
+    out = policy.generate(ids, attention_mask=torch.ones_like(ids), batching="sync", max_new_tokens=4,
+                          batching_config=config)
+    assert torch.equal(out, greedy(policy, ids)[:, :13])
+    if when == "between calls":
+        reference.load_state_dict(policy.state_dict(), assign=True)
+        hf_async_cb.release(policy)  # (the runtime's fusion would keep the views alive anyway)
+        engine = hf_async_cb.Engine(policy, config)
+        engine.generate([ids[0].tolist()], max_new_tokens=2)
+        engine.close()
+    with torch.no_grad():  # a training step on the policy
+        for p in policy.parameters():
+            p.mul_(0.5)
+    for name, p in policy.named_parameters():
+        assert torch.equal(p, reference.get_parameter(name)), name
+    assert torch.equal(greedy(reference, ids), greedy(policy, ids))
+    # A model that shares nothing is still fused.
+    alone = fresh("llama")
+    fused = fuse_projections(alone)
+    assert fused.counts == {"qkv": 2, "gate_up": 2}
+    fused.restore()

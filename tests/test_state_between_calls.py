@@ -174,3 +174,37 @@ def test_a_compiled_forward_set_on_an_instance_keeps_the_prefix_cache(where):
     for _ in range(2):
         assert torch.equal(_generate(model, batching="sync"), expected)
     assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_made_while_a_loop_serves_is_a_stock_model(how):
+    """A copy of the model made while the engine holds it (here a serving loop; a generate call on
+    another thread alike) is a stock model: it used to keep the engine's attention in its config (its
+    every forward and generate raising, for good) and the fused projections' parts in place of its
+    Linears (no gradient reaching their weights)."""
+    import io
+
+    model = _llama()
+    expected = _generate(model, batching="off")
+    engine = Engine(model, BatchingConfig(fuse_projections=True, fuse_elementwise=False, max_batch_tokens=64))
+    engine.start()
+    try:
+        engine.add_request(PROMPTS[0], max_new_tokens=2).result()
+        if how == "deepcopy":
+            twin = copy.deepcopy(model)
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            twin = torch.load(buffer, weights_only=False)
+    finally:
+        engine.shutdown()
+        engine.close()
+    assert twin.config._attn_implementation == model.config._attn_implementation
+    assert {type(m) for m in twin.modules()} == {type(m) for m in model.modules()}
+    assert torch.equal(_generate(twin, batching="off"), expected)
+    assert torch.equal(_generate(twin, batching="sync"), expected)
+    twin.train()
+    ids, _ = left_pad(PROMPTS[:1])
+    twin(ids, labels=ids).loss.backward()
+    assert twin.model.layers[0].self_attn.q_proj.weight.grad is not None

@@ -107,6 +107,41 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 _MISSING = object()
 
 
+class _Switched(str):
+    """The engine's attention name as a config holds it while an engine call or serving loop has
+    switched it, knowing the config's own setting. A copy of the config made meanwhile (a
+    `copy.deepcopy(model)` or `torch.save(model)` from another thread while a call runs, or while a
+    loop serves) takes the config's own setting instead: the copy is no model an engine runs, and it
+    used to keep the engine's attention for good, every later forward or generate of it raising."""
+
+    stock: str | dict | None
+
+    def __new__(cls, name: str, stock):
+        switched = super().__new__(cls, name)
+        switched.stock = None if stock is _MISSING else stock
+        return switched
+
+    def __deepcopy__(self, memo):
+        return self.stock
+
+    def __copy__(self):
+        return self.stock
+
+    def __reduce__(self):
+        return (_stock_setting, (self.stock,))
+
+
+def _stock_setting(value):  # (what an unpickled _Switched is: the config's own setting)
+    return value
+
+
+def _switch(saved: list, name: str) -> None:
+    """Each config of `saved` (as implementation() records them) set to `name`, marked as switched."""
+    for c, value in saved:
+        if c.__dict__.get("_attn_implementation_internal", _MISSING) == name:
+            c._attn_implementation_internal = _Switched(name, value)
+
+
 @contextlib.contextmanager
 def implementation(config, name: str, model: torch.nn.Module | None = None) -> Iterator[None]:
     """`name` as the attention implementation of `config` (and, through transformers' setter, its
@@ -119,6 +154,7 @@ def implementation(config, name: str, model: torch.nn.Module | None = None) -> I
     saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in trees.values()]
     for root in roots:
         root._attn_implementation = name
+    _switch(saved, name)  # (what the setter above spread, marked: see _Switched)
     try:
         yield saved
     finally:
@@ -160,7 +196,7 @@ def reclaim(saved: list, name: str) -> list:
         current = c.__dict__.get("_attn_implementation_internal", _MISSING)
         if current != name:
             saved[i] = (c, current)
-            c._attn_implementation_internal = name
+            c._attn_implementation_internal = _Switched(name, current)
             taken.append(c)
     return taken
 

@@ -18,6 +18,8 @@ restore() gives every weight its own storage back.
 
 from __future__ import annotations
 
+import copy
+import logging
 import weakref
 
 import torch
@@ -28,6 +30,7 @@ from torch.nn.modules import module as _module
 from hf_async_cb.model.weight_kinds import is_plain_floating
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+logger = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[FusedProjections]" = weakref.WeakSet()  # every fusion not yet garbage
 
 
@@ -95,6 +98,10 @@ class _Group:
         return out
 
 
+def _itself(x):  # (what an unpickled FusedPart is: the Linear it stood in for)
+    return x
+
+
 class FusedPart(nn.Module):
     """Stands in for one member Linear of a fused group; keeps its parameters under the same names."""
 
@@ -104,6 +111,17 @@ class FusedPart(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        object.__setattr__(self, "_stock", linear)  # (not a submodule: the parameters are this part's)
+
+    # A copy of the model made while a part stands in for its Linear (a `copy.deepcopy(model)` or
+    # `torch.save(model)` from another thread while an engine call or serving loop runs) takes the
+    # Linear: a part copied out of its engine would stay in the copy for good, its forward computing
+    # through the fused tensor, which no gradient reaches from the member's own weight.
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._stock, memo)
+
+    def __reduce_ex__(self, protocol):
+        return (_itself, (self._stock,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.index, x)
@@ -167,11 +185,16 @@ class FusedProjections:
         left = {}  # per group, its members not yet given their own storage
         for part in self._parts:
             left[id(part.group)] = left.get(id(part.group), 0) + 1
+        # A weight that a tensor outside the model holds meanwhile (another model's, given it by
+        # `load_state_dict(..., assign=True)` between calls) stays a view: a copy would cut the link
+        # that stock keeps (decided before any copy changes the counts).
+        known = _known_holders(nn.ModuleList(self.members()))
+        shared = [_shared_elsewhere([linear], known) for linear in self.members()]
         with torch.no_grad():
-            for (parent, name, linear), part in zip(self._members, self._parts):
+            for (parent, name, linear), part, keep in zip(self._members, self._parts, shared):
                 if getattr(parent, name, None) is part:
                     setattr(parent, name, linear)
-                if not others:
+                if not others and not keep:
                     linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
                     if linear.bias is not None:
                         linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
@@ -212,6 +235,46 @@ def has_hooks(m: nn.Module) -> bool:
     return any(user_hooks(m)) or any(global_hooks())
 
 
+def _storage_holders(t: torch.Tensor) -> int:
+    """How many tensors hold t's storage (the storage object this call makes left out); 1 where the
+    count cannot be read (then nothing is taken for an alias)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return 1
+    storage = t.untyped_storage()
+    return count(storage._cdata) - 1
+
+
+def _known_holders(model: nn.Module) -> dict[int, int]:
+    """Per storage (its data pointer), the tensors that the model itself (its parameters and buffers)
+    and the live fusions (their fused tensors) hold on it."""
+    known: dict[int, int] = {}
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for fused in list(_LIVE):
+        for group in fused.groups():
+            for t in (group.weight, group.bias):
+                if t is not None:
+                    tensors[id(t)] = t
+    for t in tensors.values():
+        if t.device.type != "meta" and is_plain_floating(t):  # (tensor subclasses have no storage of their own)
+            ptr = t.untyped_storage().data_ptr()
+            known[ptr] = known.get(ptr, 0) + 1
+    return known
+
+
+def _shared_elsewhere(members: list, known: dict[int, int]) -> bool:
+    """Whether a member's weight or bias shares its storage with a tensor outside the model (another
+    model's weight, as `load_state_dict(..., assign=True)` or a tied reference model leaves it; a view
+    the user keeps). Fusing gives the weight new storage, which would silently cut that link: the
+    other tensor would stop seeing the model's training steps, and the model its writes, where stock
+    keeps them one tensor. Such a group is left unfused (its tokens are the same)."""
+    for m in members:
+        for t in (m.weight, m.bias):
+            if t is not None and _storage_holders(t) > known.get(t.untyped_storage().data_ptr(), 1):
+                return True
+    return False
+
+
 def _fusable(members: list) -> bool:
     if not all(type(m) is nn.Linear for m in members) or len({id(m) for m in members}) != len(members):
         return False  # quantized module classes (bitsandbytes, quanto, HQQ, ...) run their own forward
@@ -234,12 +297,17 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
     floating tensor: model/weight_kinds.py), and models whose projections are already fused.
     Returns the handle that restores.
     """
+    known = _known_holders(model)  # (before this fusion's own tensors exist)
     fused = FusedProjections()
     _LIVE.add(fused)
+    shared = 0
     for _, parent in list(model.named_modules()):
         for kind, names in GROUPS.items():
             members = [getattr(parent, name, None) for name in names]
             if not _fusable(members):
+                continue
+            if _shared_elsewhere(members, known):
+                shared += 1
                 continue
             group = _Group(members)
             for index, (name, linear) in enumerate(zip(names, members)):
@@ -248,4 +316,7 @@ def fuse_projections(model: nn.Module) -> FusedProjections:
                 fused._parts.append(part)
                 setattr(parent, name, part)
             fused.counts[kind] += 1
+    if shared:  # (the same tokens, unfused: a user who wonders why those layers run slower can see why)
+        logger.info("hf_async_cb: %d projection groups left unfused: their weights share storage with tensors outside "
+                    "the model (another model's weights, a view kept)", shared)
     return fused
