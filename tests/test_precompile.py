@@ -232,6 +232,38 @@ def test_a_first_use_is_said_in_one_line_for_all_its_precompiles(caplog, monkeyp
     assert "OtherModel on cuda:7 took 1.4 s" in lines[1] and "28 kernel variants loaded from the disk cache" in lines[1]
 
 
+def test_a_first_use_names_the_build_steps_that_took_long(caplog, monkeypatch):
+    """A quantized model's first call spent 75 s of 93 in its parity check, and the line named only the
+    kernels: the build's steps that took a fifth of the time or more are named with their seconds."""
+    from types import SimpleNamespace
+
+    from hf_async_cb.kernels import precompile as module
+
+    monkeypatch.setattr(module, "_NOTED", set())
+    ahead = SimpleNamespace(compiled=[SimpleNamespace(seconds=0.5)], workers=15, seconds=3.1, on_disk=False,
+                            loaded=1, failed=[])
+    with caplog.at_level("WARNING", logger=module.__name__):
+        module.note_first_use("QuantoModel on cuda:0", 93.3, [None, ahead, None],
+                              {"the parity check": 74.7, "measuring the decode GEMMs": 0.3})
+        module.note_first_use("PlainModel on cuda:0", 4.0, [None, ahead, None], {"the parity check": 0.3})
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "; the parity check 74.7 s)" in lines[0] and "measuring" not in lines[0]
+    assert "parity" not in lines[1]
+
+
+def test_an_engine_build_times_its_parity_check():
+    """What note_first_use is handed: the engine's build records its parity check's seconds."""
+    import hf_async_cb
+
+    engine = hf_async_cb.Engine(tiny_model("llama"))
+    try:
+        assert set(engine._build_parts) >= {"the parity check"}
+        assert engine._build_parts["the parity check"] > 0
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16), ("phi3", torch.float32)])
 def test_the_checks_variants_cover_the_element_wise_checks(family, dtype, launches):
     """What the preparation compiles ahead for fuse_elementwise's checks (model/elementwise_fusion.

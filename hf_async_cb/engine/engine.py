@@ -115,12 +115,17 @@ class Engine(ServingAPI):
             if ahead is not None:
                 ahead.wait(note=False)  # (said once, by the preparation's owner: note_first_use)
         decode_gemms = self.prepared_model.decode_gemms
+        self._build_parts = {}  # (the first use's note names the long ones: note_first_use)
         if self.config.skinny_gemm and decode_gemms is not None:
+            started = time.perf_counter()
             measured = decode_gemms.tune(self.config.max_running_requests)
             if measured:
                 logger.info("hf_async_cb: measured %d decode GEMM shapes; %s", measured, decode_gemms.summary())
+            self._build_parts["measuring the decode GEMMs"] = time.perf_counter() - started
         if not self.config.trust_untested_model:
+            started = time.perf_counter()
             check_parity(self)  # once per model class, config, dtype and device (engine/parity.py)
+            self._build_parts["the parity check"] = time.perf_counter() - started
             if self.prefix_cache is not None:  # its probe's pages and counts are not the user's
                 self.scheduler.clear_prefix_cache()
                 self.prefix_cache.stats = PrefixCacheStats()
@@ -193,7 +198,8 @@ class Engine(ServingAPI):
         build and check took and what of it went to the kernels (one line for every precompile)."""
         prepared = self.prepared_model
         note_first_use(f"{type(self.model).__name__} on {self.device}", seconds,
-                       [prepared.checks_ahead, prepared.kernels_ahead, self._precompile])
+                       [prepared.checks_ahead, prepared.kernels_ahead, self._precompile],
+                       getattr(self, "_build_parts", None))
 
     @property
     def model(self) -> torch.nn.Module:

@@ -318,9 +318,12 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def note_first_use(what: str, seconds: float, precompiles: list[Precompile | None]) -> None:
+def note_first_use(what: str, seconds: float, precompiles: list[Precompile | None],
+                   parts: dict[str, float] | None = None) -> None:
     """Say once, when a model's first engine took more than a second to prepare, build and check, how
-    long and how much of it went to its kernels (every precompile it waited for, in one line)."""
+    long and how much of it went to its kernels (every precompile it waited for, in one line), and
+    which of `parts` (the build's other steps, seconds by name) took a fifth of it or more: a first
+    call of a quantized model spent 75 s in its parity check, where the line named only the kernels."""
     ran = [p for p in precompiles if p is not None]
     compiled = sum(len(p.compiled) for p in ran)
     if compiled:
@@ -334,7 +337,9 @@ def note_first_use(what: str, seconds: float, precompiles: list[Precompile | Non
     failed = [f for p in ran for f in p.failed]
     if failed:
         kernels += f"; {len(failed)} failed: {', '.join(failed[:3])}"
-    note_slow_preparation(what, seconds, f"preparing the model, its engine and their kernels: {kernels}")
+    long = [f"{name} {s:.1f} s" for name, s in (parts or {}).items() if s >= max(0.2 * seconds, 0.5)]
+    note_slow_preparation(what, seconds, f"preparing the model, its engine and their kernels: {kernels}"
+                          + "".join(f"; {part}" for part in long))
 
 
 _NOTED: set[str] = set()
