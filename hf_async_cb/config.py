@@ -79,8 +79,9 @@ class BatchingConfig:
     late_admission: the async serving loop (Engine.start) builds each step as late as the step
         running allows, instead of right after the one before it finished, so that a request arriving
         meanwhile joins the next step (engine/late_admission.py): one step sooner to its first
-        token at light load. Off until measured on a GPU (it can leave the device idle for a moment
-        where a step ends sooner than the last ones did).
+        token at light load (H100, 8B, 4 req/s: async TTFT p50 19.6 -> 15.0 ms, sync 14.9, throughput
+        the same; docs/benchmarks.md). Off until measured at higher loads too (it can leave the
+        device idle for a moment where a step ends sooner than the last ones did).
     """
 
     mode: str = "async"
