@@ -55,3 +55,83 @@ def test_text_streamer_prints_like_stock(capsys):
         model.generate(**inputs, max_new_tokens=20, batching=mode, streamer=TextStreamer(tokenizer, skip_prompt=True))
         printed.append(capsys.readouterr().out)
     assert printed[0] and printed[1] == printed[0]
+
+
+def word_tokenizer(vocab: int = 256):
+    """A word-level tokenizer over the tiny models' whole vocabulary (ids 0-2: <pad> <s> </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece()  # (joins words with spaces)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def consume_in_thread(streamer):
+    """Iterate `streamer` on a thread of its own; returns (thread, pieces it read)."""
+    import threading
+
+    pieces = []
+    thread = threading.Thread(target=lambda: pieces.extend(streamer), daemon=True)
+    thread.start()
+    return thread, pieces
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_iterator_streamer_consumer_is_released_when_the_call_is_refused(mode):
+    # The threaded TextIteratorStreamer pattern: a refusal of the engine's (an option stock runs) left the
+    # consumer waiting forever on a queue nobody would end (stock never calls end() on an error).
+    from transformers import TextIteratorStreamer
+
+    model = tiny_model("llama")
+    streamer = TextIteratorStreamer(word_tokenizer(), skip_prompt=True)  # no timeout: a hang is a hang
+    thread, pieces = consume_in_thread(streamer)
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, batching=mode, streamer=streamer,
+                       prefix_allowed_tokens_fn=lambda batch, ids: list(range(256)))
+    thread.join(30)
+    assert not thread.is_alive(), "the streamer's consumer still waits after the call was refused"
+    assert "".join(pieces) == ""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_iterator_streamer_consumer_is_released_when_the_run_fails(mode):
+    from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+    class FailsLater(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] >= 7:
+                raise KeyError("criterion failed")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = tiny_model("llama")
+    tokenizer = word_tokenizer()
+    ids = torch.tensor([[5, 6, 7]])
+    expected = stock_generate(model, [[5, 6, 7]], max_new_tokens=3)  # the tokens put before the failure
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    thread, pieces = consume_in_thread(streamer)
+    with pytest.raises(KeyError, match="criterion failed"):
+        model.generate(ids, max_new_tokens=10, batching=mode, streamer=streamer,
+                       stopping_criteria=StoppingCriteriaList([FailsLater()]))
+    thread.join(30)
+    assert not thread.is_alive(), "the streamer's consumer still waits after the call failed"
+    assert "".join(pieces).split() == tokenizer.decode(expected[0, 3:]).split()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_streamer_whose_put_raises_is_not_ended(mode):
+    # As stock: the streamer itself failed, so it is left alone (no end() after its own error).
+    class FailsOnSecondPut(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 2:
+                raise KeyError("put failed")
+
+    model = tiny_model("llama")
+    for batching in ("off", mode):
+        rec = FailsOnSecondPut()
+        with pytest.raises(KeyError, match="put failed"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, batching=batching, streamer=rec)
+        assert (len(rec.puts), rec.ended) == (2, 0), batching

@@ -25,7 +25,7 @@ from hf_async_cb.generate.outputs import stock_output
 from hf_async_cb.generate.prompt_learning import check_window
 from hf_async_cb.generate.runtime import runtime_engine
 from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
-from hf_async_cb.generate.streaming import LockstepStreamer
+from hf_async_cb.generate.streaming import LockstepStreamer, release_streamer
 from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.prepared import model_guard
@@ -38,8 +38,14 @@ def engine_generate(model, mode: str, batching_config, generation_config, argume
     # The model's guard for the whole call, then eval mode (model/eval_mode.py) for the images' merge,
     # the checks and the steps: taken in this order, a stock call still running in another thread keeps
     # the modes it started with.
-    with model_guard(model).held("generate", kind="outer"), as_in_eval(model):
-        return _engine_generate(model, mode, batching_config, generation_config, arguments)
+    try:
+        with model_guard(model).held("generate", kind="outer"), as_in_eval(model):
+            return _engine_generate(model, mode, batching_config, generation_config, arguments)
+    except BaseException as error:
+        # A refusal or a failed run ends the call's streamer, so that a consumer waiting on it in another
+        # thread (TextIteratorStreamer) is released rather than hung (generate/streaming.py).
+        release_streamer(arguments.get("streamer"), error)
+        raise
 
 
 def _engine_generate(model, mode: str, batching_config, generation_config, arguments: dict):

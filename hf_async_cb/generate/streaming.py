@@ -4,6 +4,10 @@ Stock generate calls streamer.put(input_ids) once, then streamer.put(tokens [bat
 finished rows given pad_token_id, then streamer.end(). The engine's requests do not move in
 lockstep, so this adapter holds tokens back until every row has its i-th token (or has finished),
 and then puts them as stock's i-th step would.
+
+A call that fails ends the streamer (release_streamer), where stock leaves it open: a consumer
+iterating a TextIteratorStreamer in another thread would otherwise wait forever on a call that is
+gone, which the engine's own refusals (options stock runs) made a new way to hang.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ class LockstepStreamer:
         self.pad = pad_token_id
         self.requests: list[Request] = []
         self.next_index = 0
-        streamer.put(input_ids.cpu())
+        self._put(input_ids.cpu())
+
+    def _put(self, value: torch.Tensor) -> None:
+        try:
+            self.streamer.put(value)
+        except BaseException as error:
+            _mark_raised_by_streamer(error)
+            raise
 
     def watch(self, requests: list[Request]) -> None:
         self.requests = requests
@@ -38,8 +49,37 @@ class LockstepStreamer:
                     return  # a row has not produced this step's token yet
             if all(len(r.output_token_ids) <= self.next_index for r in self.requests):
                 return  # everyone finished: nothing more to put
-            self.streamer.put(torch.tensor(column, dtype=torch.long))
+            self._put(torch.tensor(column, dtype=torch.long))
             self.next_index += 1
 
     def end(self) -> None:
-        self.streamer.end()
+        try:
+            self.streamer.end()
+        except BaseException as error:
+            _mark_raised_by_streamer(error)
+            raise
+
+
+_RAISED_BY_STREAMER = "__hf_async_cb_raised_by_streamer__"
+
+
+def _mark_raised_by_streamer(error: BaseException) -> None:
+    try:
+        setattr(error, _RAISED_BY_STREAMER, True)
+    except Exception:  # noqa: BLE001 - an exception type that takes no attributes: treated as the call's
+        pass
+
+
+def release_streamer(streamer, error: BaseException) -> None:
+    """After a failed call: end `streamer` so that whoever waits on it (a TextIteratorStreamer's
+    consumer) is released instead of waiting forever, unless the streamer itself raised (stock's
+    calls then: no end(); a TextStreamer refusing a batch > 1 would print a stray newline). Stock
+    generate never ends it on an error; the engine also refuses options stock runs, so without this a
+    refusal in a generate thread hung the consumer for good. An error of end() is noted on `error`,
+    which is what the caller raises."""
+    if streamer is None or getattr(error, _RAISED_BY_STREAMER, False):
+        return
+    try:
+        streamer.end()
+    except Exception as failure:  # noqa: BLE001
+        error.add_note(f"hf_async_cb: ending the streamer after this error raised too: {failure!r}")
