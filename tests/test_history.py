@@ -167,3 +167,48 @@ def test_history_options_are_normalised():
     assert p.sequence_bias == (((1, 2), 2.0), ((7,), -1.5))
     assert SamplingParams(sequence_bias={(1, 2): 2.0}).sequence_bias == p.sequence_bias[:1]
     hash(p)  # still a frozen, hashable value
+
+
+def test_the_kept_history_tensor_is_the_history_as_tokens_arrive():
+    """Request.history_tensor (what stopping criteria and the slow path's processors read) equals
+    history() after every token, through the buffer's growth; a view handed out keeps its length
+    and values while later tokens arrive; the prompt part is converted once, not per token."""
+    req = Request([5, 6, 7], SamplingParams(max_new_tokens=200), history_prefix=[0, 0])
+    views = []
+    for token in range(100, 190):
+        req.append_token(token)
+        got = req.history_tensor()
+        assert got.dtype == torch.long and got.tolist() == req.history()
+        views.append((got, req.history()))
+    assert req._history.numel() >= 95  # grown past its first size
+    for view, expected in views:  # earlier views are unchanged by later tokens and growth
+        assert view.tolist() == expected
+    assert req.history_tensor(4).tolist() == [0, 0, 5, 6]
+    with pytest.raises(ValueError):
+        req.history_tensor(len(req.history()) + 1)
+
+
+def test_a_stopping_criterion_reads_the_kept_history(monkeypatch):
+    """append_token hands a criterion the row as stock holds it, and builds no tensor of the whole
+    history per token (the O(length) cost it had)."""
+    seen = []
+
+    class Criterion:
+        def __call__(self, input_ids, scores):
+            seen.append(input_ids.clone())
+            return torch.zeros(1, dtype=torch.bool)
+
+    req = Request(list(range(3, 1003)), SamplingParams(max_new_tokens=50), stopping_criteria=Criterion())
+    built = []
+    real = torch.tensor
+    def counted(data, *args, **kwargs):
+        out = real(data, *args, **kwargs)
+        built.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "tensor", counted)
+    for token in range(40):
+        req.append_token(token)
+    assert [s[0].tolist() for s in seen][-1] == req.history() and len(seen) == 40
+    assert all(s.shape == (1, 1000 + i + 1) for i, s in enumerate(seen))
+    assert sum(built) < 1000 + 40 * 2  # the prompt once, then the new tokens only

@@ -149,10 +149,9 @@ class BatchBuilder:
             if req.logits_processor is not None:
                 stop = chunk.start + chunk.num_tokens
                 known = min(stop, req.num_known_tokens)
-                history = req.history_prefix + req.token_ids(0, known)
+                history = req.history_tensor(len(req.history_prefix) + known)  # (kept: O(1) per token)
                 pending_row = carry_rows[id(req)] if stop > known else -1
-                processor_rows.append((sample_row, req.logits_processor, torch.tensor(history, dtype=torch.long),
-                                       pending_row))
+                processor_rows.append((sample_row, req.logits_processor, history, pending_row))
             if req.params.reads_history:  # read on the device from the token pool
                 history_rows.append((sample_row, batch_row, req))
             tokens = req.blocked_tokens

@@ -257,6 +257,9 @@ class Request:
     # What this request's own logits processor, stopping criterion or token callback raised (it
     # then ended ABORTED); None otherwise.
     error: BaseException | None = None
+    # history() as an int64 tensor, extended as tokens arrive (history_tensor), and how much of it is filled.
+    _history: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _history_filled: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Made without an Engine (which fills in the model's EOS ids: make_request), a request has no
@@ -318,6 +321,32 @@ class Request:
         """What logits processors and stopping criteria see: the row as stock generate holds it."""
         return self.history_prefix + self.prompt_token_ids + self.output_token_ids
 
+    def history_tensor(self, length: int | None = None) -> torch.Tensor:
+        """The first `length` tokens of history() (None: all of it), a 1-D int64 CPU tensor: a view of a
+        buffer the request keeps and extends by the tokens that arrived since the last call. Built
+        anew from the lists, it cost O(length) per token of every row a stopping criterion or logits
+        processor reads (720 us at 4K tokens: a step of 64 such rows spent ~46 ms on the host). Each
+        view keeps its length; later tokens land past it. Not to be written into."""
+        head = len(self.history_prefix) + len(self.prompt_token_ids)
+        total = head + len(self.output_token_ids)
+        length = total if length is None else length
+        if not 0 <= length <= total:
+            raise ValueError(f"history_tensor: {length} tokens asked of a history of {total}")
+        buffer, filled = self._history, self._history_filled
+        if buffer is None or filled < head:  # (the prompt part first, once)
+            buffer = torch.empty(max(16, total + self.params.max_new_tokens // 4), dtype=torch.long)
+            buffer[:head] = torch.tensor(self.history_prefix + self.prompt_token_ids, dtype=torch.long)
+            filled = head
+        if total > buffer.numel():  # grown geometrically: O(1) per token, amortised
+            grown = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.long)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        if filled < total:
+            buffer[filled:total] = torch.tensor(self.output_token_ids[filled - head:], dtype=torch.long)
+            filled = total
+        self._history, self._history_filled = buffer, filled
+        return buffer[:length]
+
     def append_token(self, token: int, logprob: float = float("nan")) -> bool:
         """Record a sampled token; return True when it ends the request (EOS, length or a criterion)."""
         self.output_token_ids.append(token)
@@ -327,7 +356,7 @@ class Request:
         elif len(self.output_token_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         elif self.stopping_criteria is not None and bool(
-                self.stopping_criteria(torch.tensor([self.history()]), None).any()):
+                self.stopping_criteria(self.history_tensor()[None], None).any()):
             self.finish_reason = FinishReason.STOP
         else:
             return False
