@@ -389,10 +389,15 @@ def test_served_media_is_checked_in_the_callers_thread_and_copied(mode):
     try:
         refused = [([media], "must be a dict"), (dict(media, input_ids=inputs["input_ids"]), "media holds"),
                    (dict(media, pixel_value=media["pixel_values"]), r"does not take \['pixel_value'\]"),
-                   (dict(media, pixel_values=media["pixel_values"].numpy()), "NumPy")]
+                   (dict(media, pixel_values=media["pixel_values"].numpy()), "NumPy"),
+                   # (names in the forward's signature that are no inputs: its self, its **kwargs)
+                   (dict(media, self=1), r"does not take \['self'\]"),
+                   (dict(media, kwargs={}), r"does not take \['kwargs'\]")]
         for bad, message in refused:
             with pytest.raises(ValueError, match=message):
                 engine.add_request(prompt, max_new_tokens=NEW, media=bad)
+        with pytest.raises(ValueError, match="processor's input_ids"):  # (text: its placeholders unexpanded)
+            engine.add_request("describe the image", max_new_tokens=NEW, media=media)
         held, release = threading.Event(), threading.Event()
 
         def hold(request, token):  # the loop waits here, between its steps, until the buffer is overwritten

@@ -83,6 +83,9 @@ class ServingAPI:
         if on_token is not None and not callable(on_token):
             raise ValueError(f"on_token must be a callable (request, token), got {on_token!r}.")
         if isinstance(prompt, str):
+            if media is not None:  # (a tokenizer leaves the image placeholders unexpanded: the merge fails later)
+                raise ValueError("add_request(media=...) takes the processor's input_ids as the prompt (its image "
+                                 "placeholders expanded to the image's tokens), not text.")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs Engine(..., tokenizer=...); or pass token ids.")
             prompt = self.tokenizer(prompt)["input_ids"]

@@ -41,10 +41,14 @@ def _media_names(model) -> set[str]:
 
 
 def _forward_parameters(model) -> set[str]:
+    """The forward's named inputs: not its `self`, nor the names of its `*args` / `**kwargs`, which
+    no input goes by (media={"self": ...} would reach the forward twice)."""
     try:
-        return set(inspect.signature(type(model).forward).parameters)
+        parameters = inspect.signature(type(model).forward).parameters.values()
     except (TypeError, ValueError):
         return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in named and p.name != "self"}
 
 
 def checked_media(model, media) -> tuple[dict, object]:
