@@ -19,9 +19,16 @@ def client(name: str, question: str, delay: float) -> None:
     time.sleep(delay)  # arrive while others are already generating
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                            add_generation_prompt=True)
+    submitted = time.perf_counter()
     handle = engine.add_request(prompt, max_new_tokens=40, eos_token_ids=(tokenizer.eos_token_id,))
-    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in handle]
-    print(f"[{name}] {''.join(pieces).strip()!r} ({handle.result().finish_reason.value})")
+    tokens = []
+    for token in handle:  # each token as soon as the loop has it
+        if not tokens:
+            print(f"[{name}] first token after {1e3 * (time.perf_counter() - submitted):.0f} ms")
+        tokens.append(token)
+    # Decoded together: a character may span several tokens, and a token alone loses its leading space.
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    print(f"[{name}] {text.strip()!r} ({handle.result().finish_reason.value})")
 
 
 questions = ["What is the capital of Italy?", "Name three colours.", "What is 6 times 7?", "Say hello in French."]
