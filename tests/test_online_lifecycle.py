@@ -150,3 +150,23 @@ def test_suppressed_ids_outside_the_vocabulary_are_ignored_online_as_in_generate
     finally:
         engine.shutdown(timeout=30)
     assert got == expected
+
+
+def test_a_forward_of_the_served_model_says_it_is_served():
+    """Calling the model itself while its engine serves raises, and says why and what to do (it used
+    to guess at a model sharing the config); after shutdown() the model runs as stock."""
+    import torch
+
+    model = copy.deepcopy(tiny_model("llama"))
+    ids = torch.tensor([[5, 6, 7]])
+    expected = model(ids).logits
+    engine = Engine(model, BatchingConfig(mode="async"))
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"held by an engine right now \(a serving loop: call the model after "
+                                               r"shutdown\(\)"):
+            model(ids)
+    finally:
+        engine.shutdown(timeout=60)
+        engine.close()
+    assert torch.equal(model(ids).logits, expected)

@@ -68,8 +68,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     meta: StepMetadata | None = kwargs.get(METADATA_KWARG) or _current_step.get()
     if meta is None:
         raise RuntimeError(
-            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step (a model sharing "
-            f"its config object with one an engine runs? {_SHARED_CONFIG})."
+            f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step: its model is "
+            "held by an engine right now (a serving loop: call the model after shutdown(); a generate call in another "
+            f"thread: after it returns), or it shares its config object with one that is ({_SHARED_CONFIG})."
         )
     if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
         raise ValueError(f"{type(module).__name__} adds a dense position-bias tensor to its attention scores, which "
