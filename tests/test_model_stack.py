@@ -146,6 +146,25 @@ def test_adapters_on_the_input_embeddings_are_exact(kind):
     _assert_exact(model, EVERY_RUN if kind != "lora+tokens" else UNFUSABLE_RUNS)
 
 
+def test_trainable_tokens_on_tied_embeddings_are_exact():
+    """`trainable_token_indices` on a model whose head is tied to its input embeddings (Gemma,
+    Llama-3.2-1B, Qwen2-0.5B): PEFT wraps the head too, in a TrainableTokensWrapper that has no
+    out_features of its own; reading them for the logits' width crashed every call."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(0)
+    base = scaled(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=True)).eval())
+    base_tokens = _greedy(base, "off")
+    torch.manual_seed(4)
+    model = peft.get_peft_model(base, _lora(trainable_token_indices=[27, 95, 187])).eval()
+    assert type(base.get_output_embeddings()).__name__ == "TrainableTokensWrapper"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "trainable_tokens" in name:
+                p.add_(torch.randn_like(p))
+    assert not torch.equal(_greedy(model, "off"), base_tokens)
+    _assert_exact(model, UNFUSABLE_RUNS)
+
+
 _TUNERS = {  # PEFT's other weight tuners, each on some of the projections
     "dora": lambda peft: _lora(use_dora=True),
     "rslora+bias": lambda peft: _lora(use_rslora=True, lora_bias=True),

@@ -16,6 +16,7 @@ import torch
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
 from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
+from hf_async_cb.model.embeddings_path import output_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -179,9 +180,9 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _vocab_size(model) -> int:
-    """The width of the logits."""
-    head = model.get_output_embeddings()
-    return head.out_features if head is not None else model.config.vocab_size
+    """The width of the logits (through a PEFT wrapper of the head: embeddings_path.output_vocab_size)."""
+    width = output_vocab_size(model)
+    return width if width is not None else model.config.vocab_size
 
 
 def _in_vocab(tokens, model) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ and not the other). Checked once per preparation, on the stock model, with a sho
 
 The input embedding module is not always an `nn.Embedding`: PEFT wraps it (a LoRA on the embeddings,
 trainable tokens, `modules_to_save`), so its vocabulary and weight are read through the wrapper
-(`input_vocab_size`, `input_embedding_weight`).
+(`input_vocab_size`, `input_embedding_weight`); so is the output head's width (`output_vocab_size`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,22 @@ def input_vocab_size(model: torch.nn.Module) -> int:
         if isinstance(count, int):
             return count
     return input_embedding_weight(model).shape[0]
+
+
+def output_vocab_size(model: torch.nn.Module) -> int | None:
+    """The width of the model's logits, read through a PEFT wrapper of its output head; None where
+    it has none. PEFT's TrainableTokensWrapper (`trainable_token_indices` on a model whose head is
+    tied to its input embeddings: Gemma, Llama-3.2-1B, Qwen2-0.5B) has no `out_features` of its own
+    and raises for it: the head's out_features were read directly and every such call crashed."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return None
+    for candidate in (head, getattr(head, "base_layer", None), getattr(head, "original_module", None)):
+        count = getattr(candidate, "out_features", None)
+        if isinstance(count, int):
+            return count
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 @torch.no_grad()
