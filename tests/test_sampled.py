@@ -97,6 +97,20 @@ def test_kernels_read_strided_rows_and_advance_with_the_token_index():
     assert len(set(drawn.tolist())) > 50  # a new token index is a new draw
 
 
+def test_kernels_noise_is_finite_at_the_largest_hash_value():
+    """The kernels' Gumbel noise at 24 hashed bits of all ones: finite, as the torch sampler's (it was
+    +inf, and that token was drawn whatever its score)."""
+    from tests.test_seeded_sampling import ALL_ONES
+
+    seed, index, token, vocab = ALL_ONES
+    logits = torch.full((2, vocab), -60.0, device=DEVICE)
+    logits[:, 0] = 0.0
+    params = SamplingTensors.build([SamplingParams(do_sample=True, seed=seed),
+                                    SamplingParams(do_sample=True, seed=seed, top_k=2)], DEVICE,
+                                   token_index=[index, index])
+    got = sampled_packed(logits, params)
+    assert got[0].tolist() == [0, 0] and torch.equal(got[0], sample(logits, params)[0])
+
 def test_rows_without_a_seed_are_refused():
     params = SamplingTensors.build([SamplingParams(do_sample=True)], DEVICE)
     with pytest.raises(ValueError, match="seed"):

@@ -54,6 +54,26 @@ def test_seeded_draws_follow_the_stock_distribution(temperature, top_k, top_p):
     assert 0.5 * (empirical - target.double()).abs().sum() < 0.04
 
 
+# (seed, token index, token id, vocab) whose 24 hashed bits are all ones, the largest uniform there is.
+ALL_ONES = (8544, 0, 1533, 4096)
+
+
+def test_gumbel_noise_is_finite_for_every_hash_value():
+    """(2**24 - 1 + 0.5) rounds to 2**24 in float32: the uniform was 1.0 and the noise +inf, so that
+    token won the draw whatever its score (about vocab / 2**24 of the unfiltered draws, 0.8% at 128K)."""
+    from hf_async_cb.sampling.sampler import _gumbel
+
+    noise = _gumbel(torch.arange(2**24))
+    assert noise.isfinite().all()
+    assert (noise[1:] >= noise[:-1]).all()  # monotone in the bits: still a quantised Gumbel
+    seed, index, token, vocab = ALL_ONES
+    assert hash_bits(torch.tensor([seed]), torch.tensor([index]), vocab)[0, token] == 2**24 - 1
+    logits = torch.full((1, vocab), -60.0)
+    logits[0, 0] = 0.0  # stock draws token 0 but with probability ~1e-26 * vocab
+    params = SamplingTensors.build([SamplingParams(do_sample=True, seed=seed)], torch.device("cpu"),
+                                   token_index=[index])
+    assert sample(logits, params).item() == 0
+
 def _seeded_outputs(engine, prompts, params):
     return [o.output_token_ids for o in engine.generate(prompts, params)]
 

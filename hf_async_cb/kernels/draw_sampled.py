@@ -117,7 +117,11 @@ def _gumbel(cols, k1, k2):
     """sampling.gumbel_noise at the columns cols of a row with keys (k1, k2)."""
     bits = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) ^ k2) >> 8
     uniform = (bits.to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
-    return -tl.log(-tl.log(uniform))
+    # At most 1 - 2**-24, as sampling._gumbel: all-ones bits round to a uniform of 1.0 (noise +inf).
+    uniform = tl.minimum(uniform, 0.999999940395355224609375)
+    # And -log(uniform) at least 2**-24 (what an exact log gives at that bound): a log approximated
+    # near 1 must not return 0 there, which would make the noise +inf again.
+    return -tl.log(tl.maximum(-tl.log(uniform), 5.9604644775390625e-08))
 
 
 @triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_CUT_POINTERS)

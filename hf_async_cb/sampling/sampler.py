@@ -204,8 +204,11 @@ def hash_bits(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tens
 
 def _gumbel(bits: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise in float32 from 24 uniform bits (the kernels compute the same)."""
-    uniform = (bits.float() + 0.5) * 2.0**-24
-    return -(-uniform.log()).log()
+    # Kept below 1: bits = 2**24 - 1 gives 2**24 - 0.5, which rounds to 2**24 in float32, so the
+    # uniform was 1.0 and the noise +inf: that token won the draw whatever its score (if kept).
+    uniform = ((bits.float() + 0.5) * 2.0**-24).clamp(max=1.0 - 2.0**-24)
+    # (-log(uniform) >= 2**-24, as exact logs give it: the kernels' bound against an approximated log)
+    return -(-uniform.log()).clamp(min=2.0**-24).log()
 
 
 def gumbel_noise(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
