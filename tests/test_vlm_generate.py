@@ -385,6 +385,7 @@ def test_served_media_is_checked_in_the_callers_thread_and_copied(mode):
     expected = _stock(model, inputs)[0, len(prompt):].tolist()
     assert _stock(model, other)[0, len(prompt):].tolist() != expected  # (so the test below can fail)
     engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, page_size=4))
+    held, release = threading.Event(), threading.Event()  # (before the try: its finally sets release)
     engine.start()
     try:
         refused = [([media], "must be a dict"), (dict(media, input_ids=inputs["input_ids"]), "media holds"),
@@ -398,7 +399,6 @@ def test_served_media_is_checked_in_the_callers_thread_and_copied(mode):
                 engine.add_request(prompt, max_new_tokens=NEW, media=bad)
         with pytest.raises(ValueError, match="processor's input_ids"):  # (text: its placeholders unexpanded)
             engine.add_request("describe the image", max_new_tokens=NEW, media=media)
-        held, release = threading.Event(), threading.Event()
 
         def hold(request, token):  # the loop waits here, between its steps, until the buffer is overwritten
             if not held.is_set():
