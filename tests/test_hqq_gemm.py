@@ -324,3 +324,14 @@ def test_every_default_launch_fits_an_h200s_shared_memory():
     shared = assert_compiles_for_sm90(list(kernels.values()))
     assert max(shared) <= 232448, max(zip(shared, kernels))
     assert any(s > 100 * 1024 for s in shared)  # the count is real: the deep pipelines take shared memory
+
+
+def test_every_hqq_packing_is_read_by_the_grouped_form():
+    """The grouped form reads every packing this hqq writes, so a new one (a later hqq) is seen here
+    rather than left, silently, to HQQ's own forward (exact, at a fraction of the speed)."""
+    from hf_async_cb.model.quantized_linears import _HQQ_PACKINGS
+
+    assert set(_HQQ_PACKINGS) == set(quantize.Quantizer.unpack)
+    from hf_async_cb.kernels.skinny_gemm_forms import GROUPED_BITS
+
+    assert set(_HQQ_PACKINGS.values()) == set(GROUPED_BITS)

@@ -76,9 +76,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
     The weight forms (kernels/skinny_gemm_forms.py): an int8 weight is converted to x's dtype exactly;
     SCALED: the rounded product times its output row's scale (s_ptr), rounded again (with split-K,
     the reduce kernel does this); GROUP > 0: w_ptr BITS-bit weights packed as HQQ packs them, s_ptr
-    and z_ptr a scale and a zero per GROUP weights along K; PRESCALED: each int8 (or fp8) weight times its row's scale (s_ptr)
-    before the product, so the partials of split-K are only added; CODEBOOK > 0: w_ptr two 4-bit
-    codes per byte along K, z_ptr their 16 values, s_ptr an absmax per GROUP weights along K."""
+    and z_ptr a scale and a zero per GROUP weights along K; PRESCALED: each int8 (or fp8) weight
+    times its row's scale (s_ptr) before the product, so the partials of split-K are only added;
+    CODEBOOK > 0: w_ptr two 4-bit codes per byte along K, z_ptr their 16 values, s_ptr an absmax
+    per GROUP weights along K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
