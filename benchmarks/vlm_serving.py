@@ -27,6 +27,7 @@ import gpu_vlm  # noqa: E402  (the model and input builders)
 
 import hf_async_cb  # noqa: E402
 from hf_async_cb import BatchingConfig  # noqa: E402
+from hf_async_cb.tools.bench import our_path  # noqa: E402
 from hf_async_cb.tools.serving_client import drive  # noqa: E402
 from hf_async_cb.tools.serving_metrics import Trace, summarize  # noqa: E402
 from hf_async_cb.tools.serving_workload import Workload, arrival_times  # noqa: E402
@@ -58,9 +59,9 @@ def requests_of(model, count: int, text: int, grid: int, device, seed: int) -> l
 
 
 def serve(model, path: str, requests, arrivals, new: int) -> dict:
-    """One loop's run: `path` sync, async, or async-late (BatchingConfig.late_admission)."""
-    mode, _, variant = path.partition("-")
-    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, late_admission=variant == "late"))
+    """One loop's run: `path` as bench names our paths (sync, async, async-late, ...: bench.our_path)."""
+    mode, changes = our_path(path)
+    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, **changes))
     engine.start()
     try:
         warm = [engine.add_request(ids, max_new_tokens=new, media=media) for ids, media in requests[1]]
@@ -94,12 +95,12 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--text", type=int, default=64)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--loops", default="sync,async", help="of sync, async, async-late (late admission)")
+    p.add_argument("--loops", default="sync,async", help="our paths as bench names them: sync, async, async-late, ...")
     p.add_argument("--json")
     args = p.parse_args(argv)
     loops = args.loops.split(",")
-    if not set(loops) <= {"sync", "async", "async-late"}:
-        p.error(f"--loops takes sync, async and async-late, got {args.loops!r}")
+    if any(our_path(loop) is None for loop in loops):
+        p.error(f"--loops takes our paths as bench names them (sync, async, async-late, ...), got {args.loops!r}")
     device = torch.device(args.device)
     text, vision, grid = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

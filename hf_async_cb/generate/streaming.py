@@ -25,11 +25,13 @@ class LockstepStreamer:
         self.pad = pad_token_id
         self.requests: list[Request] = []
         self.next_index = 0
-        self._put(input_ids.cpu())
+        self._call(streamer.put, input_ids.cpu())
 
-    def _put(self, value: torch.Tensor) -> None:
+    @staticmethod
+    def _call(method, *args) -> None:
+        """The streamer's put or end, its own error marked as its own (release_streamer)."""
         try:
-            self.streamer.put(value)
+            method(*args)
         except BaseException as error:
             _mark_raised_by_streamer(error)
             raise
@@ -49,15 +51,11 @@ class LockstepStreamer:
                     return  # a row has not produced this step's token yet
             if all(len(r.output_token_ids) <= self.next_index for r in self.requests):
                 return  # everyone finished: nothing more to put
-            self._put(torch.tensor(column, dtype=torch.long))
+            self._call(self.streamer.put, torch.tensor(column, dtype=torch.long))
             self.next_index += 1
 
     def end(self) -> None:
-        try:
-            self.streamer.end()
-        except BaseException as error:
-            _mark_raised_by_streamer(error)
-            raise
+        self._call(self.streamer.end)
 
 
 _RAISED_BY_STREAMER = "__hf_async_cb_raised_by_streamer__"

@@ -95,6 +95,15 @@ def grouped_word(bits: int) -> torch.dtype:
     return torch.int32 if bits == 3 else torch.uint8
 
 
+def grouped_words(bits: int, n: int, k: int, group_size: int) -> int:
+    """How many packed words (grouped_word) HQQ stores for an [n, k] weight: 8 // bits weights a byte,
+    or at 3 bits ten groups' fields a word column, the last part padded: ceil(n * k / group / 10)
+    rows of `group_size` words."""
+    if bits == 3:
+        return -(-n * k // group_size // 10) * group_size
+    return n * k * bits // 8
+
+
 PLAIN = WeightForm()
 SCALED_INT8 = WeightForm(torch.int8)
 
@@ -136,7 +145,7 @@ def check_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
         if shape is None:
             raise ValueError("skinny_linear_grouped at 3 bits needs the weight's shape (N, K)")
         N, K = shape
-        words = -(-N * K // group_size // 10) * group_size
+        words = grouped_words(3, N, K, group_size)
         if packed.dtype != torch.int32 or packed.numel() != words or not packed.is_contiguous():
             raise ValueError(f"skinny_linear_grouped at 3 bits takes HQQ's int32 packing of {words} words for "
                              f"({N}, {K}), got {packed.dtype} {tuple(packed.shape)}")

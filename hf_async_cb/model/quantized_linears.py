@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hf_async_cb.kernels.skinny_gemm import runs_on
-from hf_async_cb.kernels.skinny_gemm_forms import PRESCALED_WEIGHTS, WeightForm, grouped_word
+from hf_async_cb.kernels.skinny_gemm_forms import PRESCALED_WEIGHTS, WeightForm, grouped_word, grouped_words
 from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -108,7 +108,7 @@ def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
         return None
     N, K = shape
     if bits == 3:  # ten parts of the flat groups, the last padded: ceil(N * K / group / 10) words a column
-        whole = isinstance(group, int) and group > 0 and packed.numel() == -(-N * K // group // 10) * group
+        whole = isinstance(group, int) and group > 0 and packed.numel() == grouped_words(3, N, K, group)
     else:
         whole = N % (8 // bits) == 0 and packed.numel() * (8 // bits) == N * K
     if not (whole and 16 <= group <= 256 and group & (group - 1) == 0 and K % group == 0
