@@ -19,7 +19,7 @@ from hf_async_cb.engine.requests import FinishReason, RequestOutput, SamplingPar
 from hf_async_cb.generate.hook import install, is_installed, uninstall  # noqa: E402
 from hf_async_cb.generate.runtime import clear_prefix_cache, prefix_cache_stats, release, runtime_info  # noqa: E402
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 __all__ = ["BatchingConfig", "DataParallel", "Engine", "FinishReason", "PromptEmbeds", "RequestOutput", "SamplingParams",
            "clear_prefix_cache", "install", "is_installed", "prefix_cache_stats", "release", "runtime_info", "uninstall",

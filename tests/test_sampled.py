@@ -98,8 +98,8 @@ def test_kernels_read_strided_rows_and_advance_with_the_token_index():
 
 
 def test_kernels_noise_is_finite_at_the_largest_hash_value():
-    """The kernels' Gumbel noise at 24 hashed bits of all ones: finite, as the torch sampler's (it was
-    +inf, and that token was drawn whatever its score)."""
+    """The kernels' Gumbel noise at high hashed bits of all ones: finite, as the torch sampler's (it
+    was +inf, and that token was drawn whatever its score)."""
     from tests.test_seeded_sampling import ALL_ONES
 
     seed, index, token, vocab = ALL_ONES
@@ -110,6 +110,25 @@ def test_kernels_noise_is_finite_at_the_largest_hash_value():
                                    token_index=[index, index])
     got = sampled_packed(logits, params)
     assert got[0].tolist() == [0, 0] and torch.equal(got[0], sample(logits, params)[0])
+
+
+def test_kernels_draw_from_the_far_tail_as_the_torch_sampler():
+    """A token 16.8 nats below the top that its 48-bit noise (16.91, beyond 24 bits' 16.64) makes
+    win: the kernels draw it, as the torch sampler, whether the row is filtered or not."""
+    from hf_async_cb.sampling.sampler import gumbel_noise
+    from tests.test_seeded_sampling import ALL_ONES
+
+    seed, index, token, vocab = ALL_ONES
+    noise = gumbel_noise(torch.tensor([seed]), torch.tensor([index]), vocab)[0]
+    assert noise[token] > 16.8
+    logits = torch.full((2, vocab), -60.0, device=DEVICE)
+    logits[:, 0] = 0.0
+    logits[:, token] = (noise[0] - noise[token] + 0.1).item()
+    params = SamplingTensors.build([SamplingParams(do_sample=True, seed=seed),
+                                    SamplingParams(do_sample=True, seed=seed, top_k=2)], DEVICE,
+                                   token_index=[index, index])
+    assert sample(logits, params)[0].tolist() == [token, token]
+    assert sampled_packed(logits, params)[0].tolist() == [token, token]
 
 def test_rows_without_a_seed_are_refused():
     params = SamplingTensors.build([SamplingParams(do_sample=True)], DEVICE)

@@ -22,16 +22,48 @@ def sample(*args, **kwargs):
 def test_hash_bits_are_uniform_and_deterministic():
     seed = torch.arange(200)
     bits = hash_bits(seed, torch.full_like(seed, 3), 500)
-    assert bits.shape == (200, 500) and bits.min() >= 0 and bits.max() < 2**24
+    assert bits.shape == (200, 500) and bits.min() >= 0 and bits.max() < 2**48
     assert torch.equal(bits, hash_bits(seed, torch.full_like(seed, 3), 500))
-    u = (bits.double() + 0.5) / 2**24
-    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
-    hist = torch.histc(u.float(), bins=10, min=0, max=1) / u.numel()
-    assert (hist - 0.1).abs().max() < 0.01
-    # Neighbouring seeds, token indices and token ids are not correlated.
-    assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1].item()) < 0.01
-    assert abs(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1].item()) < 0.01
+    high, low = (bits >> 24).double(), (bits & 0xFFFFFF).double()
+    for part in (high, low):  # each half uniform
+        u = (part + 0.5) / 2**24
+        assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+        hist = torch.histc(u.float(), bins=10, min=0, max=1) / u.numel()
+        assert (hist - 0.1).abs().max() < 0.01
+        # Neighbouring seeds, token indices and token ids are not correlated.
+        assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1].item()) < 0.01
+        assert abs(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1].item()) < 0.01
+    assert abs(torch.corrcoef(torch.stack([high.flatten(), low.flatten()]))[0, 1].item()) < 0.01
+    # The low half of the tokens whose high half is smallest: still uniform (what the far tail draws).
+    tail = low[high < 2**24 / 8] / 2**24
+    assert tail.numel() > 10000 and abs(tail.mean().item() - 0.5) < 0.02
     assert not torch.equal(bits, hash_bits(seed, torch.full_like(seed, 4), 500))
+
+
+def test_gumbel_noise_has_the_gumbel_distribution_into_the_far_tail():
+    """The noise is monotone in the 48 hashed bits, so P(noise > t) over uniform bits is exactly the
+    share of bit patterns above the first one whose noise exceeds t (a bisection finds it). With
+    24 bits the noise stopped at 16.6: a token 17 or more nats below the top was never drawn, and
+    those 12-17 below too rarely (13% too rarely at 16 below)."""
+    import math
+
+    from hf_async_cb.sampling.sampler import _gumbel
+
+    sample_bits = torch.randint(0, 2**48, (100000,)).sort().values
+    assert (_gumbel(sample_bits).diff() >= 0).all()
+    for t in (-2.0, 0.0, 2.0, 5.0, 10.0, 14.0, 16.0, 18.0, 20.0, 25.0, 30.0):
+        lo, hi = 0, 2**48  # the first bits whose noise exceeds t is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _gumbel(torch.tensor([mid])).item() > t:
+                hi = mid
+            else:
+                lo = mid + 1
+        above = (2**48 - lo) / 2**48
+        exact = -math.expm1(-math.exp(-t))
+        # to 1e-4, or to one bit pattern where the tail holds only a few dozen (t = 30: 26)
+        assert abs(above - exact) * 2**48 < max(1.0, 1e-4 * exact * 2**48), (t, above, exact)
+    assert _gumbel(torch.tensor([2**48 - 1])).item() > 33.9
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
@@ -54,7 +86,8 @@ def test_seeded_draws_follow_the_stock_distribution(temperature, top_k, top_p):
     assert 0.5 * (empirical - target.double()).abs().sum() < 0.04
 
 
-# (seed, token index, token id, vocab) whose 24 hashed bits are all ones, the largest uniform there is.
+# (seed, token index, token id, vocab) whose high 24 hashed bits are all ones: its noise, 16.91, is
+# above what 24 bits could give (16.64).
 ALL_ONES = (8544, 0, 1533, 4096)
 
 
@@ -63,11 +96,13 @@ def test_gumbel_noise_is_finite_for_every_hash_value():
     token won the draw whatever its score (about vocab / 2**24 of the unfiltered draws, 0.8% at 128K)."""
     from hf_async_cb.sampling.sampler import _gumbel
 
-    noise = _gumbel(torch.arange(2**24))
-    assert noise.isfinite().all()
-    assert (noise[1:] >= noise[:-1]).all()  # monotone in the bits: still a quantised Gumbel
+    every = torch.arange(2**24)
+    for bits in (every, every | (2**24 - 1) << 24, every << 24, (every << 24) | (2**24 - 1)):
+        noise = _gumbel(bits)  # every low half at the extreme high halves, and every high half
+        assert noise.isfinite().all()
+        assert (noise[1:] >= noise[:-1]).all()  # monotone in the bits: a quantised Gumbel
     seed, index, token, vocab = ALL_ONES
-    assert hash_bits(torch.tensor([seed]), torch.tensor([index]), vocab)[0, token] == 2**24 - 1
+    assert hash_bits(torch.tensor([seed]), torch.tensor([index]), vocab)[0, token] >> 24 == 2**24 - 1
     logits = torch.full((1, vocab), -60.0)
     logits[0, 0] = 0.0  # stock draws token 0 but with probability ~1e-26 * vocab
     params = SamplingTensors.build([SamplingParams(do_sample=True, seed=seed)], torch.device("cpu"),

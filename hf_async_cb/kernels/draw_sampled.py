@@ -32,7 +32,7 @@ search is spread over every SM and reads each row three times, cheaply; six laun
    a done row's draw, and writes `sampling.pack`'s [2, S] layout: token ids, then float64
    log-probabilities' bits.
 
-Noise is `sampling.gumbel_noise` bit for bit (the same 24 hashed bits per token); only the float
+Noise is `sampling.gumbel_noise` bit for bit (the same 48 hashed bits per token); only the float
 rounding of exp/log and sums may differ from the torch reference, so a token can differ only at
 a near-tie. Greedy rows (do_sample 0) take the plain argmax and its log-softmax, so one step
 serves mixed batches. Rows without a seed are not handled here (the caller uses the torch path).
@@ -113,15 +113,30 @@ def _row_keys(seed, index):
 
 
 @triton.jit
+def _fraction(high, low):
+    """sampling._fraction: (high + (low + 0.5) * 2**-24) * 2**-24 in float32."""
+    frac = low.to(tl.float32) * 5.9604644775390625e-08 + 2.98023223876953125e-08  # 2**-24, 2**-25
+    return (high.to(tl.float32) + frac) * 5.9604644775390625e-08
+
+
+@triton.jit
 def _gumbel(cols, k1, k2):
-    """sampling.gumbel_noise at the columns cols of a row with keys (k1, k2)."""
-    bits = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) ^ k2) >> 8
-    uniform = (bits.to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
-    # At most 1 - 2**-24, as sampling._gumbel: all-ones bits round to a uniform of 1.0 (noise +inf).
-    uniform = tl.minimum(uniform, 0.999999940395355224609375)
-    # And -log(uniform) at least 2**-24 (what an exact log gives at that bound): a log approximated
-    # near 1 must not return 0 there, which would make the noise +inf again.
-    return -tl.log(tl.maximum(-tl.log(uniform), 5.9604644775390625e-08))
+    """sampling.gumbel_noise at the columns cols of a row with keys (k1, k2): 48 hashed bits, u and
+    v = 1 - u each from the integers, -log(u) as the series of -log1p(-v) where v < 1/8."""
+    c = cols.to(tl.uint32)
+    high = _fmix32(_fmix32(c ^ k1) ^ k2) >> 8
+    low = _fmix32(_fmix32(c ^ (k2 ^ 0x9E3779B9)) ^ k1) >> 8  # sampling._SECOND_HASH
+    u = _fraction(high, low)
+    v = _fraction(0xFFFFFF - high, 0xFFFFFF - low)
+    series = 0.125
+    series = series * v + 0.14285714285714285
+    series = series * v + 0.16666666666666666
+    series = series * v + 0.2
+    series = series * v + 0.25
+    series = series * v + 0.3333333333333333
+    series = series * v + 0.5
+    series = (series * v + 1.0) * v
+    return -tl.log(tl.where(v < 0.125, series, -tl.log(u)))
 
 
 @triton.jit(do_not_specialize=["num_parts"], do_not_specialize_on_alignment=_CUT_POINTERS)

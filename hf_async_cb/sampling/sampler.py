@@ -111,7 +111,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors | None,
     # Seeded rows: argmax of score + Gumbel noise is a draw from softmax(score) over the kept tokens.
     noise = gumbel_noise(params.seed, params.token_index, logits.shape[1])
     if params.unseeded:
-        drawn = torch.randint(0, 1 << 24, logits.shape, generator=generator, device=logits.device)
+        drawn = torch.randint(0, 1 << 48, logits.shape, generator=generator, device=logits.device)
         noise = torch.where(params.seed[:, None] >= 0, noise, _gumbel(drawn))
     drawn = torch.where(kept, scores + noise, float("-inf")).argmax(dim=-1)
     top = scores.max(dim=-1).values
@@ -194,21 +194,46 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# XORed into the second hash's first key, so that the two hashes differ even where k1 == k2.
+_SECOND_HASH = 0x9E3779B9
+
+
 def hash_bits(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[S, V] int64 holding 24 random bits per (row, token id): a pure function of the row's seed
-    and token index, so a request draws the same tokens whatever shares its batch."""
+    """[S, V] int64 holding 48 random bits per (row, token id): a pure function of the row's seed
+    and token index, so a request draws the same tokens whatever shares its batch. The high 24 bits
+    are those of versions 0.2-0.3; the low 24 come from a second hash of the same keys."""
     k1, k2 = row_keys(seed, index)
-    token = torch.arange(vocab, device=seed.device)
-    return _fmix32(_fmix32(token[None] ^ k1[:, None]) ^ k2[:, None]) >> 8
+    token = torch.arange(vocab, device=seed.device)[None]
+    high = _fmix32(_fmix32(token ^ k1[:, None]) ^ k2[:, None]) >> 8
+    low = _fmix32(_fmix32(token ^ (k2[:, None] ^ _SECOND_HASH)) ^ k1[:, None]) >> 8
+    return (high << 24) | low
+
+
+def _fraction(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """(high + (low + 0.5) * 2**-24) * 2**-24 in float32, for 24-bit integers high and low."""
+    return (high.float() + (low.float() * 2.0**-24 + 2.0**-25)) * 2.0**-24
 
 
 def _gumbel(bits: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise in float32 from 24 uniform bits (the kernels compute the same)."""
-    # Kept below 1: bits = 2**24 - 1 gives 2**24 - 0.5, which rounds to 2**24 in float32, so the
-    # uniform was 1.0 and the noise +inf: that token won the draw whatever its score (if kept).
-    uniform = ((bits.float() + 0.5) * 2.0**-24).clamp(max=1.0 - 2.0**-24)
-    # (-log(uniform) >= 2**-24, as exact logs give it: the kernels' bound against an approximated log)
-    return -(-uniform.log()).clamp(min=2.0**-24).log()
+    """Gumbel(0, 1) noise in float32 from 48 uniform bits (the kernels compute the same).
+
+    The largest noise values come from uniforms nearest 1, where float32 cannot tell them apart:
+    24 bits there capped the noise at 16.6, so tokens more than ~17 nats below the top were never
+    drawn and those 12-17 below too rarely. So both the uniform u and v = 1 - u are formed from the
+    integers (each exact to float32's precision), and -log(u) is taken as the series of -log1p(-v)
+    where v is small: the noise is accurate to float32 wherever it lands, up to 33.9."""
+    high, low = bits >> 24, bits & 0xFFFFFF
+    u = _fraction(high, low)
+    v = _fraction(0xFFFFFF - high, 0xFFFFFF - low)  # 1 - u
+    return -torch.where(v < 0.125, _log1p_series(v), -u.log()).log()
+
+
+def _log1p_series(v: torch.Tensor) -> torch.Tensor:
+    """-log1p(-v) = v + v**2/2 + ... + v**8/8 for 0 < v < 1/8 (the next term is below 2**-24 of it)."""
+    total = torch.full_like(v, 1 / 8)
+    for n in range(7, 0, -1):
+        total = total * v + 1 / n
+    return total * v
 
 
 def gumbel_noise(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
