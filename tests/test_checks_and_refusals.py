@@ -117,6 +117,23 @@ def test_a_row_larger_than_the_memory_budget_is_refused_without_a_rebuild():
     assert hf_async_cb.runtime_info(model) == before
 
 
+def test_a_row_no_pool_could_hold_is_refused_before_the_pool_grows():
+    """The pool is below its memory budget (the first call was small): a row larger than the whole
+    budget is refused at once, the pool kept (it was rebuilt at the budget first, then refused)."""
+    model = _llama()
+    config = {"cpu_kv_cache_bytes": 2**20}  # the pool's memory budget: 128 pages of 16 tokens
+    ids = torch.randint(3, 256, (4, 20))
+    model.generate(ids, max_new_tokens=4, batching="sync", batching_config=config)
+    before = hf_async_cb.runtime_info(model)
+    assert "1 builds" in before
+    with pytest.raises(ValueError, match="could hold at most 2048 .128 pages of 16.*memory budget allows"):
+        model.generate(ids, max_new_tokens=10**7, batching="sync", batching_config=config)
+    assert hf_async_cb.runtime_info(model) == before
+    # a row the budget holds still grows the pool
+    model.generate(ids, max_new_tokens=1000, batching="sync", batching_config=config)
+    assert "2 builds" in hf_async_cb.runtime_info(model)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_row_that_fits_the_pool_exactly_runs_in_every_call(mode):
     """A pool of 4 pages of 8 tokens holds a row of prompt + max_new_tokens - 1 = 32 KV tokens (the last

@@ -400,6 +400,12 @@ class Engine(ServingAPI):
         after = self.prefix_cache_stats()
         return {k: after[k] - before[k] for k in ("hit_tokens", "prefilled_tokens", "evictions", "deferrals")}
 
+    def largest_pool_pages(self) -> int:
+        """The most pages a pool of this engine's config could get: this pool's memory counted free
+        (it would be dropped first), the activations' reserve kept (engine/pool_size.py)."""
+        return pool_pages(self.config, self.layout, self.dtype, self.device, self._model_config, self.vocab_size,
+                          freed_bytes=self.cache.bytes)
+
     def close(self) -> None:
         """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give
         the model back as it was (each weight in its own storage again, unless a runtime owns the

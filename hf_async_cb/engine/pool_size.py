@@ -38,8 +38,10 @@ def activation_bytes(config: BatchingConfig, model_config, dtype: torch.dtype, v
 
 
 def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch.device, model_config,
-               vocab_size: int) -> int:
-    """The pool's pages for a model of this K/V `layout` (model/kv_layout.py) and text config."""
+               vocab_size: int, freed_bytes: int = 0) -> int:
+    """The pool's pages for a model of this K/V `layout` (model/kv_layout.py) and text config.
+    `freed_bytes`: device memory counted free besides what is (a pool a rebuild would drop first):
+    then nothing is logged, it is a bound, not a build."""
     if config.num_pages is not None:
         return config.num_pages
     bytes_per_page = layout.bytes_per_token(dtype) * config.page_size
@@ -47,11 +49,12 @@ def pool_pages(config: BatchingConfig, layout, dtype: torch.dtype, device: torch
         if pools_alive():  # a dropped engine's pool may still wait in a reference cycle of the caller's
             gc.collect()  # (a tenth of a second or more with transformers loaded: not on a first build)
         torch.cuda.empty_cache()  # what the allocator caches unused becomes free device memory (docstring)
-        free, _ = torch.cuda.mem_get_info(device)
+        free = torch.cuda.mem_get_info(device)[0] + freed_bytes
         reserve = activation_bytes(config, model_config, dtype, vocab_size)
         budget = max(0, min(int(free * config.kv_memory_fraction), free - reserve))
-        logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and logits)",
-                    budget / 2**30, free / 2**30, reserve / 2**30)
+        if not freed_bytes:
+            logger.info("hf_async_cb: KV pool of %.1f GiB (%.1f GiB free, %.1f GiB kept for activations and "
+                        "logits)", budget / 2**30, free / 2**30, reserve / 2**30)
     else:
         budget = config.cpu_kv_cache_bytes
     num_pages = budget // bytes_per_page

@@ -126,19 +126,22 @@ class Scheduler:
         self.page_table = PageTable()  # the running requests' pages, mirrored at every change below
 
     # -- queue -----------------------------------------------------------------------------
-    def check_fits_tokens(self, tokens: int, num_pages_given: bool = False) -> None:
+    def check_fits_tokens(self, tokens: int, num_pages_given: bool = False, num_pages: int | None = None) -> None:
         """Raise ValueError if a row holding up to `tokens` tokens of KV (Request.max_total_tokens:
         prompt + max_new_tokens - 1, the last sampled token is never fed) could never fit in the
         pool, even alone. `num_pages_given`: the pool's size is BatchingConfig.num_pages, not a
-        memory budget (the advice then names it)."""
-        capacity = self.allocator.num_pages * self.page_size
+        memory budget (the advice then names it). `num_pages`: the most pages a rebuilt pool could
+        get, when that is more than this pool has."""
+        pages = self.allocator.num_pages if num_pages is None else num_pages
+        capacity = pages * self.page_size
         if tokens > capacity:
             bound = ("as BatchingConfig.num_pages sets it; raise num_pages" if num_pages_given else
                      "all its memory budget allows; raise BatchingConfig.kv_memory_fraction (cpu_kv_cache_bytes on "
                      "the CPU)")
+            holds = "holds" if num_pages is None else "could hold at most"
             raise ValueError(
-                f"a row needs up to {tokens} tokens of KV cache (prompt + max_new_tokens - 1) but the pool holds "
-                f"{capacity} ({self.allocator.num_pages} pages of {self.page_size}), {bound} or lower max_new_tokens.")
+                f"a row needs up to {tokens} tokens of KV cache (prompt + max_new_tokens - 1) but the pool {holds} "
+                f"{capacity} ({pages} pages of {self.page_size}), {bound} or lower max_new_tokens.")
 
     def check_fits(self, request: Request) -> None:
         """Raise ValueError if `request` could never fit in the pool, even alone."""

@@ -70,12 +70,19 @@ class ModelRuntime:
         return _structure(config) == self.structure and self.prepared.matches(model)
 
     def check_row_fits(self, row_tokens: int) -> None:
-        """Where the pool already holds all its memory allows (it got fewer pages than it asked for),
-        refuse a row holding more KV tokens than it has (`row_tokens`: the longest row's
-        Request.max_total_tokens), as the engine would, without a rebuild."""
+        """Refuse a row holding more KV tokens (`row_tokens`: the longest row's
+        Request.max_total_tokens) than the largest pool could, as the engine would, without a
+        rebuild (it would drop the pool, its cached prefixes and the CUDA graphs for nothing): the
+        pool itself where it already holds all its memory allows (it got fewer pages than it asked
+        for), else the pool a rebuild could get with this one's memory freed."""
         engine = self.engine
-        if engine is not None and engine.num_pages < self._page_cap:
-            engine.scheduler.check_fits_tokens(row_tokens, num_pages_given=self.structure.num_pages is not None)
+        if engine is None:
+            return
+        given = self.structure.num_pages is not None
+        if engine.num_pages < self._page_cap:
+            engine.scheduler.check_fits_tokens(row_tokens, num_pages_given=given)
+        elif row_tokens > engine.num_pages * engine.config.page_size:  # the pool would grow
+            engine.scheduler.check_fits_tokens(row_tokens, num_pages_given=given, num_pages=engine.largest_pool_pages())
 
     def engine_for(self, model: torch.nn.Module, config: BatchingConfig, pages_needed: int) -> Engine:
         """The engine, its pool grown first if this call needs more pages than it has."""
