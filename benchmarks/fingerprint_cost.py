@@ -4,6 +4,7 @@ against the version-counter check, on a real shape with random weights.
 
     PYTHONPATH=. python benchmarks/fingerprint_cost.py [--shape llama3-8b] [--repeat 10]
     PYTHONPATH=. python benchmarks/fingerprint_cost.py --narrow --repeat 150   # the walk alone, on a CPU
+                                       (and a serving loop's check at each admission: WeightVersions)
 
 --narrow keeps the shape's structure (its layers and modules) at hidden size 64, so that what is timed
 is the Python walk over the modules, not the reads of the weights (a CPU figure of the walk).
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+from hf_async_cb.model.kv_fingerprint import WeightVersions, kv_fingerprint
 from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.tools.bench import SHAPES, build_model, copy_bandwidth, default_device
 
@@ -47,11 +48,15 @@ def main() -> None:
                       num_key_value_heads=2, head_dim=16, vocab_size=256)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type", "llama"), **fields))
         numerics = timed(lambda: numerics_key(model), args.repeat, device)
+        versions = WeightVersions(model)  # a serving loop's check at each admission
         print(json.dumps(dict(shape=args.shape, narrow=True, counters_ms=round(timed(lambda: kv_fingerprint(model),
                                                                                    args.repeat, device) * 1e3, 2),
                               content_ms=round(timed(lambda: kv_fingerprint(model, content=True), args.repeat,
                                                      device) * 1e3, 2),
-                              numerics_key_ms=round(numerics * 1e3, 2))))
+                              numerics_key_ms=round(numerics * 1e3, 2),
+                              admission_read_us=round(timed(versions.read, args.repeat, device) * 1e6, 1),
+                              admission_restructured_us=round(timed(versions.restructured, args.repeat, device) * 1e6,
+                                                              1))))
         return
     model = build_model(args.shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
