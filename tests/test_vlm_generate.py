@@ -366,6 +366,47 @@ def test_served_requests_with_images_give_stock_tokens(name, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_served_image_after_a_tower_weight_write_is_encoded_again(mode, monkeypatch):
+    """The serving loop checks the weights' counters before it takes new requests in, and the
+    merges of their images trust that check: a tower weight written in place between two served
+    requests with the same image (an optimizer step between rollouts) empties the tower cache, so
+    the second is encoded again and gives the new weights' stock tokens."""
+    model = _model("qwen2_vl")
+    hf_async_cb.release(model)
+    row = V.build_inputs("qwen2_vl", "mixed", only_row=0)
+    media = {k: v for k, v in row.items() if k not in ("input_ids", "attention_mask")}
+    prompt = row["input_ids"][0].tolist()
+    weight = next(_outermost_tower(model).parameters())
+    kept = weight.detach().clone()
+    before = _stock(model, row)[0, len(prompt):].tolist()
+    with torch.no_grad():
+        weight.mul_(-8.0)
+    after = _stock(model, row)[0, len(prompt):].tolist()  # (stock is refused while the engine serves)
+    assert after != before
+    with torch.no_grad():
+        weight.copy_(kept)
+    seen = _counting_tower(model, monkeypatch)
+    engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, page_size=4))
+    engine.start()
+    try:
+        for _ in range(2):  # the second from the cache
+            assert engine.add_request(prompt, max_new_tokens=NEW, media=media).result(timeout=120).output_token_ids \
+                == before
+        assert seen == [1], seen
+        with torch.no_grad():
+            weight.mul_(-8.0)  # (the same write as above: the same weights)
+        seen.clear()
+        got = engine.add_request(prompt, max_new_tokens=NEW, media=media).result(timeout=120).output_token_ids
+        assert seen == [1], seen
+        assert got == after
+    finally:
+        engine.shutdown(timeout=60)
+        engine.close()
+        with torch.no_grad():
+            weight.copy_(kept)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_served_media_is_checked_in_the_callers_thread_and_copied(mode):
     """Engine.add_request(media=...) refuses, before anything is queued, what generate() would refuse
     (a key the forward does not take, the prompt's own ids in media, NumPy arrays, anything but a

@@ -297,7 +297,9 @@ class _Worker:
             caching = scheduler.prefix_cache is not None
             seen = weights.read() if caching else None
             while True:
-                if self._admit():
+                if not self.intake.empty():  # (this thread alone takes from it: _admit will take them)
+                    # The model checked before the new requests are taken in: their images' merges
+                    # read the tower outputs kept by earlier ones (so the merges check nothing).
                     if pipeline.graphs is not None:  # this thread's arithmetic (model/numeric_context.py)
                         context = numeric_context(self.device_type)  # (and the user's hooks: captured afresh)
                         pipeline.graphs.keep_for((context, object()) if weights.runs_user_code else context)
@@ -314,6 +316,7 @@ class _Worker:
                         scheduler.clear_prefix_cache()
                         self.tower_outputs.clear()
                         seen = now
+                    self._admit()
                 self._apply_aborts(cancel_all=self.cancel)
                 self._apply_clears()
                 self.runner.prepared_model.reclaim_attention()  # (a few config reads per pass)

@@ -130,14 +130,15 @@ def media_embeds(model: torch.nn.Module, request, *, media: dict, refusal: str |
     """A served request's images, merged on the loop thread before it is taken in
     (Engine.add_request(media=...)): its embeds are the model's own merge of this one prompt, as
     generate() merges each row of a batch (`refusal`, `cache`: as checked_embeds takes them;
-    `towers`: as merged_prompts takes it; `ready`: a CUDA event after the media's copies, waited
-    for on this thread's stream)."""
+    `towers`: as merged_prompts takes it, checked by the loop against the weights' counters just
+    before it took the request in; `ready`: a CUDA event after the media's copies, waited for on
+    this thread's stream)."""
     device = input_embedding_weight(model).device
     if ready is not None:
         torch.cuda.current_stream(device).wait_event(ready)
     ids = torch.tensor([request.prompt_token_ids], device=device)
     given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in media.items()}
-    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers, content=False)
+    (row,) = merged_prompts(model, ids, torch.ones_like(ids), given, towers, content=None)
     if row is not None:
         request.embeds = checked_embeds(row, ids.shape[1], model.get_input_embeddings(), refusal, cache)
 
