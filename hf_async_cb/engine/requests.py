@@ -253,6 +253,9 @@ class Request:
     # Slow path: keep each step's raw logits and processed scores (generate's output_logits/scores).
     keep_scores: bool = False
     output_scores: list = field(default_factory=list)  # CPU [V] per output token: float32, or its processor's dtype
+    # The stopping criterion is handed the scores so far, as stock hands its criteria the scores it
+    # returns (return_dict_in_generate and output_scores): a tuple of [1, V], one per output token.
+    criteria_read_scores: bool = False
     output_logits: list = field(default_factory=list)
     # What this request's own logits processor, stopping criterion or token callback raised (it
     # then ended ABORTED); None otherwise.
@@ -355,12 +358,17 @@ class Request:
             self.finish_reason = FinishReason.EOS
         elif len(self.output_token_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-        elif self.stopping_criteria is not None and bool(
-                self.stopping_criteria(self.history_tensor()[None], None).any()):
+        elif self.stopping_criteria is not None and bool(torch.as_tensor(
+                self.stopping_criteria(self.history_tensor()[None], self._criteria_scores())).any()):
             self.finish_reason = FinishReason.STOP
         else:
             return False
         return True
+
+    def _criteria_scores(self) -> tuple | None:
+        if not self.criteria_read_scores:
+            return None
+        return tuple(s[None] for s in self.output_scores)
 
     def to_output(self) -> "RequestOutput":
         return RequestOutput(

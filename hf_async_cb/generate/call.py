@@ -165,6 +165,7 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
     for i, req in enumerate(requests):
         req.keep_scores = keep
+        req.criteria_read_scores = bool(gc.return_dict_in_generate and gc.output_scores)  # (what stock hands them)
         if i % copies:
             req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
     if streamer is not None:

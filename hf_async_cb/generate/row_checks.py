@@ -36,7 +36,8 @@ from hf_async_cb.model.weight_kinds import versions
 _BIG = 1 << 20  # a tensor attribute larger than this is compared by identity and version only
 
 
-def check_rows_alike(processors, criteria, input_ids: torch.Tensor, rows: int, vocab: int) -> set[int]:
+def check_rows_alike(processors, criteria, input_ids: torch.Tensor, rows: int, vocab: int,
+                     criteria_read_scores: bool = False) -> set[int]:
     """Probe the caller's `processors` and `criteria` (items 1 and 2 of the module docstring) on
     `rows` copies of `input_ids`' first row; a ValueError for one that stock's batch would see
     otherwise. Returns the ids of those found deterministic, which the run calls on two copies of
@@ -51,10 +52,21 @@ def check_rows_alike(processors, criteria, input_ids: torch.Tensor, rows: int, v
         if _probe(obj, lambda: obj(ids, row_scores.expand(rows, -1).clone()), rows, vocab, "logits processor",
                   input_ids.device):
             checked.add(id(obj))
-    for obj in criteria:
-        if _probe(obj, lambda: obj(ids, None), rows, None, "stopping criterion", input_ids.device):
+    steps = (row_scores, torch.randn(1, vocab, generator=g).to(input_ids.device))
+    for obj in criteria:  # (handed two steps' scores, as stock hands them with output_scores, else None)
+        given = steps if criteria_read_scores else None
+        if _probe(obj, lambda: obj(ids, _copies(given, rows)), rows, None, "stopping criterion", input_ids.device):
             checked.add(id(obj))
     return checked
+
+
+def _copies(scores, rows: int):
+    """`rows` copies of a row's scores: a [1, V] tensor, a criterion's tuple of them, or None."""
+    if scores is None:
+        return None
+    if isinstance(scores, tuple):
+        return tuple(s.expand(rows, -1).clone() for s in scores)
+    return scores.expand(rows, -1).clone()
 
 
 def _probe(obj, call, rows: int, vocab: int | None, kind: str, device: torch.device) -> bool:
@@ -234,10 +246,10 @@ class RowChecked:
     def __init__(self, obj, kind: str) -> None:
         self.obj, self.kind = obj, kind
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None):  # (two parameters, as stock's lists
-        ids = input_ids.expand(2, -1)                                            # call processors without kwargs)
-        pair = self.obj(ids, None if scores is None else scores.expand(2, -1).clone())
-        vocab = None if scores is None else scores.shape[-1]
+    def __call__(self, input_ids: torch.Tensor, scores):  # (two parameters, as stock's lists call processors
+        ids = input_ids.expand(2, -1)                      # without kwargs; scores: a processor's [1, V], or a
+        pair = self.obj(ids, _copies(scores, 2))           # criterion's tuple of them or None)
+        vocab = scores.shape[-1] if isinstance(scores, torch.Tensor) else None
         rows = _per_row(pair, 2, vocab)
         if rows is None or not _same(rows[:1], rows[1:]):
             raise ValueError(

@@ -155,7 +155,8 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     rows = input_ids.shape[0] * max(1, int(gc.num_return_sequences or 1))
-    checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model))
+    checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model),
+                                bool(gc.return_dict_in_generate and gc.output_scores))
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
