@@ -24,7 +24,7 @@ from hf_async_cb.generate.arguments import GenerateCall, parse_call
 from hf_async_cb.generate.outputs import stock_output
 from hf_async_cb.generate.prompt_learning import check_window
 from hf_async_cb.generate.runtime import runtime_engine
-from hf_async_cb.generate.stock_options import CallOptions, call_options, penalty_start
+from hf_async_cb.generate.stock_options import CallOptions, call_options, criteria_get_scores, penalty_start
 from hf_async_cb.generate.streaming import LockstepStreamer, release_streamer
 from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
@@ -165,7 +165,7 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     keep = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
     for i, req in enumerate(requests):
         req.keep_scores = keep
-        req.criteria_read_scores = bool(gc.return_dict_in_generate and gc.output_scores)  # (what stock hands them)
+        req.criteria_read_scores = criteria_get_scores(gc)
         if i % copies:
             req.share_from = requests[i - i % copies]  # copies share the first one's prompt pages
     if streamer is not None:

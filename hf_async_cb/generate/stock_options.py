@@ -156,7 +156,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     rows = input_ids.shape[0] * max(1, int(gc.num_return_sequences or 1))
     checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model),
-                                bool(gc.return_dict_in_generate and gc.output_scores))
+                                criteria_get_scores(gc))
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
@@ -178,6 +178,11 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         elif own or not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)):
             extra.append(RowChecked(c, "stopping criterion") if id(c) in checked else c)
     return processor, slow, (StoppingCriteriaList(extra) if extra else None), device_options, limits
+
+
+def criteria_get_scores(gc) -> bool:
+    """Whether stock hands its stopping criteria the scores so far (else None): when it returns them."""
+    return bool(gc.return_dict_in_generate and gc.output_scores)
 
 
 def _vocab_size(model) -> int:
