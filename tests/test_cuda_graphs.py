@@ -408,6 +408,30 @@ def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
     graph.replay()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real capture needs CUDA")
+def test_a_capture_whose_end_fails_leaves_the_pool_to_later_captures():
+    """A host read inside a capture invalidates it, and torch raises at its end before it tells the
+    caching allocator the capture is over: the pool stayed 'recording', every later capture of the
+    engine failed ("beginAllocateToPool: already recording to mempool_id") and its steps ran eagerly."""
+    from hf_async_cb.engine import cuda_graphs
+
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    x = torch.zeros(4, device="cuda")
+
+    def record(fn):
+        graph = cuda_graphs._Graph.__new__(cuda_graphs._Graph)
+        graph._fn = fn
+        graph._record(pool, stream)
+        return graph
+
+    with pytest.raises(RuntimeError):
+        record(lambda: x.add(1).sum().item())  # not allowed while capturing: the capture is invalidated
+    cuda_graphs.release_generators_after_failed_capture()
+    graph = record(lambda: x.add(2))  # raised "already recording to mempool_id" before the repair
+    graph.graph.replay()
+    torch.testing.assert_close(graph.out, torch.full((4,), 2.0, device="cuda"))
+
+
 def test_a_closed_engine_frees_its_pool_without_the_garbage_collector():
     """On CUDA each engine's pool is most of the free memory: a reference cycle through the graphs
     would keep it until the next collection, and the next engine would find no room."""

@@ -80,10 +80,14 @@ def test_cuda_fp32_matches_stock_generate(family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
+    """The loop's steps wait for the host once each and synchronize nowhere else. The check before a
+    call's first step (Engine.check_caches: the weights' contents read back once, model/kv_fingerprint.py)
+    is outside the loop, and is let through."""
     model = cuda_model(family)
     prompts = random_prompts(16, 8, 40, seed=5)
     engine = Engine(model, BatchingConfig(mode="async", max_batch_tokens=64))
     engine.generate(prompts, max_new_tokens=32)  # warm-up: allocations, kernels, graph captures
+    _check_caches_outside_the_loop(monkeypatch, sync_debug=True)
     waits = []
     original = slots_module.Download.tolist
     monkeypatch.setattr(slots_module.Download, "tolist", lambda self: waits.append(1) or original(self))
@@ -98,10 +102,34 @@ def test_one_host_wait_per_step_and_no_hidden_sync(monkeypatch, family):
     assert len(waits) == pipeline.num_steps - steps_before
 
 
-def test_no_loop_kernel_on_the_default_stream(tmp_path):
+def _check_caches_outside_the_loop(monkeypatch, sync_debug: bool = False) -> None:
+    """Engine.check_caches (once per call, before the first step) run on a side stream (its content
+    pass's small kernels would be on the caller's stream) and, with `sync_debug`, with the sync
+    debug mode off (it reads the weights' sums back once)."""
+    check = Engine.check_caches
+    side = torch.cuda.Stream()
+
+    def outside(self):
+        mode = torch.cuda.get_sync_debug_mode()
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                check(self)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    monkeypatch.setattr(Engine, "check_caches", outside)
+
+
+def test_no_loop_kernel_on_the_default_stream(tmp_path, monkeypatch):
     model = cuda_model("llama")
     prompts = random_prompts(8, 8, 30, seed=6)
     from torch.profiler import ProfilerActivity, profile
+
+    _check_caches_outside_the_loop(monkeypatch)
 
     with Engine(model, BatchingConfig(mode="async")) as engine:
         engine.generate(prompts, max_new_tokens=4)

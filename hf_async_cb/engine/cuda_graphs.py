@@ -233,7 +233,7 @@ class _Graph:
                 try:  # leave the stream out of capture mode; the step's own error is the one to see
                     graph.capture_end()
                 except RuntimeError:
-                    pass
+                    _end_allocating_to(pool)
                 raise
             graph.capture_end()
         self.graph, self.out = graph, out
@@ -253,6 +253,17 @@ class _Graph:
         else:
             self.out = self._fn()
         return self.out.clone()
+
+
+def _end_allocating_to(pool) -> None:
+    """After a capture whose end failed (an invalidated capture: torch raises at the stream's end of
+    capture, before it tells the caching allocator the capture is over), end the allocator's routing
+    to the graphs' pool, which would otherwise refuse every later capture ("beginAllocateToPool:
+    already recording to mempool_id") and leave the engine's steps eager for good."""
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    except (AttributeError, RuntimeError):  # (ended already; or a torch without the binding)
+        pass
 
 
 def release_generators_after_failed_capture() -> None:

@@ -1,0 +1,113 @@
+"""Serving-loop bugs found by probing (each fails today; stock generate is the oracle for tokens)."""
+
+import copy
+
+import pytest
+import torch
+from models import generated_rows, random_prompts, stock_generate, tiny_model
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from hf_async_cb import BatchingConfig, Engine
+
+
+def own_model(family="llama"):
+    return copy.deepcopy(tiny_model(family))
+
+
+def stock_row(model, prompt, new, **options):
+    out = stock_generate(model, [prompt], max_new_tokens=new, eos_token_id=[], pad_token_id=0, do_sample=False,
+                         **options)
+    return generated_rows(out, len(prompt), pad=0, eos=())[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_weights_written_back_through_data_between_serving_sessions_are_not_served_stale(mode):
+    """Serve with W0; write W1 through .data and clear_prefix_cache() (as the docs ask while serving);
+    serve the prompt again (its pages now hold W1's K/V); shutdown; write W0 back through .data;
+    start again: the prompt must get W0's tokens. Today start() compares the weights' contents with
+    the fingerprint taken at the previous start() (W0's), finds them equal and keeps W1's pages."""
+    model = own_model()
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompt = random_prompts(1, 48, 48, seed=5)[0]
+    expected = stock_row(model, prompt, 8)
+    engine = Engine(model, BatchingConfig(mode=mode))
+    try:
+        engine.start()
+        assert engine.add_request(prompt, max_new_tokens=8, eos_token_ids=()).result(timeout=30).output_token_ids \
+            == expected
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.data.add_(torch.randn(p.shape, generator=g) * 0.2)
+        engine.clear_prefix_cache()
+        engine.add_request(prompt, max_new_tokens=8, eos_token_ids=()).result(timeout=30)
+        engine.shutdown(timeout=30)
+        for n, p in model.named_parameters():
+            p.data.copy_(w0[n])
+        engine.start()
+        again = engine.add_request(prompt, max_new_tokens=8, eos_token_ids=()).result(timeout=30).output_token_ids
+        engine.shutdown(timeout=30)
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+        engine.close()
+    assert again == expected
+
+
+class _RowScores(LogitsProcessor):
+    """Returns the scores as a 1-D row (vocab,) for its batch of one: stock's argmax(-1) reads it as is."""
+
+    def __call__(self, input_ids, scores):
+        return scores[0].clone()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_processor_returning_a_1d_row_is_not_read_as_a_scalar(mode):
+    """Stock greedy with this processor gives the plain greedy tokens; the engine writes
+    `logits[row] = scores[0]` (runner.py), broadcasting the first score over the row: token 0 every
+    step. Either stock's tokens or a clear error, never silently wrong tokens."""
+    model = own_model()
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    expected = stock_row(model, prompt, 6, logits_processor=LogitsProcessorList([_RowScores()]))
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    try:
+        handle = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=(),
+                                    logits_processor=LogitsProcessorList([_RowScores()]))
+        try:
+            got = handle.result(timeout=30).output_token_ids
+        except RuntimeError:
+            return  # a clear failure of that request is acceptable
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+        engine.close()
+    assert got == expected
+
+
+class _Ban(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, int(input_ids[0, -1]) % 256] = -float("inf")
+        return scores
+
+
+class _Never(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("option", ["logits_processor", "stopping_criteria"])
+def test_plain_lists_of_processors_are_taken_as_stock_and_model_generate_take_them(mode, option):
+    """Stock generate and model.generate(batching=...) take a plain Python list; add_request queues it
+    and the request then fails on the loop with "TypeError: 'list' object is not callable"."""
+    model = own_model()
+    prompt = random_prompts(1, 15, 15, seed=9)[0]
+    item = _Ban() if option == "logits_processor" else _Never()
+    expected = stock_row(model, prompt, 5, **{option: [item]})
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    try:
+        got = engine.add_request(prompt, max_new_tokens=5, eos_token_ids=(), **{option: [item]}).result(timeout=30)
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+        engine.close()
+    assert got.output_token_ids == expected
