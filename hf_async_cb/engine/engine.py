@@ -31,6 +31,7 @@ from hf_async_cb.engine.requests import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    as_stock_list,
     as_token_lists,
     params_per_prompt,
 )
@@ -239,7 +240,8 @@ class Engine(ServingAPI):
         # (generate() passes the rows' left padding, checked with its prompts: `checked`)
         history = [int(t) for t in history_prefix] if checked else \
             history_ids(history_prefix, self.prompt_limits.vocab_size)
-        request = Request(ids, params, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        request = Request(ids, params, logits_processor=as_stock_list(logits_processor, "logits_processor"),
+                          stopping_criteria=as_stock_list(stopping_criteria, "stopping_criteria"),
                           history_prefix=history, on_token=on_token, embeds=embeds)
         self.scheduler.check_fits(request)
         return request

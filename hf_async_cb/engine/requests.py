@@ -459,3 +459,19 @@ def one_params(params, param_kwargs: dict) -> "SamplingParams":
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}; or pass the options as "
                         "keywords (max_new_tokens=..., ...).")
     return params
+
+
+def as_stock_list(given, name: str):
+    """A request's `logits_processor` / `stopping_criteria` as stock generate takes them: None, one
+    callable (a LogitsProcessorList, a StoppingCriteriaList, or one processor or criterion), or a
+    plain list or tuple of callables, which becomes the transformers list (stock wraps it so too).
+    Anything else is refused here, in the caller's thread, rather than failing the request later."""
+    if given is None or callable(given):  # (transformers' lists are callable lists)
+        return given
+    if isinstance(given, (list, tuple)) and all(callable(item) for item in given):
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        return (LogitsProcessorList if name == "logits_processor" else StoppingCriteriaList)(given)
+    kind = "LogitsProcessorList" if name == "logits_processor" else "StoppingCriteriaList"
+    raise ValueError(f"{name} takes a transformers {kind}, a list of callables or one callable "
+                     f"(input_ids, scores), got {given!r}.")

@@ -158,10 +158,10 @@ class ModelRunner:
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
             try:
-                scores = processor(history[None], logits[row : row + 1])
-                logits[row] = scores[0]
+                scores = _one_row(processor(history[None], logits[row : row + 1]), logits.shape[1])
+                logits[row] = scores
                 if scores.dtype != logits.dtype and scores.is_floating_point():
-                    own[row] = scores[0]  # e.g. `scores.half()`: see _own_dtype_scores
+                    own[row] = scores  # e.g. `scores.half()`: see _own_dtype_scores
             except BaseException as error:  # noqa: BLE001 - this request's own code: the pipeline fails it alone
                 if inputs.faults is None:
                     inputs.faults = {}
@@ -178,6 +178,18 @@ class ModelRunner:
         if own:
             _draw_wide_rows(packed, own, logits.dtype, inputs.sampling)
         return packed
+
+
+def _one_row(scores, vocab: int) -> torch.Tensor:
+    """A logits processor's result for its batch of one row, as that row's [vocab] scores: [1, vocab], as
+    stock's processors return, or [vocab], which stock's batch of one reads alike. Anything else (a
+    scalar, several rows, another width) is refused: written into the row it would be broadcast,
+    and every score of the row equal."""
+    if isinstance(scores, torch.Tensor) and tuple(scores.shape) in ((1, vocab), (vocab,)):
+        return scores.reshape(vocab)
+    shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+    raise ValueError(f"a logits processor returned {shape} for a batch of one row of {vocab} scores; "
+                     f"expected a tensor [1, {vocab}] (one row per row of the batch it was given).")
 
 
 def _own_dtype_scores(rows: list[int], own: dict[int, torch.Tensor],

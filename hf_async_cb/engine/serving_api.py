@@ -5,6 +5,7 @@ class), kept apart from the engine's building and its batch runs."""
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 
 from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
@@ -12,6 +13,7 @@ from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import SamplingParams, one_params
 from hf_async_cb.engine.seeding import _random_seed, seed_requests
+from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.media_inputs import checked_media
 from hf_async_cb.model.prepared import model_guard
 from hf_async_cb.model.vision import media_embeds
@@ -52,8 +54,9 @@ class ServingAPI:
             if self.config.profile:  # the loop's steps, from here to shutdown()
                 background.pipeline.profile = self.last_profile = StepProfile(self.streams)
                 background.cache_before = self.prefix_cache_stats()
-            if self._online_seed is None:
-                self._online_seed = self.config.seed if self.config.seed is not None else _random_seed()
+            # Each session numbers its requests from 0 under BatchingConfig.seed, else under a seed
+            # drawn from torch's generator when its first sampled request without a seed arrives.
+            self._online_seed, self._submissions = self.config.seed, itertools.count()
             background.start()
         except BaseException:
             guard.release_reservation(claim)
@@ -96,7 +99,7 @@ class ServingAPI:
             media, ready = checked_media(self.model, media)
         request = self.make_request(prompt, params, logits_processor=logits_processor,
                                     stopping_criteria=stopping_criteria, on_token=on_token, embeds=embeds)
-        seed_requests([request], self._online_seed, first_index=next(self._submissions))
+        seed_requests([request], self._online_seed, first_index=next(self._submissions), draw=self._online_draw)
         handle = RequestHandle(request)
         if media is not None:
             handle._before_admission = functools.partial(
@@ -115,6 +118,14 @@ class ServingAPI:
         if background is not None:
             background.abort(handle)
 
+    def _online_draw(self) -> int:
+        """The session's engine seed, drawn from torch's generator once (the first sampled request
+        without a seed of its own asks for it), whichever thread asks first."""
+        with self._lifecycle:
+            if self._online_seed is None:
+                self._online_seed = _random_seed()
+            return self._online_seed
+
     def shutdown(self, cancel: bool = False, timeout: float | None = 60.0) -> None:
         """Stop the background loop: cancel=True aborts what is queued or running, else it finishes
         first. Waits at most `timeout` seconds; raises TimeoutError if the loop is still busy then.
@@ -132,3 +143,8 @@ class ServingAPI:
         with self._lifecycle:
             if self._background is background:
                 self._background = None
+        if self.prefix_cache is not None:
+            # The loop cached K/V checked against the weights' counters alone (and emptied on the
+            # user's clear_prefix_cache() after writes through `.data`): they are those of the weights
+            # as the loop left them, not as start() read them. The next call or start() compares with these.
+            self._kv_fingerprint = kv_fingerprint(self.model, content=True)

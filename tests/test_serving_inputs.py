@@ -1,4 +1,6 @@
-"""Serving-loop bugs found by probing (each fails today; stock generate is the oracle for tokens)."""
+"""What a serving loop takes from its callers as stock generate takes it, or refuses clearly: the weights
+as they are when it starts again, a processor's one-row result, plain lists of processors and criteria
+(stock generate is the oracle for tokens)."""
 
 import copy
 
@@ -111,3 +113,77 @@ def test_plain_lists_of_processors_are_taken_as_stock_and_model_generate_take_th
         engine.shutdown(cancel=True, timeout=30)
         engine.close()
     assert got.output_token_ids == expected
+
+
+class _TwoRows(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.expand(2, -1).clone()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_processor_returning_other_rows_fails_its_request_with_the_shape(mode):
+    """Two rows for a batch of one (stock raises on it too): that request fails, naming the shape; the
+    loop serves on."""
+    model = own_model()
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    expected = stock_row(model, prompt, 4)
+    engine = Engine(model, BatchingConfig(mode=mode))
+    engine.start()
+    try:
+        bad = engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(),
+                                 logits_processor=LogitsProcessorList([_TwoRows()]))
+        with pytest.raises(RuntimeError) as raised:
+            bad.result(timeout=30)
+        assert "returned (2, 256) for a batch of one row of 256 scores" in str(raised.value.__cause__)
+        assert engine.add_request(prompt, max_new_tokens=4, eos_token_ids=()).result(timeout=30).output_token_ids \
+            == expected
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+        engine.close()
+
+
+def test_what_is_not_a_list_of_callables_is_refused_in_the_callers_thread():
+    model = own_model()
+    engine = Engine(model, BatchingConfig(mode="sync"))
+    engine.start()
+    try:
+        for option in ("logits_processor", "stopping_criteria"):
+            with pytest.raises(ValueError, match=f"{option} takes"):
+                engine.add_request([5, 6, 7], max_new_tokens=2, **{option: [5]})
+    finally:
+        engine.shutdown(cancel=True, timeout=30)
+        engine.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_each_serving_session_seeds_its_requests_as_documented(seeded):
+    """Without BatchingConfig.seed the session's engine seed is drawn from torch's generator when its first
+    sampled request arrives (torch.manual_seed before it reproduces the session; a session that samples
+    nothing draws nothing); with it, each session numbers its requests from 0, so sessions repeat."""
+    model = own_model()
+    prompt = random_prompts(1, 10, 10, seed=3)[0]
+    engine = Engine(model, BatchingConfig(mode="async", seed=11 if seeded else None))
+
+    def session(sampled: bool = True):
+        engine.start()
+        try:
+            if not sampled:
+                return engine.add_request(prompt, max_new_tokens=3, eos_token_ids=()).result(timeout=30)
+            return [engine.add_request(prompt, max_new_tokens=8, do_sample=True, temperature=2.0,
+                                       eos_token_ids=()).result(timeout=30).output_token_ids for _ in range(2)]
+        finally:
+            engine.shutdown(timeout=30)
+
+    try:
+        torch.manual_seed(1234)
+        first = session()
+        assert first[0] != first[1]  # (two requests: two indices, two seeds)
+        torch.manual_seed(1234)
+        assert session() == first
+        torch.manual_seed(7)
+        expected = torch.rand(3)
+        torch.manual_seed(7)
+        session(sampled=False)
+        assert torch.equal(torch.rand(3), expected)  # greedy only: torch's generator untouched
+    finally:
+        engine.close()
