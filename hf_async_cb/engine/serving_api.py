@@ -147,4 +147,5 @@ class ServingAPI:
             # The loop cached K/V checked against the weights' counters alone (and emptied on the
             # user's clear_prefix_cache() after writes through `.data`): they are those of the weights
             # as the loop left them, not as start() read them. The next call or start() compares with these.
-            self._kv_fingerprint = kv_fingerprint(self.model, content=True)
+            model = self.runner._model()  # (None once the model is collected: nothing to compare then)
+            self._kv_fingerprint = kv_fingerprint(model, content=True) if model is not None else None
