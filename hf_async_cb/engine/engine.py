@@ -277,6 +277,8 @@ class Engine(ServingAPI):
                 or num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}.")
         check_seed_arguments(len(prompts), seed_indices, engine_seed)
+        if engine_seed is not None and seed_indices is None:  # this call is the whole call
+            seed_indices = range(len(prompts))
         n = num_return_sequences
         if seed_indices is not None and engine_seed is None and any(sp.unseeded for sp in per_prompt):
             engine_seed = self.config.seed if self.config.seed is not None else self._draw_seed()
