@@ -333,7 +333,8 @@ def test_a_closed_engine_says_so(model, fuse):
     engine.close()
     engine.close()  # (idempotent)
     for use in (lambda: engine.generate(prompts, max_new_tokens=2), engine.start,
-                lambda: engine.add_request(prompts[0], max_new_tokens=2)):
+                lambda: engine.add_request(prompts[0], max_new_tokens=2),
+                lambda: engine.make_request(prompts[0], SamplingParams(max_new_tokens=2))):
         with pytest.raises(RuntimeError, match="this Engine was closed|start\\(\\) the engine"):
             use()
     with pytest.raises(RuntimeError, match="this Engine was closed"):

@@ -231,6 +231,7 @@ class Engine(ServingAPI):
         """make_request() for a prompt already read as a list of ints (as_token_lists; generate()'s
         rows), which it keeps as it is: no second pass over its tokens. `checked`: the caller has run
         check_prompt on these ids and params already (generate() does, before the engine is taken)."""
+        self._check_open()  # (its pool and scheduler are gone)
         params = known_suppressed(with_model_eos(params, self.model, self.tokenizer), self.prompt_limits.vocab_size)
         if not checked:
             check_prompt(ids, params, self.prompt_limits)
