@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -51,7 +52,7 @@ from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.numeric_context import numeric_context
-from hf_async_cb.model.prepared import PreparedModel
+from hf_async_cb.model.prepared import PreparedModel, model_guard
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
@@ -420,12 +421,16 @@ class Engine(ServingAPI):
                 raise RuntimeError("close() cannot run on the engine's loop thread (a callback): call "
                                    "shutdown() there, and close() from another thread.")
             self.shutdown(cancel=True)
-        self._closed = True
-        self.graphs = None
-        self._pipelines.clear()
-        self.cache.free()  # before the weights get their own storage back: that copies them
-        if self._owns_preparation:
-            self.prepared_model.restore()
+        model = self.runner._model()
+        # Under the model's guard: a run of this engine on another thread finishes first (its pool
+        # freed under it failed inside a step); from inside a run on this thread it is refused.
+        with model_guard(model).held("Engine.close") if model is not None else contextlib.nullcontext():
+            self._closed = True
+            self.graphs = None
+            self._pipelines.clear()
+            self.cache.free()  # before the weights get their own storage back: that copies them
+            if self._owns_preparation:
+                self.prepared_model.restore()
 
     def _check_open(self) -> None:
         if self._closed:

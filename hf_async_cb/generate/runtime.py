@@ -160,7 +160,7 @@ def release(model: torch.nn.Module) -> bool:
     guard = model_guard(model, create=False)
     if guard is None:
         return False
-    with guard.held("release"):
+    with guard.held("release", kind="outer"):  # (the engine's close() holds it again, inside)
         with _RUNTIMES_LOCK:
             runtime = _RUNTIMES.pop(model, None)
         if runtime is None:
