@@ -258,3 +258,25 @@ def test_errors_keep_their_type_and_a_closed_one_says_so(workers):
     with pytest.raises(RuntimeError, match="closed"):
         dp.generate(PROMPTS, max_new_tokens=3)
     dp.close()  # again: nothing to do
+
+
+def test_process_replicas_take_a_model_once_asked_for_hidden_states():
+    """Asking a model for hidden states installs transformers' capturing hooks on it for good
+    (closures, which do not pickle): sending it to the workers failed ("Can't pickle local object
+    'install_output_capuring_hook.<locals>.output_capturing_hook'"). The workers get it without them,
+    and the model keeps its own."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+    hooks = {name: (list(m._forward_hooks), list(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    engine = Engine(model, BatchingConfig())
+    expected = _tokens(engine.generate(PROMPTS, max_new_tokens=6))
+    engine.close()
+    with DataParallel(model, devices=["cpu", "cpu"], workers="processes") as dp:
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected
+    assert {name: (list(m._forward_hooks), list(m._forward_pre_hooks)) for name, m in model.named_modules()} == hooks
+    with torch.no_grad():
+        assert len(model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states) == \
+            model.config.num_hidden_layers + 1

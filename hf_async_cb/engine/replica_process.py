@@ -17,10 +17,12 @@ never waited on forever.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import queue
 import threading
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import torch
@@ -143,6 +145,37 @@ def _portable(error: BaseException):
         return ReplicaError(f"{type(error).__name__}: {error}\n\nin the replica:\n{text}")
 
 
+@contextlib.contextmanager
+def _without_capturing_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """The model without the forward hooks transformers installs for good the first time hidden
+    states or attentions are asked of it (closures: they do not pickle, and a model once asked for
+    them could not be sent to a worker), and marked as without them, so that the worker's copy
+    installs its own if it needs them; all put back afterwards."""
+    emptied, marked = [], []  # (each table's items as they were, in their order)
+    for module in model.modules():
+        for table in (module._forward_hooks, module._forward_pre_hooks):
+            items = list(table.items())
+            if any(getattr(hook, "__module__", "") == _CAPTURING_MODULE for _, hook in items):
+                emptied.append((table, items))
+                for key, hook in items:
+                    if getattr(hook, "__module__", "") == _CAPTURING_MODULE:
+                        del table[key]
+        if module.__dict__.get("_output_capturing_hooks_installed"):
+            marked.append(module)
+            module._output_capturing_hooks_installed = False
+    try:
+        yield
+    finally:
+        for table, items in emptied:
+            table.clear()
+            table.update(items)
+        for module in marked:
+            module._output_capturing_hooks_installed = True
+
+
+_CAPTURING_MODULE = "transformers.utils.output_capturing"
+
+
 class ProcessReplica:
     """One worker process running an Engine on `device`; see the module docstring."""
 
@@ -152,7 +185,8 @@ class ProcessReplica:
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, model, device, config, tokenizer),
                                         name=f"hf_async_cb-replica-{device}", daemon=True)
-        self._process.start()
+        with _without_capturing_hooks(model):  # (the spawn pickles the model inside start())
+            self._process.start()
         child.close()
         self._ready = False
 
