@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import transformers
@@ -25,6 +26,21 @@ FAMILIES = tuple(CONFIGS)
 
 
 @functools.lru_cache(maxsize=None)
+def started_thread(fn) -> tuple[threading.Thread, dict]:
+    """fn() on a daemon thread, started: (the thread, a box that gets "value" or "error")."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A deterministic fp32 CPU model; weights scaled up so that greedy picks are far from ties."""
     torch.manual_seed(seed)

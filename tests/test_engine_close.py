@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from models import left_pad, random_prompts, stock_generate, tiny_model
+from models import left_pad, random_prompts, started_thread, stock_generate, tiny_model
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig
@@ -29,29 +29,15 @@ class _Gate:
         return scores
 
 
-def _thread(target):
-    box = {}
-
-    def run():
-        try:
-            box["result"] = target()
-        except BaseException as error:  # noqa: BLE001 - reported by the test
-            box["error"] = error
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
-
-
 @pytest.mark.parametrize("fuse", [False, True])
 def test_closing_an_engine_while_another_thread_runs_it_waits_for_the_call(fuse):
     model = copy.deepcopy(tiny_model("llama"))
     expected = stock_generate(model, PROMPTS, max_new_tokens=5)[:, WIDTH:].tolist()
     engine = hf_async_cb.Engine(model, BatchingConfig(fuse_projections=fuse))
     gate = _Gate()
-    caller, box = _thread(lambda: engine.generate(PROMPTS, max_new_tokens=5, eos_token_ids=(), logits_processor=gate))
+    caller, box = started_thread(lambda: engine.generate(PROMPTS, max_new_tokens=5, eos_token_ids=(), logits_processor=gate))
     assert gate.inside.wait(30)
-    closer, close_box = _thread(engine.close)
+    closer, close_box = started_thread(engine.close)
     closer.join(1)
     assert closer.is_alive()  # waiting for the call
     gate.release.set()
@@ -59,7 +45,7 @@ def test_closing_an_engine_while_another_thread_runs_it_waits_for_the_call(fuse)
     closer.join(30)
     assert not caller.is_alive() and not closer.is_alive(), "hang"
     assert "error" not in box and "error" not in close_box, (box, close_box)
-    assert [o.output_token_ids for o in box["result"]] == expected
+    assert [o.output_token_ids for o in box["value"]] == expected
     ids, mask = left_pad(PROMPTS)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=5, batching="sync")
     assert torch.equal(got, stock_generate(model, PROMPTS, max_new_tokens=5))

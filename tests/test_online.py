@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from models import generated_rows, random_prompts, stock_generate, tiny_model
+from models import generated_rows, random_prompts, started_thread, stock_generate, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_async_cb import BatchingConfig, Engine, FinishReason, SamplingParams
@@ -164,16 +164,7 @@ def test_asyncio_producers_and_consumers(engine):
 
 def _in_thread(fn, timeout=30.0):
     """fn() on a daemon thread: its result, or a failure instead of a hang if it blocks."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as error:  # noqa: BLE001 - handed to the test
-            box["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    thread, box = started_thread(fn)
     thread.join(timeout)
     assert not thread.is_alive(), "the reader blocked"
     if "error" in box:

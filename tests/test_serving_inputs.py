@@ -61,27 +61,49 @@ class _RowScores(LogitsProcessor):
         return scores[0].clone()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_processor_returning_a_1d_row_is_not_read_as_a_scalar(mode):
-    """Stock greedy with this processor gives the plain greedy tokens; the engine writes
-    `logits[row] = scores[0]` (runner.py), broadcasting the first score over the row: token 0 every
-    step. Either stock's tokens or a clear error, never silently wrong tokens."""
-    model = own_model()
-    prompt = random_prompts(1, 20, 20, seed=7)[0]
-    expected = stock_row(model, prompt, 6, logits_processor=LogitsProcessorList([_RowScores()]))
+class _TwoRows(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.expand(2, -1).clone()
+
+
+def _served(model, mode, prompt, processor=None):
+    """One request with `processor` (if any) then one without, on a serving loop: their handles' results,
+    or the errors their results raise."""
     engine = Engine(model, BatchingConfig(mode=mode))
     engine.start()
     try:
-        handle = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=(),
-                                    logits_processor=LogitsProcessorList([_RowScores()]))
-        try:
-            got = handle.result(timeout=30).output_token_ids
-        except RuntimeError:
-            return  # a clear failure of that request is acceptable
+        out = []
+        for given in (processor, None):
+            handle = engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(), logits_processor=given)
+            try:
+                out.append(handle.result(timeout=30).output_token_ids)
+            except RuntimeError as error:
+                out.append(error)
+        return out
     finally:
         engine.shutdown(cancel=True, timeout=30)
         engine.close()
-    assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_processor_returning_a_1d_row_gives_stock_tokens(mode):
+    """Stock's batch of one reads a (vocab,) result as the row; the engine wrote `logits[row] = scores[0]`,
+    broadcasting the first score over the row: token 0 every step."""
+    model = own_model()
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    expected = stock_row(model, prompt, 4, logits_processor=LogitsProcessorList([_RowScores()]))
+    assert _served(model, mode, prompt, LogitsProcessorList([_RowScores()])) == [expected, stock_row(model, prompt, 4)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_processor_returning_other_rows_fails_its_request_with_the_shape(mode):
+    """Two rows for a batch of one (stock raises on it too): that request fails, naming the shape; the
+    loop serves on."""
+    model = own_model()
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    bad, after = _served(model, mode, prompt, LogitsProcessorList([_TwoRows()]))
+    assert "returned (2, 256) for a batch of one row of 256 scores" in str(bad.__cause__)
+    assert after == stock_row(model, prompt, 4)
 
 
 class _Ban(LogitsProcessor):
@@ -99,8 +121,8 @@ class _Never(StoppingCriteria):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("option", ["logits_processor", "stopping_criteria"])
 def test_plain_lists_of_processors_are_taken_as_stock_and_model_generate_take_them(mode, option):
-    """Stock generate and model.generate(batching=...) take a plain Python list; add_request queues it
-    and the request then fails on the loop with "TypeError: 'list' object is not callable"."""
+    """Stock generate and model.generate(batching=...) take a plain Python list; add_request takes it too (it
+    queued it, and the request failed on the loop: "'list' object is not callable")."""
     model = own_model()
     prompt = random_prompts(1, 15, 15, seed=9)[0]
     item = _Ban() if option == "logits_processor" else _Never()
@@ -113,33 +135,6 @@ def test_plain_lists_of_processors_are_taken_as_stock_and_model_generate_take_th
         engine.shutdown(cancel=True, timeout=30)
         engine.close()
     assert got.output_token_ids == expected
-
-
-class _TwoRows(LogitsProcessor):
-    def __call__(self, input_ids, scores):
-        return scores.expand(2, -1).clone()
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_processor_returning_other_rows_fails_its_request_with_the_shape(mode):
-    """Two rows for a batch of one (stock raises on it too): that request fails, naming the shape; the
-    loop serves on."""
-    model = own_model()
-    prompt = random_prompts(1, 20, 20, seed=7)[0]
-    expected = stock_row(model, prompt, 4)
-    engine = Engine(model, BatchingConfig(mode=mode))
-    engine.start()
-    try:
-        bad = engine.add_request(prompt, max_new_tokens=4, eos_token_ids=(),
-                                 logits_processor=LogitsProcessorList([_TwoRows()]))
-        with pytest.raises(RuntimeError) as raised:
-            bad.result(timeout=30)
-        assert "returned (2, 256) for a batch of one row of 256 scores" in str(raised.value.__cause__)
-        assert engine.add_request(prompt, max_new_tokens=4, eos_token_ids=()).result(timeout=30).output_token_ids \
-            == expected
-    finally:
-        engine.shutdown(cancel=True, timeout=30)
-        engine.close()
 
 
 def test_what_is_not_a_list_of_callables_is_refused_in_the_callers_thread():

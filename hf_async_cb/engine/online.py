@@ -351,15 +351,13 @@ class _Worker:
             self.wake.clear()
             self.late_waits += 1
 
-    def _admit(self) -> bool:
-        """Take the submitted requests in; whether there were any."""
-        taken = False
+    def _admit(self) -> None:
+        """Take the submitted requests in."""
         while True:
             try:
                 handle = self.intake.get_nowait()
             except queue.Empty:
-                return taken
-            taken = True
+                return
             self.active[id(handle.request)] = handle
             try:
                 if handle._before_admission is not None:  # its images merged (Engine.add_request(media=...))
