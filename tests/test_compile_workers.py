@@ -74,3 +74,54 @@ def test_two_threads_starting_pools_fork_one_at_a_time(monkeypatch):
     for pool in pools:
         pool.shutdown(wait=True)
     assert results == [2, 2, 2] and seen["forks"] == 9 and seen["overlapping"] == 0
+
+
+def _compile_or_hang(name):
+    """A compile worker's job in the stall tests: "hang" never returns (a worker deadlocked on a lock
+    its fork copied held), anything else finishes at once."""
+    if name == "hang":
+        time.sleep(600)
+    return compile_workers.Compiled(name, "", 0.0)
+
+
+class _Listed:
+    """What compile_in_workers reads of a variant, for workers that never compile."""
+
+    def __init__(self, name):
+        self.name, self.kernel = name, None
+
+    def pickled(self):
+        return self.name
+
+    def describe(self):
+        return f"{self.name} variant"
+
+
+def test_stalled_workers_are_stopped_and_their_variants_reported_left(monkeypatch, caplog):
+    """A worker that never finishes (a cold machine's first call once hung so for minutes) costs
+    STALL_SECONDS, not the call: the workers are killed and what they did not finish comes back as
+    failed, for this process to compile as it loads it."""
+    monkeypatch.setattr(compile_workers, "STALL_SECONDS", 4.0)
+    monkeypatch.setattr(compile_workers, "_compile", _compile_or_hang)
+    monkeypatch.setattr(compile_workers, "_warm_up_compiler", lambda target: None)
+    monkeypatch.setattr(compile_workers, "settle_cache_keys", lambda kernels: None)
+    before = set(multiprocessing.active_children())
+    start = time.perf_counter()
+    reports = compile_workers.compile_in_workers([_Listed("a"), _Listed("hang"), _Listed("b")], target=None, workers=2)
+    assert time.perf_counter() - start < 20
+    assert sorted((c.name, c.error is None) for c in reports) == [("a", True), ("b", True), ("hang", False)]
+    assert "stalled" in next(c.error for c in reports if c.name == "hang")
+    assert "finished nothing for 4 s" in caplog.text
+    assert set(multiprocessing.active_children()) == before  # the hung worker was killed
+
+
+def test_workers_that_finish_are_waited_for_whatever_the_stall_limit(monkeypatch):
+    """The limit is between finished compiles, not on the whole: jobs that each finish within it all
+    come back, however long they take together."""
+    pool, first = compile_workers.forked_pool(1, None, (), time.sleep, 0.3)
+    futures = {first: "first"} | {pool.submit(time.sleep, 0.3): i for i in range(3)}
+    try:
+        results, left = compile_workers.finished_in_time(futures, stall=0.9)
+    finally:
+        pool.shutdown(wait=True)
+    assert results == [None] * 4 and left == []

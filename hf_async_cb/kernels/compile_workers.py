@@ -15,6 +15,13 @@ the kernel's own JIT (Variant.warmup), under the very cache key the serving proc
 Forks are taken one thread at a time (two precompiles may start their workers at once), and a fork
 that raises is tried again: filelock (imported with transformers) hooks every fork and refuses one
 while another thread's fork or lock is between states; that refusal had made a whole precompile fail.
+
+A fork copies the locks other threads hold at that moment, held, into the child: a worker forked while
+another thread was inside the compiler can wait forever on a lock nobody in it will release (a cold
+H100 machine's first call hung so, for minutes). So no fork is taken while a precompile of this
+process loads (or compiles) a variant itself (`no_fork`), and the workers are watched: where none
+has finished a variant for STALL_SECONDS, they are stopped and this process compiles what is left
+as it loads it (slower, never a hang).
 """
 
 from __future__ import annotations
@@ -25,15 +32,24 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 from hf_async_cb.kernels.variant import Variant, from_pickled, settle_cache_keys
 
 logger = logging.getLogger(__name__)
 
-_FORKING = threading.Lock()  # (one thread forks its workers at a time)
+_FORKING = threading.Lock()  # (one thread forks its workers at a time; none while `no_fork` is held)
 FORK_ATTEMPTS = 6  # a refused fork is tried again after 10, 30, 90, 270 and 810 ms
+# Seconds the workers may go without finishing a variant (the longest compile takes a few seconds);
+# HF_ASYNC_CB_COMPILE_STALL_S sets it.
+STALL_SECONDS = float(os.environ.get("HF_ASYNC_CB_COMPILE_STALL_S", "60"))
+
+
+def no_fork():
+    """Held while this process compiles or loads a variant in a thread of its own: no worker is forked
+    meanwhile (a fork then would copy the compiler's held locks into the child)."""
+    return _FORKING
 
 
 @dataclass
@@ -106,8 +122,9 @@ def _c_launchers():
 def compile_in_workers(variants: list[Variant], target, workers: int | None = None) -> list[Compiled]:
     """Compile `variants` for `target` in forked worker processes (into Triton's disk cache), the
     slowest kinds first so that no worker is left with a long one at the end. Returns each compile's
-    report, in the order they finished. A worker that dies (a crash in the compiler) raises
-    BrokenProcessPool here rather than hanging the build."""
+    report, in the order they finished; a variant left when the workers stalled (STALL_SECONDS without a
+    finished compile) is reported with its error, and the workers stopped. A worker that dies (a crash
+    in the compiler) raises BrokenProcessPool here rather than hanging the build."""
     if not variants:
         return []
     _warm_up_compiler(target)
@@ -117,11 +134,42 @@ def compile_in_workers(variants: list[Variant], target, workers: int | None = No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (forking a process with threads: see the module doc)
         pool, first = forked_pool(workers, _start_worker, (target,), _compile, ordered[0].pickled())
+        futures = {first: ordered[0]}
         try:
-            futures = [first] + [pool.submit(_compile, v.pickled()) for v in ordered[1:]]
-            return [future.result() for future in as_completed(futures)]
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            futures.update((pool.submit(_compile, v.pickled()), v) for v in ordered[1:])
+            reports, left = finished_in_time(futures, STALL_SECONDS)
+        except BaseException:
+            _stop(pool)
+            raise
+        if not left:
+            pool.shutdown(wait=True)
+            return reports
+        _stop(pool)
+    logger.warning("hf_async_cb: the kernel compile workers finished nothing for %.0f s; stopped, with %d of %d "
+                   "variants left, which this process compiles as it loads them", STALL_SECONDS, len(left), len(variants))
+    return reports + [Compiled(v.name, v.describe(), STALL_SECONDS, f"stopped: the workers stalled for {STALL_SECONDS:.0f} s")
+                      for v in left]
+
+
+def finished_in_time(futures: dict, stall: float) -> tuple[list, list]:
+    """The results of `futures` (future -> what it computes) as they finish, until all have or none has
+    for `stall` seconds: (results, the values of the futures left)."""
+    results, pending = [], set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=stall, return_when=FIRST_COMPLETED)
+        if not done:
+            break
+        results += [future.result() for future in done]
+    return results, [futures[f] for f in futures if f in pending]
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Stop `pool` without waiting for its jobs: its workers killed (a stalled one never returns), then
+    the pool's own thread, which finds them gone, joins them (one joiner: two threads waiting on one
+    child leave it listed as running)."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def forked_pool(workers: int, initializer, initargs: tuple, fn, arg):

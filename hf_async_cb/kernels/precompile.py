@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from hf_async_cb.kernels.compile_workers import Compiled, compile_in_workers, default_workers
+from hf_async_cb.kernels.compile_workers import Compiled, compile_in_workers, default_workers, no_fork
 from hf_async_cb.kernels.variant import Variant, settle_cache_keys
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,11 @@ class Precompile:
                 for variant in missing:
                     try:
                         start = time.perf_counter()
-                        kernel = variant.warmup()  # from the disk cache the workers filled
-                        self.loaded += 1
-                        if load_ahead and _load_onto_device(kernel):
-                            self.on_device += 1
+                        with no_fork():  # (a fork now would copy the compiler's held locks: compile_workers)
+                            kernel = variant.warmup()  # from the disk cache the workers filled
+                            self.loaded += 1
+                            if load_ahead and _load_onto_device(kernel):
+                                self.on_device += 1
                         if time.perf_counter() - start > _LOAD_IS_A_COMPILE:  # the workers' entry was not found
                             self.compiled_on_load.append(f"{variant.name} ({variant.describe()}): "
                                                          f"{time.perf_counter() - start:.2f} s")
@@ -250,7 +251,8 @@ def _not_loaded(variants: list[Variant], device: torch.device) -> tuple[list[Var
             with _on(device):
                 for variant in variants:
                     asked.clear()
-                    variant.warmup()
+                    with no_fork():
+                        variant.warmup()
                     if asked:
                         missing.append(variant)
                         keys.append(asked[0])
