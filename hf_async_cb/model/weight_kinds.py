@@ -25,6 +25,15 @@ def is_plain(t: torch.Tensor | None) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter)
 
 
+def dispatches_itself(t: torch.Tensor) -> bool:
+    """Whether `t`'s class handles its own ops (`__torch_dispatch__`: torchao's and quanto's wrappers,
+    even where `isinstance(t, nn.Parameter)` holds), so that any op on it may run its own code."""
+    return getattr(type(t), "__torch_dispatch__", None) not in _PLAIN_DISPATCH
+
+
+_PLAIN_DISPATCH = (torch.Tensor.__torch_dispatch__, nn.Parameter.__torch_dispatch__)
+
+
 def is_plain_floating(t: torch.Tensor | None) -> bool:
     """A plain tensor of a floating dtype a GEMM takes as it is (float8 and integer data are not)."""
     return is_plain(t) and t.dtype in FLOATING
@@ -183,10 +192,12 @@ def is_transformers_config(value) -> bool:
 def _plain_view(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s data as a plain tensor (a Parameter subclass over real storage, as bitsandbytes' are,
     seen through), or None for a wrapper subclass (torchao's, quanto's), whose inner tensors hold
-    the data."""
+    the data. A subclass that dispatches its own ops is never operated on here, not even detached:
+    quanto's tensors answer any op they do not know by dequantizing, which on a fresh machine first
+    builds quanto's CUDA extension (90 s of an 8B model's first call went so)."""
     if is_plain(t):
         return t.detach()
-    if not isinstance(t, nn.Parameter):  # (a wrapper subclass: torchao's, whose ops it dispatches itself)
+    if dispatches_itself(t) or not isinstance(t, nn.Parameter):  # (a wrapper subclass: torchao's, quanto's)
         return None
     try:
         plain = t.detach().as_subclass(torch.Tensor)
