@@ -60,6 +60,46 @@ def test_an_interval_in_which_the_device_ran_dry_empties_the_record():
     assert cadence.step_s == pytest.approx(0.007)
 
 
+def test_each_kind_of_step_is_expected_to_last_as_its_own_kind_did():
+    """A step with a prefill chunk lasts longer than a decode step, the more so the longer its chunk:
+    the wait while one runs reads the steps of its own size (the shortest of them), not the decodes'
+    median; a size never measured is not waited for."""
+    from hf_async_cb.engine.late_admission import step_kind
+
+    assert step_kind(tokens=32, chunks=32) == 0  # decode rows only
+    assert step_kind(tokens=31 + 512, chunks=32) == step_kind(tokens=31 + 300, chunks=32) != step_kind(31 + 40, 32)
+    cadence = StepCadence()
+    t, prefill = 0.0, step_kind(31 + 512, 32)
+    for interval, kind in [(0.007, 0)] * 5 + [(0.030, prefill), (0.007, 0), (0.026, prefill), (0.007, 0)]:
+        t += interval
+        cadence.observe(t, steady=True, kind=kind)
+    assert cadence.step_s == pytest.approx(0.007) and cadence.expected_s(prefill) == pytest.approx(0.026)
+    assert cadence.delay(t, kind=prefill) == pytest.approx(0.026 - 0.25 * 0.026)
+    assert cadence.delay(t, kind=0) == pytest.approx(0.007 - 0.00175)
+    assert cadence.delay(t, kind=step_kind(31 + 4000, 32)) == 0.0
+
+
+def test_the_margin_grows_where_the_device_ran_dry_and_shrinks_back_while_it_does_not():
+    cadence = StepCadence()
+    t = 0.0
+    for _ in range(4):
+        t += 0.008
+        cadence.observe(t, steady=True)
+    shares = []
+    for _ in range(4):  # the device ran dry four times in a row: the margin grows, up to its cap
+        t += 0.008
+        cadence.observe(t, steady=True, idled=True)
+        shares.append(cadence.margin_share)
+    assert shares == pytest.approx([0.375, 0.5625, 0.6, 0.6])
+    t += 0.008
+    cadence.observe(t, steady=True)  # (the first steady return after the idle one starts the intervals)
+    for _ in range(200):
+        t += 0.008
+        cadence.observe(t, steady=True)
+    assert cadence.margin_share == pytest.approx(0.25)  # back to its base
+    assert cadence.delay(t) == pytest.approx(0.008 - 0.25 * 0.008)
+
+
 def _stock_rows(prompts, new):
     return generated_rows(stock_generate(tiny_model("llama"), prompts, max_new_tokens=new, eos_token_id=[2],
                                          pad_token_id=0), max(map(len, prompts)), pad=0, eos=(2,))
@@ -73,7 +113,7 @@ def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(m
                         lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
     # (the CPU's steps have always finished when the next is built: read as the device's intervals)
     monkeypatch.setattr(late_admission.StepCadence, "observe",
-                        lambda self, now, steady, idled=False: observe(self, now, steady, False))
+                        lambda self, now, steady, idled=False, kind=0: observe(self, now, steady, False, kind))
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", max_batch_tokens=48,
                                                                        late_admission=True))
     engine.start()
@@ -105,11 +145,12 @@ def test_an_arrival_cuts_the_wait_short(monkeypatch):
     observe = StepCadence.observe
     long_steps = [True]
 
-    def read_steps(self, now, steady, idled=False):
-        observe(self, now, steady, False)
+    def read_steps(self, now, steady, idled=False, kind=0):
+        observe(self, now, steady, False, kind)
         self._intervals.clear()
         if long_steps[0]:
-            self._intervals.append(5.0)
+            for k in range(12):  # (whatever kind of step runs)
+                self._record(k).append(5.0)
 
     monkeypatch.setattr(late_admission.StepCadence, "observe", read_steps)
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", late_admission=True))

@@ -14,8 +14,18 @@ step, at the completion of the step before, so the interval between two returns 
 duration, as long as the device never ran dry in between. An interval in which it did (the step in
 flight had finished before the next was launched: the wait overshot, or steps run synchronously, as
 on the CPU) says nothing of the device and empties the record, so that the loop stops waiting until
-it has measured again. The estimate is the median of the last few intervals: a long prefill step
-does not stretch the waits after it.
+it has measured again.
+
+Steps differ: a decode step takes about the same time as the last one, a step with a prefill chunk
+takes longer the more prompt tokens it holds. An interval counts toward the kind of the step that
+completed in it (step_kind: decode only, or a prefill of about so many tokens), and the wait reads
+the kind of the step running: the median of the recent decode steps, or the shortest recent step of
+its prefill size (conservative: a wait that overshoots leaves the device idle, which costs every
+running request a step's gap, while one that ends early costs nothing but the new arrival's step).
+Where the device ran dry all the same, the margin grows (by half, up to `max_share` of the step),
+and it shrinks back toward its base step by step while none does: the cost of a wrong estimate is
+paid once, not at every step. (At 16 requests/s on an 8B model, one median for every kind left the
+device idle often enough to raise the mean inter-token latency by 10%: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -24,37 +34,61 @@ import collections
 import statistics
 
 
+def step_kind(tokens: int, chunks: int) -> int:
+    """What a step's duration goes with: 0 for a step of decode rows only (one token per chunk), else
+    the bit length of its prompt tokens beyond one per chunk (prefills of 9-16 tokens alike, ...)."""
+    return max(0, tokens - chunks).bit_length()
+
+
 class StepCadence:
-    """The recent step duration, from the times the loop's step() returned with a step in flight,
-    and how long to wait before building the next one."""
+    """The recent step durations per kind of step, from the times the loop's step() returned with a
+    step in flight, and how long to wait before building the next one."""
 
     def __init__(self, min_step_s: float = 3e-3, margin_s: float = 1.5e-3, margin_share: float = 0.25,
-                 window: int = 8) -> None:
+                 window: int = 8, max_share: float = 0.6, recovery: float = 0.97) -> None:
         self.min_step_s = min_step_s  # shorter steps: the margin would take all of it
         self.margin_s = margin_s  # at least this long before the expected end, for the build and launch
-        self.margin_share = margin_share  # and at least this share of the step
-        self._intervals: collections.deque[float] = collections.deque(maxlen=window)
+        self.base_share = margin_share  # and at least this share of the step
+        self.margin_share = margin_share  # (grown where the device ran dry: see the module's docstring)
+        self.max_share = max_share
+        self.recovery = recovery  # the factor that brings the margin back toward its base per steady step
+        self.window = window
+        self._intervals: dict[int, collections.deque[float]] = {}
         self._last: float | None = None
+
+    def _record(self, kind: int) -> collections.deque[float]:
+        return self._intervals.setdefault(kind, collections.deque(maxlen=self.window))
+
+    def expected_s(self, kind: int = 0) -> float | None:
+        """The expected duration of a step of `kind`: the median of the recent decode steps, the
+        shortest recent step of a prefill size; None before one was measured."""
+        record = self._intervals.get(kind)
+        if not record:
+            return None
+        return statistics.median(record) if kind == 0 else min(record)
 
     @property
     def step_s(self) -> float | None:
-        """The expected duration of a step (the median of the recent intervals), or None."""
-        return statistics.median(self._intervals) if self._intervals else None
+        """The expected duration of a decode step, or None."""
+        return self.expected_s(0)
 
-    def observe(self, now: float, steady: bool, idled: bool = False) -> None:
-        """step() returned at `now`; `steady`: a step was in flight before and after it (an interval
-        between two such returns is one step's duration); `idled`: the device had finished the step
-        in flight before the next was launched, so the interval is not one (the record is emptied).
-        An unsteady return forgets the last time."""
+    def observe(self, now: float, steady: bool, idled: bool = False, kind: int = 0) -> None:
+        """step() returned at `now`, having completed a step of `kind`; `steady`: a step was in flight
+        before and after it (an interval between two such returns is that step's duration); `idled`:
+        the device had finished the step in flight before the next was launched, so the interval is
+        not one (the record is emptied, the margin grows). An unsteady return forgets the last time."""
         if idled:
             self._intervals.clear()
+            self.margin_share = min(self.max_share, self.margin_share * 1.5)
         elif steady and self._last is not None:
-            self._intervals.append(now - self._last)
+            self._record(kind).append(now - self._last)
+            self.margin_share = max(self.base_share, self.margin_share * self.recovery)
         self._last = now if steady else None
 
-    def delay(self, now: float) -> float:
-        """Seconds to wait from `now` before building the next step (0: build now)."""
-        step = self.step_s
+    def delay(self, now: float, kind: int = 0) -> float:
+        """Seconds to wait from `now` before building the next step, while a step of `kind` runs
+        (0: build now)."""
+        step = self.expected_s(kind)
         if step is None or self._last is None or step < self.min_step_s:
             return 0.0
         margin = max(self.margin_s, self.margin_share * step)

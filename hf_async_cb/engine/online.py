@@ -344,8 +344,10 @@ class _Worker:
     def _wait_for_late_admission(self, steady: bool, idled: bool) -> None:
         """Wait until the step running is about to end, or a request arrives, before building the next."""
         now = time.perf_counter()
-        self.cadence.observe(now, steady, idled)
-        delay = self.cadence.delay(now) if steady and self.intake.empty() and not self.stopping else 0.0
+        pipeline = self.pipeline
+        self.cadence.observe(now, steady, idled, pipeline.completed_kind)
+        running = pipeline.in_flight[-1].kind if pipeline.in_flight else 0
+        delay = self.cadence.delay(now, running) if steady and self.intake.empty() and not self.stopping else 0.0
         if delay > 0:
             self.wake.wait(delay)
             self.wake.clear()

@@ -53,6 +53,7 @@ from hf_async_cb.devices import Streams
 from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
 from hf_async_cb.engine.io_slots import Download, IOSlot
+from hf_async_cb.engine.late_admission import step_kind
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.requests import FinishReason, Request, RequestStatus
 from hf_async_cb.engine.runner import ModelRunner
@@ -71,6 +72,7 @@ class InFlight:
     kept: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]] | None
     faults: dict[int, BaseException] | None  # row -> what its request's logits processor raised
     first_tokens: bool = False  # some request samples its first token here (its user waits for it)
+    kind: int = 0  # what its duration goes with (engine/late_admission.step_kind): 0 decode only
 
 
 class Pipeline:
@@ -83,6 +85,7 @@ class Pipeline:
         self.overlap = overlap
         self.found_idle = False  # see step(); asked only where track_idle (a serving loop with late admission)
         self.track_idle = False
+        self.completed_kind = 0  # the kind of the step last completed (engine/late_admission.py)
         self.graphs = graphs
         self.slots = (IOSlot(streams), IOSlot(streams))
         self.in_flight: deque[InFlight] = deque()
@@ -208,10 +211,12 @@ class Pipeline:
             if self.profile is not None:
                 self.profile.gpu(self.num_steps, began, ended)
         self.in_flight.append(InFlight(inputs.sample_requests, sampled, slot.download(sampled, computed),
-                                       inputs.keep_rows, inputs.kept, inputs.faults, first_tokens))
+                                       inputs.keep_rows, inputs.kept, inputs.faults, first_tokens,
+                                       step_kind(plan.num_tokens, len(plan.chunks))))
         self.num_steps += 1
 
     def _complete(self, flight: InFlight) -> list[Request]:
+        self.completed_kind = flight.kind
         with self._span("wait"):
             tokens, logprobs = flight.download.tolist()
         with self._span("update"):
