@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=380.0, help="start no run after this many seconds")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="our paths' BatchingConfig.cuda_graphs (default: on CUDA; on the CPU, the same keys eagerly)")
-    p.add_argument("--paths", default="sync,async", help="our loops at every rate (e.g. sync,async,async-late: "
+    p.add_argument("--paths", default="sync,async", help="our loops at every rate (e.g. sync,async,async-early: "
                    "bench's path names)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -79,9 +79,10 @@ class BatchingConfig:
     late_admission: the async serving loop (Engine.start) builds each step as late as the step
         running allows, instead of right after the one before it finished, so that a request arriving
         meanwhile joins the next step (engine/late_admission.py): one step sooner to its first
-        token at light load (H100, 8B, 4 req/s: async TTFT p50 19.6 -> 15.0 ms, sync 14.9, throughput
-        the same; docs/benchmarks.md). Off until measured at higher loads too (it can leave the
-        device idle for a moment where a step ends sooner than the last ones did).
+        token, which is what kept the async loop's TTFT above sync's at light load (H100, 8B,
+        ShareGPT-like: TTFT p50 at 4 / 16 req/s 19.0 -> 14.1 / 22.0 -> 15.9 ms, sync 13.9 / 16.9;
+        ITL and E2E the same or better; at 64 req/s, requests queue and it waits little: within 1%
+        E2E; docs/benchmarks.md). False builds each step as soon as the one before it finished.
     """
 
     mode: str = "async"
@@ -99,7 +100,7 @@ class BatchingConfig:
     prefill_graphs: bool = True
     prefix_caching: bool = True
     image_cache_bytes: int = 256 * 1024**2
-    late_admission: bool = False
+    late_admission: bool = True
     fuse_projections: bool | None = None
     fuse_elementwise: bool | None = None
     skinny_gemm: bool | None = None

@@ -189,3 +189,30 @@ def test_on_the_cpu_where_steps_run_synchronously_the_loop_never_waits(monkeypat
         assert engine._background._worker.late_waits == 0
     finally:
         engine.shutdown(cancel=True, timeout=30)
+
+
+def test_no_wait_while_requests_queue_for_room(monkeypatch):
+    """With requests waiting for room (here the running-request limit), an arrival would queue behind
+    them: the loop builds each step at once. Every wait is made 3.75 s long here, so one wait would
+    hold the running request far past the bound below."""
+    observe = StepCadence.observe
+
+    def read_long_steps(self, now, steady, idled=False, kind=0):
+        observe(self, now, steady, False, kind)
+        self._intervals.clear()
+        for k in range(12):
+            self._record(k).append(5.0)
+
+    monkeypatch.setattr(late_admission.StepCadence, "observe", read_long_steps)
+    engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", max_running_requests=1))
+    assert engine.config.late_admission  # (the default)
+    engine.start()
+    try:
+        running = engine.add_request([5, 6, 7], max_new_tokens=24, eos_token_ids=())
+        queued = engine.add_request([8, 9], max_new_tokens=2, eos_token_ids=())
+        started = time.perf_counter()
+        assert len(running.result(timeout=30).output_token_ids) == 24
+        assert time.perf_counter() - started < 3.0 and engine._background._worker.late_waits == 0
+        assert not queued.done or queued.result().output_token_ids
+    finally:
+        engine.shutdown(cancel=True, timeout=30)

@@ -347,7 +347,9 @@ class _Worker:
         pipeline = self.pipeline
         self.cadence.observe(now, steady, idled, pipeline.completed_kind)
         running = pipeline.in_flight[-1].kind if pipeline.in_flight else 0
-        delay = self.cadence.delay(now, running) if steady and self.intake.empty() and not self.stopping else 0.0
+        # Requests waiting for room: an arrival would queue behind them, so a wait would gain it nothing.
+        waits = steady and self.intake.empty() and not self.stopping and not self.scheduler.waiting
+        delay = self.cadence.delay(now, running) if waits else 0.0
         if delay > 0:
             self.wake.wait(delay)
             self.wake.clear()

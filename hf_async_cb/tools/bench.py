@@ -61,7 +61,8 @@ HF_ASYNC_DEVICES = ("cuda", "xpu")  # transformers' async batching refuses other
 ABLATIONS = {"ref": {"attention": "reference"}, "unfused": {"fuse_projections": False, "fuse_elementwise": False},
              "noew": {"fuse_elementwise": False}, "eager": {"cuda_graphs": False},
              "noprefill": {"prefill_graphs": False}, "cublas": {"skinny_gemm": False},
-             "nocache": {"prefix_caching": False}, "late": {"late_admission": True}}
+             "nocache": {"prefix_caching": False}, "late": {"late_admission": True},
+             "early": {"late_admission": False}}
 
 
 def our_path(path: str) -> tuple[str, dict] | None:
