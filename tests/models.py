@@ -25,7 +25,6 @@ CONFIGS = {
 FAMILIES = tuple(CONFIGS)
 
 
-@functools.lru_cache(maxsize=None)
 def started_thread(fn) -> tuple[threading.Thread, dict]:
     """fn() on a daemon thread, started: (the thread, a box that gets "value" or "error")."""
     box = {}
@@ -41,8 +40,9 @@ def started_thread(fn) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
+@functools.lru_cache(maxsize=None)
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A deterministic fp32 CPU model; weights scaled up so that greedy picks are far from ties."""
+    """A deterministic fp32 CPU model (one per family and seed, shared: copy it to change it); weights scaled up so that greedy picks are far from ties."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
     return scaled(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
