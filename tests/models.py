@@ -40,6 +40,21 @@ def started_thread(fn) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
+class Gate:
+    """A logits processor holding the first step that has generated a token past `width` prompt
+    columns (the model held by its call meanwhile) until `release` is set (30 s at most)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.width and not self.inside.is_set():
+            self.inside.set()
+            self.release.wait(30)
+        return scores
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A deterministic fp32 CPU model (one per family and seed, shared: copy it to change it); weights scaled up so that greedy picks are far from ties."""

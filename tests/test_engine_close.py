@@ -2,11 +2,10 @@
 pool it freed under it before: an IndexError from inside the step), then gives the model back."""
 
 import copy
-import threading
 
 import pytest
 import torch
-from models import left_pad, random_prompts, started_thread, stock_generate, tiny_model
+from models import Gate, left_pad, random_prompts, started_thread, stock_generate, tiny_model
 
 import hf_async_cb
 from hf_async_cb import BatchingConfig
@@ -15,26 +14,12 @@ PROMPTS = random_prompts(3, 3, 16, seed=11)
 WIDTH = max(map(len, PROMPTS))
 
 
-class _Gate:
-    """A logits processor holding the first step that has generated a token (the model held by its
-    call meanwhile) until released."""
-
-    def __init__(self):
-        self.inside, self.release = threading.Event(), threading.Event()
-
-    def __call__(self, input_ids, scores):
-        if input_ids.shape[1] > WIDTH and not self.inside.is_set():
-            self.inside.set()
-            self.release.wait(30)
-        return scores
-
-
 @pytest.mark.parametrize("fuse", [False, True])
 def test_closing_an_engine_while_another_thread_runs_it_waits_for_the_call(fuse):
     model = copy.deepcopy(tiny_model("llama"))
     expected = stock_generate(model, PROMPTS, max_new_tokens=5)[:, WIDTH:].tolist()
     engine = hf_async_cb.Engine(model, BatchingConfig(fuse_projections=fuse))
-    gate = _Gate()
+    gate = Gate(WIDTH)
     caller, box = started_thread(lambda: engine.generate(PROMPTS, max_new_tokens=5, eos_token_ids=(), logits_processor=gate))
     assert gate.inside.wait(30)
     closer, close_box = started_thread(engine.close)

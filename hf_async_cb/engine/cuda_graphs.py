@@ -309,6 +309,7 @@ class DecodeGraphs:
         self.warm_threads: set[int] = set()  # threads that captured after a warm-up (WARM_UP_EVERY_CAPTURE)
         self.num_warm_up_retries = 0  # captures without a warm-up that failed and succeeded with one
         self.context: tuple | None = None  # the arithmetic they were captured in (keep_for)
+        self.storages: tuple | None = None  # where the weights were when they were captured (keep_over)
         self.num_lent = 0  # greedy steps that replayed their bucket's sampled graph (LEND_SAMPLED_STEPS)
         self._lent: dict[GraphKey, int] = {}
 
@@ -480,13 +481,27 @@ class DecodeGraphs:
         another context (an earlier call under autocast, another matmul precision) are dropped."""
         if context == self.context:
             return
+        self._drop("this call's autocast or matmul precision differs from theirs")
+        self.context = context
+
+    def keep_over(self, storages: tuple) -> None:
+        """Before a call, under the model's guard, with where the model's weights are now
+        (prepared.weight_storages): a graph reads them where they were when it was captured, so a
+        weight given new storage since (by another preparation of the model fusing it, or giving it
+        its own storage back, which this engine takes for no change: fusion.moved_from) drops the
+        graphs, to be captured again."""
+        if storages == self.storages:
+            return
+        if self.storages is not None:
+            self._drop("the model's weights were moved by another preparation of it (a fusion, or its undoing)")
+        self.storages = storages
+
+    def _drop(self, why: str) -> None:
         if self._graphs:
-            logger.info("hf_async_cb: %d CUDA graphs dropped: this call's autocast or matmul precision differs from "
-                        "theirs", len(self._graphs))
+            logger.info("hf_async_cb: %d CUDA graphs dropped: %s", len(self._graphs), why)
         self._graphs.clear()
         self.failed.clear()
         self.num_prefill_graphs = 0
-        self.context = context
 
     def __len__(self) -> int:
         return len(self._graphs)

@@ -52,7 +52,8 @@ from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
 from hf_async_cb.model.numeric_context import numeric_context
-from hf_async_cb.model.prepared import PreparedModel, model_guard
+from hf_async_cb.model.model_guard import model_guard
+from hf_async_cb.model.prepared import PreparedModel
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,11 @@ class Engine(ServingAPI):
         self.config.validate()
         started = time.perf_counter()
         self._owns_preparation = prepared is None
-        with as_in_eval(model, warn=False):  # its checks run the stock forward: without dropout (model/eval_mode.py)
+        # Built under the model's guard (nested in a generate call's own hold), its eval mode inside it:
+        # another thread's call swaps its own modules in while it holds the model, which a preparation,
+        # a measurement or the parity check's reference forward running meanwhile would take for the model's.
+        with model_guard(model).held("Engine(model)", kind="build"), \
+                as_in_eval(model, warn=False):  # its checks run the stock forward: without dropout (model/eval_mode.py)
             if prepared is None:
                 prepared = PreparedModel(model, self.config.trust_untested_model, self.config.fuse_projections,
                                          self.config.fuse_elementwise, self.config.skinny_gemm,
@@ -192,6 +197,7 @@ class Engine(ServingAPI):
             tall_query_len=tall_query_len,
             max_tokens=graph_token_cap(routed),  # (LLM.int8() linears: model/graph_safety.py)
         ) if use_graphs else None
+        self.runner.graphs = self.graphs
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,
                     page_size, self.cache.bytes / 2**20, self.device, self.attention_backend)
 
@@ -426,7 +432,7 @@ class Engine(ServingAPI):
         # freed under it failed inside a step); from inside a run on this thread it is refused.
         with model_guard(model).held("Engine.close") if model is not None else contextlib.nullcontext():
             self._closed = True
-            self.graphs = None
+            self.graphs = self.runner.graphs = None
             self._pipelines.clear()
             self.cache.free()  # before the weights get their own storage back: that copies them
             if self._owns_preparation:

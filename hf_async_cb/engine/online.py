@@ -40,7 +40,7 @@ from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.model.kv_fingerprint import WeightVersions
 from hf_async_cb.model.numeric_context import numeric_context
-from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.model_guard import model_guard
 from hf_async_cb.model.vision_feature_cache import TowerOutputCache
 
 logger = logging.getLogger(__name__)

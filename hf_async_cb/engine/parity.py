@@ -36,7 +36,7 @@ from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import has_hooks
 from hf_async_cb.model.kv_fingerprint import runs_user_code
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.model_guard import model_guard
 from hf_async_cb.model.weight_kinds import versions
 
 logger = logging.getLogger(__name__)
@@ -141,11 +141,11 @@ def _reference_logits(model: torch.nn.Module, sequences: list[list[int]], device
 
 @contextlib.contextmanager
 def _uncompiled_held(model: torch.nn.Module):
-    """The model with its compiled wrappers set aside (none: as it is), under its guard meanwhile."""
-    if not compiled_wrappers(model):
-        yield
-        return
-    with model_guard(model).held("the parity check"), uncompiled(model):
+    """The model under its guard (nested in the engine's build), its compiled wrappers set aside
+    (none: as it is): another thread's call has its own modules swapped in while it holds the model,
+    and a reference forward run meanwhile would compare the engine with that call's modules."""
+    with model_guard(model).held("the parity check", kind="build"), \
+            (uncompiled(model) if compiled_wrappers(model) else contextlib.nullcontext()):
         yield
 
 

@@ -14,7 +14,7 @@ from hf_async_cb.model import attention, vision
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
 from hf_async_cb.model.kv_layout import layer_indices_mismatch
 from hf_async_cb.model.prefix_kv import StepPrefixKV
-from hf_async_cb.model.prepared import PreparedModel
+from hf_async_cb.model.prepared import PreparedModel, weight_storages
 from hf_async_cb.sampling.sampler import SamplingTensors, pack, processed_scores, sample
 from hf_async_cb.sampling.token_history import TokenHistory
 
@@ -31,6 +31,7 @@ class ModelRunner:
         self._model = (lambda: model) if hold_model else weakref.ref(model)
         self._owns_preparation = hold_model  # a held Engine's; a generate() runtime checks its own (fits())
         self.prepared_model = prepared
+        self.graphs = None  # the engine's CUDA graphs (engine/cuda_graphs.py): dropped when the weights move
         self.cache = cache
         self.num_layers = cache.layout.num_layers
         self._cache_kw = cache_keyword(model)
@@ -63,13 +64,20 @@ class ModelRunner:
         and CUDA graphs over its storages, around its modules and hooks. A weight given new storage
         since then (`p.data = ...`), a dtype or device move, a module replaced, a hook added or removed
         or a config change would run stale weights, skip the hooks or fail inside a step: refused.
-        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.)"""
-        if self._owns_preparation and not self.prepared_model.matches(self.model):
+        (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.) A weight
+        moved by another preparation of the model (fused by another Engine or a generate() call, or
+        given its own storage back: fusion.moved_from) is no change; the CUDA graphs, which read where
+        it was, are captured again."""
+        model = self.model
+        if self._owns_preparation and not self.prepared_model.matches(model):
             raise RuntimeError(
                 "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
                 "a dtype or device move, a module replaced, a forward hook added or removed, or a config change): "
                 "close() this engine and build a new one. Updates in place (optimizer steps, load_state_dict, "
                 "copy_) need no rebuild; model.generate(batching=...) rebuilds on its own.")
+        graphs = self.graphs
+        if graphs is not None:  # (another preparation of the model may have fused its weights since, or undone that)
+            graphs.keep_over(weight_storages(model))
 
     @torch.no_grad()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:

@@ -15,7 +15,7 @@ from hf_async_cb.engine.requests import SamplingParams, one_params
 from hf_async_cb.engine.seeding import _random_seed, seed_requests
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint
 from hf_async_cb.model.media_inputs import checked_media
-from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.model_guard import model_guard
 from hf_async_cb.model.vision import media_embeds
 
 

@@ -28,7 +28,7 @@ from hf_async_cb.generate.stock_options import CallOptions, call_options, criter
 from hf_async_cb.generate.streaming import LockstepStreamer, release_streamer
 from hf_async_cb.model.checks import text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
-from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.model_guard import model_guard
 from hf_async_cb.model.vision import merged_prompts
 
 

@@ -19,7 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from hf_async_cb.config import OFF_MODES, BatchingConfig, resolve_mode
-from hf_async_cb.model.prepared import model_guard
+from hf_async_cb.model.model_guard import model_guard
 
 logger = logging.getLogger(__name__)
 

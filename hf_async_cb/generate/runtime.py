@@ -35,7 +35,8 @@ import torch
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine
 from hf_async_cb.engine.parity import probe_pages
-from hf_async_cb.model.prepared import PreparedModel, model_guard
+from hf_async_cb.model.model_guard import model_guard
+from hf_async_cb.model.prepared import PreparedModel
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import weakref
 
 import torch
@@ -27,11 +28,41 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from hf_async_cb.model.weight_kinds import is_plain_floating
+from hf_async_cb.model.weight_kinds import is_plain_floating, storage_key
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 logger = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[FusedProjections]" = weakref.WeakSet()  # every fusion not yet garbage
+
+# The weights our fusions gave new storage (fusing: a view of the fused tensor; restore(): a copy of
+# their own), each with the storage it had before the first such move: per id(weight), (a reference
+# to it, the data pointer given, its storage key before). A held Engine built before another
+# preparation of the same model fused (or gave back) its weights reads them as unchanged (moved_from),
+# where a `p.data = ...` of the user's still counts as a change.
+_MOVED: dict[int, tuple[weakref.ref, int, tuple]] = {}
+_MOVED_LOCK = threading.Lock()
+_MOVED_SWEEP = [4096]  # the record's size above which entries of collected weights are dropped
+
+
+def moved_from(t: torch.Tensor) -> tuple:
+    """t's storage key (weight_kinds.storage_key); while t holds the storage one of our fusions gave
+    it, the key it had before the package first moved it."""
+    entry = _MOVED.get(id(t))
+    if entry is not None and entry[0]() is t and t.data_ptr() == entry[1]:
+        return entry[2]
+    return storage_key(t)
+
+
+def _move(t: torch.Tensor, data: torch.Tensor) -> None:
+    """`t.data = data`, recorded (see _MOVED)."""
+    before = moved_from(t)
+    t.data = data
+    with _MOVED_LOCK:
+        _MOVED[id(t)] = (weakref.ref(t), t.data_ptr(), before)
+        if len(_MOVED) > _MOVED_SWEEP[0]:
+            for key in [k for k, (ref, _, _) in _MOVED.items() if ref() is None]:
+                del _MOVED[key]
+            _MOVED_SWEEP[0] = max(4096, 2 * len(_MOVED))
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -61,9 +92,9 @@ class _Group:
             self.bias = _joined([m.bias for m in linears]) if has_bias else None
             start = 0
             for m, size in zip(linears, self.sizes):  # the old storages are freed here
-                m.weight.data = self.weight[start:start + size]
+                _move(m.weight, self.weight[start:start + size])
                 if has_bias:
-                    m.bias.data = self.bias[start:start + size]
+                    _move(m.bias, self.bias[start:start + size])
                 start += size
         self.linear = None  # a replacement for F.linear(x, weight, bias) (model/decode_gemm.py), or None
         self._drop()
@@ -195,9 +226,9 @@ class FusedProjections:
                 if getattr(parent, name, None) is part:
                     setattr(parent, name, linear)
                 if not others and not keep:
-                    linear.weight.data = linear.weight.data.clone(memory_format=torch.contiguous_format)
+                    _move(linear.weight, linear.weight.data.clone(memory_format=torch.contiguous_format))
                     if linear.bias is not None:
-                        linear.bias.data = linear.bias.data.clone(memory_format=torch.contiguous_format)
+                        _move(linear.bias, linear.bias.data.clone(memory_format=torch.contiguous_format))
                 left[id(part.group)] -= 1
                 if not left[id(part.group)]:  # its fused tensor goes now: a copy of one group at a time
                     part.group.release()

@@ -75,7 +75,7 @@ def measured_layout(model: torch.nn.Module, dtype: torch.dtype, device: torch.de
            tensor_parallel_size(model))  # a tensor-parallel rank holds its own heads
     if key not in _LAYOUTS:
         from hf_async_cb.model.compiled import uncompiled
-        from hf_async_cb.model.prepared import model_guard
+        from hf_async_cb.model.model_guard import model_guard
 
         with model_guard(model).held("measuring the K/V layout"), uncompiled(model):  # a forward, config switched
             _LAYOUTS[key] = _measure(model, device)

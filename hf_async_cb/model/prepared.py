@@ -1,7 +1,8 @@
 """The model as the engine runs it: checked once, fused once, switched in and out per call.
 
 Preparing a model (the support check, concatenating q/k/v and gate/up weights, choosing the
-element-wise kernels) is done once. Between calls the model is stock: the original modules are in
+element-wise kernels) is done once, under the model's guard (model/model_guard.py), as is every
+call. Between calls the model is stock: the original modules are in
 place, their weights views of the fused tensors (nothing copied, gradients and in-place optimiser
 steps reach both). `using()` attaches the fused modules and the paged attention for one call, under
 the model's guard, and detaches them on the way out, errors included.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from typing import Iterator
 
@@ -30,142 +30,16 @@ from hf_async_cb.model.compiled import uncompiled
 from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.embeddings_path import embeddings_refusal
 from hf_async_cb.model.eval_mode import as_in_eval
-from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, user_hooks
+from hf_async_cb.model.fusion import FusedProjections, fuse_projections, global_hooks, moved_from, user_hooks
 from hf_async_cb.model.kv_fingerprint import attribute_tensors, parameters_of
 from hf_async_cb.model.mask_semantics import apply_masks
+from hf_async_cb.model.model_guard import ModelGuard, model_guard
 from hf_async_cb.model.weight_kinds import storage_key
 
 logger = logging.getLogger(__name__)
 
 
-class ModelGuard:
-    """One engine call at a time on a model (and on the models sharing its config object, which a
-    call switches to the paged attention): others wait their turn; a model busy serving a
-    background loop refuses at once (that loop runs until shutdown()); a call made from inside an
-    engine call on the same thread (a processor or streamer calling generate) is refused, never a
-    deadlock.
-
-    Stock generate calls ("stock" holds) share the model with each other, from any thread, as in
-    stock transformers: they only wait for an engine call to end, and an engine call waits for them.
-    Holds nest on the owning thread in one way: a generate call holds the guard across its whole run
-    ("outer") and its engine's own hold ("engine") nests inside."""
-
-    def __init__(self, config=None) -> None:
-        self.config = weakref.ref(config) if config is not None else (lambda: None)  # the config it guards
-        self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None  # the thread of the engine call holding the model
-        self._holds: list[str] = []  # the owner's nested holds, outermost first
-        self._serving = False
-        self._reserved: object | None = None  # a background loop started whose thread has yet to hold the model
-        self._stock: dict[int, int] = {}  # thread -> its stock calls in progress
-
-    def _busy(self, what: str) -> RuntimeError:
-        return RuntimeError(f"{what} was called from inside a generate call on the same model (a logits "
-                            "processor, stopping criterion or streamer?): the model is busy on this thread.")
-
-    @contextlib.contextmanager
-    def held(self, what: str, kind: str = "engine", serving: bool = False) -> Iterator[None]:
-        me = threading.get_ident()
-        if self._owner == me:
-            if not (kind == "engine" and self._holds == ["outer"]):
-                raise self._busy(what)
-            self._holds.append(kind)
-            try:
-                yield
-            finally:
-                self._holds.pop()
-            return
-        if kind != "stock" and self._stock.get(me):  # an engine call inside a stock call of this thread
-            raise self._busy(what)
-        if self._serving:
-            raise RuntimeError(f"{what}: the model (or one sharing its config object) is serving an Engine's background loop; shutdown() it first.")
-        # Every change of the state is made inside a `with` block, and marked done in the same block,
-        # so that a Ctrl-C landing anywhere cannot leave the model held (every later call waiting).
-        entered = False
-        try:
-            with self._cond:
-                while self._owner is not None or (kind != "stock" and self._stock):
-                    if self._serving:  # the loop started while this call waited
-                        raise RuntimeError(f"{what}: the model (or one sharing its config object) is serving an Engine's background loop; "
-                                           "shutdown() it first.")
-                    self._cond.wait()
-                if kind == "stock":
-                    self._stock[me] = self._stock.get(me, 0) + 1
-                else:
-                    self._owner, self._serving, self._holds = me, serving, [kind]
-                    if serving:  # waiting calls are refused now, not kept waiting for the loop's end
-                        self._cond.notify_all()
-                entered = True
-            yield
-        finally:
-            if entered:
-                with self._cond:
-                    if kind == "stock":
-                        left = self._stock.pop(me) - 1
-                        if left:
-                            self._stock[me] = left
-                    elif self._owner == me:
-                        self._owner, self._serving, self._holds = None, False, []
-                    self._cond.notify_all()
-
-    def held_elsewhere(self) -> bool:
-        """Whether another thread holds the model now (its modules may be swapped for that call)."""
-        owner = self._owner
-        return owner is not None and owner != threading.get_ident()
-
-    def serving_elsewhere(self) -> bool:
-        """Whether another thread holds the model for a background loop that is not stopping."""
-        return self._serving and self._owner != threading.get_ident()
-
-    def reserve_serving(self, loop: object) -> bool:
-        """Claim the model for background loop `loop` as it starts (its own thread holds the model
-        later): False if another loop serves it or claimed it first, so that of two engines started
-        at once on one model, one is refused in its caller's thread."""
-        with self._cond:
-            if self.serving_elsewhere() or self._reserved not in (None, loop):
-                return False
-            self._reserved = loop
-            return True
-
-    def release_reservation(self, loop: object) -> None:
-        """`loop` holds the model now (or ended without): its claim is done."""
-        with self._cond:
-            if self._reserved is loop:
-                self._reserved = None
-
-    def stop_serving(self, owner: int) -> None:
-        """The background loop on thread `owner` is stopping: from now on other calls wait for it to
-        end, as for any call, instead of being refused (it releases the model once it has stopped)."""
-        if self._owner == owner:
-            self._serving = False
-
-
 _UNCHECKED = object()
-_GUARDS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGuard]" = weakref.WeakKeyDictionary()
-_GUARDS_LOCK = threading.Lock()
-
-
-# Models built from one config object share it (from_config twice, a policy and its reference
-# model): a call sets the paged attention on that config, so such models share one guard too.
-_CONFIG_GUARDS: "weakref.WeakValueDictionary[int, ModelGuard]" = weakref.WeakValueDictionary()
-
-
-def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | None:
-    """The model's guard, which models sharing its config object share (made on first use; None
-    when `create` is False and there is none yet)."""
-    guard = _GUARDS.get(model)
-    if guard is None and create:
-        with _GUARDS_LOCK:
-            guard = _GUARDS.get(model)
-            if guard is None:
-                config = getattr(model, "config", None)
-                guard = _CONFIG_GUARDS.get(id(config)) if config is not None else None
-                if guard is None or guard.config() is not config:  # (an id reused by a new config)
-                    guard = ModelGuard(config)
-                    if config is not None:
-                        _CONFIG_GUARDS[id(config)] = guard
-                _GUARDS[model] = guard
-    return guard
 
 
 def signature(model: torch.nn.Module) -> tuple:
@@ -173,12 +47,20 @@ def signature(model: torch.nn.Module) -> tuple:
     some modules' calls and CUDA graphs replay none of Python's, so a module put in place of another, a class swapped, a forward set on an instance or a forward hook
     added or removed (global ones too; transformers' own output-capturing hooks, no-ops outside
     their feature, are not counted) counts as a change, as do parameters, the tensors custom modules
-    hold as attributes (graphs read them where they were) and the config."""
+    hold as attributes (graphs read them where they were) and the config. A storage the package's own
+    fusion gave a weight (another engine's or generate()'s preparation of the same model, or its
+    undoing) reads as the one it replaced (fusion.moved_from): the user changed nothing there, and
+    an engine's CUDA graphs follow the move (weight_storages)."""
     modules = list(model.modules())
-    params = tuple((id(p), storage_key(p), p.dtype, p.device)
+    params = tuple((id(p), moved_from(p), p.dtype, p.device)
                    for p in (*parameters_of(modules), *attribute_tensors(model, modules)))
     kinds = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in modules)
     return params, kinds, global_hooks(), config_snapshot(model.config)
+
+
+def weight_storages(model: torch.nn.Module) -> tuple:
+    """Where the model's parameters are now (what CUDA graphs captured on them read)."""
+    return tuple(storage_key(p) for p in model.parameters())
 
 
 def _compile_check_kernels(model: torch.nn.Module, device: torch.device):
@@ -223,7 +105,15 @@ class PreparedModel:
                  fuse_projections_: bool | None = None, fuse_elementwise: bool | None = None,
                  skinny_gemm: bool | None = None, engine_config=None) -> None:
         """`engine_config`: the BatchingConfig of the engine to come, whose attention and draw
-        kernels then compile while the model is prepared (`kernels_ahead`)."""
+        kernels then compile while the model is prepared (`kernels_ahead`). Prepared under the model's
+        guard, from the first check to the signature: another thread's call has its own modules swapped
+        in while it holds the model, and a preparation reading them meanwhile would fuse that call's
+        modules (or none) and take them for the model's in its signature."""
+        with model_guard(model).held("preparing the model", kind="build"):
+            self._prepare(model, trust_untested_model, fuse_projections_, fuse_elementwise, skinny_gemm, engine_config)
+
+    def _prepare(self, model: torch.nn.Module, trust_untested_model: bool, fuse_projections_: bool | None,
+                 fuse_elementwise: bool | None, skinny_gemm: bool | None, engine_config) -> None:
         check_model_supported(model, trust_untested_model)
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
@@ -236,7 +126,7 @@ class PreparedModel:
             if engine_config is not None:  # beside the checks' kernels (different variants: at once)
                 self.kernels_ahead = _compile_engine_kernels(model, self.device, engine_config.page_size,
                                                              engine_config.attention)
-        with model_guard(model).held("reading its attention masks"), uncompiled(model):  # a forward, config switched
+        with uncompiled(model):  # a forward, config switched
             apply_masks(model)
         self._model = weakref.ref(model)
         self._embeddings_refusal: str | None | object = _UNCHECKED
