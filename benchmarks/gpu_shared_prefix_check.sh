@@ -9,8 +9,7 @@
 #  e2e1b   the 1B group and few-shot workloads through generate (issue 28's 3x target): caching off and on;
 #  serve8b the serving benchmark with a shared 1,024-token system prompt on the 8B shape: TTFT with
 #          caching on and off (issue 28's 3x TTFT target; the 1B shape's remainder prefill is near a
-#          step's floor, 1.9x), and async with late admission (engine/late_admission.py: predicted
-#          TTFT p50 ~20 -> 14-16 ms, the sync loop's, at the same ITL and throughput);
+#          step's floor, 1.9x), async with late admission (the default) and without (async-early);
 #  calls   per-call times of five generate calls on unseen prompts, Python's collector on and off
 #          (benchmarks/generate_call_sequence.py: why a runtime's second call trails a held Engine).
 # The next session's first check: STEPS="tests e2e1b calls" (about 4 minutes).
@@ -40,7 +39,7 @@ for step in $STEPS; do
         --paths cache-off,cache-on --json "$OUT/shared_prefix_1b.json" 2>&1 | grep "shared-prefix" ;;
     serve8b)
       timeout 300 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 64 --rate 4 --lengths sharegpt \
-        --system-prompt 1024 --compare async,async-late,async-nocache,sync --json "$OUT/serve8b.json" 2>&1 | grep -v -i warn | tail -9 ;;
+        --system-prompt 1024 --compare async,async-early,async-nocache,sync --json "$OUT/serve8b.json" 2>&1 | grep -v -i warn | tail -9 ;;
     calls)
       timeout 150 python3 benchmarks/generate_call_sequence.py 2>&1 | grep "^collector" | tee "$OUT/calls.txt" ;;
   esac

@@ -59,7 +59,7 @@ def requests_of(model, count: int, text: int, grid: int, device, seed: int) -> l
 
 
 def serve(model, path: str, requests, arrivals, new: int) -> dict:
-    """One loop's run: `path` as bench names our paths (sync, async, async-late, ...: bench.our_path)."""
+    """One loop's run: `path` as bench names our paths (sync, async, async-early, ...: bench.our_path)."""
     mode, changes = our_path(path)
     engine = hf_async_cb.Engine(model, BatchingConfig(mode=mode, **changes))
     engine.start()
@@ -95,12 +95,12 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--text", type=int, default=64)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--loops", default="sync,async", help="our paths as bench names them: sync, async, async-late, ...")
+    p.add_argument("--loops", default="sync,async", help="our paths as bench names them: sync, async, async-early, ...")
     p.add_argument("--json")
     args = p.parse_args(argv)
     loops = args.loops.split(",")
     if any(our_path(loop) is None for loop in loops):
-        p.error(f"--loops takes our paths as bench names them (sync, async, async-late, ...), got {args.loops!r}")
+        p.error(f"--loops takes our paths as bench names them (sync, async, async-early, ...), got {args.loops!r}")
     device = torch.device(args.device)
     text, vision, grid = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
