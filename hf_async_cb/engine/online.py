@@ -330,6 +330,7 @@ class _Worker:
                 steady = self.cadence is not None and bool(pipeline.in_flight)
                 try:
                     finished = pipeline.step(isolate_faults=True)
+                    returned = time.perf_counter()  # (before the callers' callbacks: a step's end, for late admission)
                 except BaseException as error:  # noqa: BLE001 - reported to every affected caller
                     logger.exception("a step failed; failing its requests")
                     self._fail_step(explain_out_of_memory(error, self.config))
@@ -339,13 +340,14 @@ class _Worker:
                     if handle is not None:
                         handle._finish(req.error)
                 if self.cadence is not None:  # engine/late_admission.py
-                    self._wait_for_late_admission(steady and bool(pipeline.in_flight), pipeline.found_idle)
+                    self._wait_for_late_admission(returned, steady and bool(pipeline.in_flight), pipeline.found_idle)
 
-    def _wait_for_late_admission(self, steady: bool, idled: bool) -> None:
-        """Wait until the step running is about to end, or a request arrives, before building the next."""
-        now = time.perf_counter()
+    def _wait_for_late_admission(self, returned: float, steady: bool, idled: bool) -> None:
+        """Wait until the step running is about to end, or a request arrives, before building the next.
+        `returned`: when the step that ended returned (its callers' callbacks since are not a step's time)."""
         pipeline = self.pipeline
-        self.cadence.observe(now, steady, idled, pipeline.completed_kind)
+        self.cadence.observe(returned, steady, idled, pipeline.completed_kind)
+        now = time.perf_counter()
         running = pipeline.in_flight[-1].kind if pipeline.in_flight else 0
         # Requests waiting for room: an arrival would queue behind them, so a wait would gain it nothing.
         waits = steady and self.intake.empty() and not self.stopping and not self.scheduler.waiting
