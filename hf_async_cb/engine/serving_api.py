@@ -8,7 +8,8 @@ import functools
 import itertools
 import weakref
 
-from hf_async_cb.engine.online import BackgroundLoop, RequestHandle
+from hf_async_cb.engine.online import BackgroundLoop
+from hf_async_cb.engine.request_handle import RequestHandle
 from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import SamplingParams, one_params
