@@ -102,7 +102,7 @@ def make_work(index: int, *, seed: int, vocab: int, max_prompt: int, max_new: in
 class Submitted:
     index: int
     work: Work
-    handle: object  # hf_async_cb.engine.online.RequestHandle
+    handle: object  # hf_async_cb.engine.request_handle.RequestHandle
     abort_sent: bool = False
 
 
