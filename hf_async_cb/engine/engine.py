@@ -421,7 +421,12 @@ class Engine(ServingAPI):
     def close(self) -> None:
         """Stop the background loop (cancelling what it still holds), drop the CUDA graphs and give
         the model back as it was (each weight in its own storage again, unless a runtime owns the
-        preparation). Idempotent; the engine is unusable afterwards."""
+        preparation). Idempotent; the engine is unusable afterwards. A start() under way on another
+        thread (waiting for the model) finishes first, and its loop is then stopped."""
+        with self._lifecycle:
+            self._close()
+
+    def _close(self) -> None:
         if self._background is not None:
             if self._background.on_loop_thread:  # the loop would go on with the model given back
                 raise RuntimeError("close() cannot run on the engine's loop thread (a callback): call "

@@ -71,13 +71,16 @@ class _Worker:
         late = config.late_admission and pipeline.overlap
         self.cadence = StepCadence() if late else None
         self.late_waits = 0  # builds put off for late admission
+        # The model's guard, found now: a stop request may come from the collector's finalizer of a
+        # dropped engine, on a thread in the middle of a guard lookup of its own.
+        self.guard = model_guard(runner.model)
 
     def request_stop(self, cancel: bool) -> None:
         with self.lock:
             self.stopping = True
             self.cancel = self.cancel or cancel
         if self.thread_id is not None:  # a stopping loop is waited for, not refused (ModelGuard)
-            model_guard(self.runner.model).stop_serving(self.thread_id)
+            self.guard.stop_serving(self.thread_id)
         self.wake.set()
 
     def run(self) -> None:
@@ -104,14 +107,14 @@ class _Worker:
                 self.active.clear()
         finally:
             self.pipeline.track_idle = False
-            model_guard(self.runner.model).release_reservation(self.claim)  # (if it ended before holding the model)
+            self.guard.release_reservation(self.claim)  # (if it ended before holding the model)
 
     def _loop(self) -> None:
         pipeline, scheduler = self.pipeline, self.scheduler
         with self.runner.prepared("the background loop", serving=True):
-            model_guard(self.runner.model).release_reservation(self.claim)  # (Engine.start's claim)
+            self.guard.release_reservation(self.claim)  # (Engine.start's claim)
             if self.stopping:  # asked to stop before it held the model: it must not serve then
-                model_guard(self.runner.model).stop_serving(self.thread_id)
+                self.guard.stop_serving(self.thread_id)
             weights = WeightVersions(self.runner.model)
             caching = scheduler.prefix_cache is not None
             seen = weights.read() if caching else None

@@ -24,7 +24,9 @@ from transformers import PretrainedConfig
 
 from hf_async_cb.model.mask_semantics import config_tree
 
-_COND = threading.Condition(threading.Lock())  # every guard's state, the index and the waits
+# Every guard's state, the index and the waits. Reentrant: the collector may finalize a dropped serving
+# Engine on a thread inside this lock, and its loop's stop request takes it again (stop_serving).
+_COND = threading.Condition(threading.RLock())
 _OWNERS: dict[int, tuple[weakref.ref, "ModelGuard"]] = {}  # id(module or config) -> (a ref to it, its guard)
 _WAITING: dict[int, tuple["ModelGuard", str, str]] = {}  # thread -> (the guard it waits for, the kind, its name)
 _SWEEP = [1024]  # the index's size above which entries of collected parts are dropped
@@ -119,17 +121,19 @@ class ModelGuard:
                     _COND.notify_all()
 
     def _enter(self, me: int, what: str, kind: str, serving: bool, taken: list) -> None:
-        mine = self._owned_by(me)
-        if mine is not None:
-            if kind not in _NESTING or "engine" in mine._holds:
-                raise self._busy(what)
-            mine._holds.append(kind)
-            taken.append((mine, "nested"))
-            return
-        if kind != "stock" and any(g._stock.get(me) for g in self._group()):  # inside a stock call of this thread
-            raise self._busy(what)
         while True:
             root = self._root()  # (merged with another model's guard while this call waited)
+            # Checked again after every wait: a merge may have made a guard this thread holds part of
+            # this one (the models turned out to share parts), which is then a call inside its own.
+            mine = root._owned_by(me)
+            if mine is not None:
+                if kind not in _NESTING or "engine" in mine._holds:
+                    raise self._busy(what)
+                mine._holds.append(kind)
+                taken.append((mine, "nested"))
+                return
+            if kind != "stock" and any(g._stock.get(me) for g in root._group()):  # inside a stock call of this thread
+                raise self._busy(what)
             if root._serving_by_other(me):
                 raise RuntimeError(f"{what}: {_SERVING}")
             blockers = root._blockers(me, kind)
