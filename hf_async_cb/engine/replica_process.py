@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hf_async_cb.config import BatchingConfig
+from hf_async_cb.model.fusion import hook_module
 
 _POLL_S = 0.5  # how often a waiting caller checks that the worker is alive
 
@@ -154,12 +155,11 @@ def _without_capturing_hooks(model: torch.nn.Module) -> Iterator[None]:
     emptied, marked = [], []  # (each table's items as they were, in their order)
     for module in model.modules():
         for table in (module._forward_hooks, module._forward_pre_hooks):
-            items = list(table.items())
-            if any(getattr(hook, "__module__", "") == _CAPTURING_MODULE for _, hook in items):
-                emptied.append((table, items))
-                for key, hook in items:
-                    if getattr(hook, "__module__", "") == _CAPTURING_MODULE:
-                        del table[key]
+            capturing = [key for key, hook in table.items() if hook_module(hook) == _CAPTURING_MODULE]
+            if capturing:
+                emptied.append((table, list(table.items())))
+                for key in capturing:
+                    del table[key]
         if module.__dict__.get("_output_capturing_hooks_installed"):
             marked.append(module)
             module._output_capturing_hooks_installed = False

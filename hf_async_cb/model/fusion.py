@@ -242,12 +242,16 @@ class FusedProjections:
         self.restore()
 
 
+def hook_module(hook) -> str:
+    """The module a hook's function was defined in (seen through a functools.partial)."""
+    return getattr(getattr(hook, "func", hook), "__module__", "") or ""
+
+
 def _users(hooks: dict) -> tuple:
     """The keys of the hooks in `hooks` that are not transformers' own (the output-capturing hooks
     it installs for good once hidden states or attentions are asked for, gradient checkpointing's
     input hook: no-ops outside those features)."""
-    return tuple(key for key, hook in hooks.items()
-                 if not getattr(getattr(hook, "func", hook), "__module__", "").startswith("transformers."))
+    return tuple(key for key, hook in hooks.items() if not hook_module(hook).startswith("transformers."))
 
 
 def user_hooks(m: nn.Module) -> tuple:
