@@ -349,6 +349,12 @@ class Engine(ServingAPI):
         context too; one reading of the weights serves both). Graphs replay no Python: a model
         running the user's hooks or patched forwards, which may read a setting changed since, has
         its graphs captured afresh in each call."""
+        gemms = self.prepared_model.decode_gemms
+        if gemms is not None and gemms.copies:  # weights read through copies: the copies of changed ones rebuilt
+            rebuilt = gemms.refresh_copies()
+            if rebuilt:
+                logger.info("hf_async_cb: %d HQQ 3-bit projections changed since the last call; their 4-bit "
+                            "copies were rebuilt", rebuilt)
         fingerprint = kv_fingerprint(self.model, content=True) if self.prefix_cache is not None else None
         if self.prefix_cache is not None:
             self.tower_outputs.check(self.model, fingerprint=fingerprint)

@@ -133,6 +133,7 @@ class _Worker:
                         weights, seen = WeightVersions(self.runner.model), object()
                     # Weights written in place since (an optimizer step between rollouts): the new
                     # requests must not take pages of the old weights' K/V, nor tower outputs.
+                    self._refresh_copies(versions_only=True)  # (HQQ 3-bit's 4-bit copies: a counter each)
                     now = weights.read() if caching else None
                     if caching and (now is None or now != seen):
                         scheduler.clear_prefix_cache()
@@ -206,11 +207,18 @@ class _Worker:
         between steps: the scheduler's tables are this thread's while it serves)."""
         done = _drained(self.clears)
         if done:
+            self._refresh_copies()  # (a write through `.data`, which no counter sees, is what clears are for)
             if self.scheduler.prefix_cache is not None:
                 self.scheduler.clear_prefix_cache()
             self.tower_outputs.clear()
             for event in done:
                 event.set()
+
+    def _refresh_copies(self, versions_only: bool = False) -> None:
+        """Rebuild the decode GEMMs' copies of weights written since (model/hqq_four_bit_copy.py)."""
+        gemms = self.runner.prepared_model.decode_gemms
+        if gemms is not None and gemms.copies:
+            gemms.refresh_copies(versions_only=versions_only)
 
     def _apply_aborts(self, cancel_all: bool) -> None:
         """Abort the handles abort() queued since the last pass (all those held on a cancel): a

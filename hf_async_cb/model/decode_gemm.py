@@ -45,6 +45,7 @@ from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_li
                                               skinny_linear_grouped)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.attention import current_metadata
+from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, copies_fit, copy_bytes, takes_a_copy
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
     Bnb4bit, BnbInt8, HqqGrouped, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
     hqq_grouped, quanto_bytes, scaled_int8, torchao_float8)
@@ -269,11 +270,17 @@ class DecodeGemms:
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
         self._hqq = [(m, found) for m in model.modules() if (found := hqq_grouped(m)) is not None]
+        # HQQ's 3-bit words read through 4-bit copies where they fit (model/hqq_four_bit_copy.py).
+        three_bit = [(m, found) for m, found in self._hqq if takes_a_copy(found)]
+        self.copies = [FourBitCopy(m, found) for m, found in three_bit] if copies_fit([f for _, f in three_bit]) else []
+        by_module = {id(c.module): c.grouped for c in self.copies}
+        self._hqq = [(m, by_module.get(id(m), found)) for m, found in self._hqq]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
                      and _codebook_buckets(found.packed.device)]
         self._llm_int8 = [(m, found) for m in model.modules() if (found := bnb_int8(m)) is not None]
+        self._versions = {id(c): c.version() for c in self.copies}
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -374,6 +381,20 @@ class DecodeGemms:
             module.forward = _LlmInt8Projection(module, found)
             self._attached.append(module)
 
+    def refresh_copies(self, versions_only: bool = False) -> int:
+        """Rebuild the 4-bit copies whose source changed since they were made (how many were).
+        `versions_only`: only where a source's version counter moved (a serving loop's cheap check at
+        each admission; its clear_prefix_cache() reads the contents)."""
+        copies = self.copies
+        if versions_only:
+            copies = [c for c in copies if c.version() != self._versions.get(id(c))]
+        if not copies:
+            return 0
+        contents = FourBitCopy.contents([c.source.packed for c in copies])
+        rebuilt = sum(c.refresh(now) for c, now in zip(copies, contents))
+        self._versions.update((id(c), c.version()) for c in copies)
+        return rebuilt
+
     def detach(self) -> None:
         for item in self._attached:
             if isinstance(item, nn.Module):
@@ -385,8 +406,13 @@ class DecodeGemms:
     def summary(self) -> str:
         scaled = f"; {len(self._int8)} weight-only int8 projections read as int8" if self._int8 else ""
         widths = sorted({f.bits for _, f in self._hqq}, reverse=True)
-        grouped = "".join(f"; {sum(f.bits == b for _, f in self._hqq)} HQQ {b}-bit projections read as {b}-bit"
-                          for b in widths)
+        copied = {id(c.module) for c in self.copies}
+        grouped = "".join(f"; {sum(f.bits == b and id(m) not in copied for m, f in self._hqq)} HQQ {b}-bit "
+                          f"projections read as {b}-bit" for b in widths
+                          if any(f.bits == b and id(m) not in copied for m, f in self._hqq))
+        if self.copies:
+            grouped += (f"; {len(self.copies)} HQQ 3-bit projections read as 4-bit (copies of "
+                        f"{sum(copy_bytes(c.source) for c in self.copies) / 2**20:.1f} MiB)")
         int8 = sum(f.data.dtype == torch.int8 for _, f in self._quanto)
         quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
         if len(self._quanto) > int8:
