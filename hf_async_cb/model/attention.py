@@ -151,8 +151,7 @@ def implementation(config, name: str, model: torch.nn.Module | None = None) -> I
     config's own setting is given back after: setting the saved top-level value back would spread
     it over sub-configs that had settings of their own."""
     roots = [config, *(own_configs(model, config) if model is not None else ())]
-    trees = {id(c): c for root in roots for c in config_tree(root)}
-    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in trees.values()]
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _trees(roots)]
     for root in roots:
         root._attn_implementation = name
     _switch(saved, name)  # (what the setter above spread, marked: see _Switched)
@@ -176,16 +175,31 @@ def given_back(saved: list) -> Iterator[None]:
             _put_back(current)
 
 
-def own_configs(model: torch.nn.Module, config) -> list:
-    """The configs `model`'s modules hold outside `config`'s tree (modules deep-copied from another
-    model, or built on a config of their own), each once."""
-    tree = {id(c) for c in config_tree(config)}
+def own_configs(model: torch.nn.Module, config, modules: list | None = None) -> list:
+    """The configs `model`'s modules (`modules`: `list(model.modules())`, if walked already) hold
+    outside `config`'s tree (modules deep-copied from another model, or built on a config of their
+    own), each once."""
+    tree = {id(c) for c in config_tree(config)} if isinstance(config, PretrainedConfig) else set()
     found = {}
-    for m in model.modules():
+    for m in model.modules() if modules is None else modules:
         c = m.__dict__.get("config")
         if isinstance(c, PretrainedConfig) and id(c) not in tree:
             found[id(c)] = c
     return list(found.values())
+
+
+def switched_configs(model: torch.nn.Module, modules: list | None = None) -> list:
+    """Every config implementation(model.config, name, model) switches: the model's config (if it
+    is one) and those its modules hold of their own, with their sub-configs, each once (the model's
+    guard indexes them: model/model_guard.py)."""
+    config = getattr(model, "config", None)
+    roots = [config] if isinstance(config, PretrainedConfig) else []
+    return _trees(roots + own_configs(model, config, modules))
+
+
+def _trees(roots: list) -> list:
+    """Each root config's tree (mask_semantics.config_tree), each config once."""
+    return list({id(c): c for root in roots for c in config_tree(root)}.values())
 
 
 def reclaim(saved: list, name: str) -> list:

@@ -1,7 +1,7 @@
 """The model guard: one engine call at a time on a model, and on every model sharing a part of it.
 
 An engine call switches the attention implementation of every config its modules hold
-(attention.own_configs) and swaps fused modules into them; a preparation fuses weights in place.
+(attention.switched_configs) and swaps fused modules into them; a preparation fuses weights in place.
 Two models that share a module (a policy and a value head on one backbone, `b.model = a.model`, a
 PEFT wrapper and its base model) or a config object are one model to such a call: they share one
 guard. `model_guard(model)` finds the guard from the model's modules and configs (the model's own
@@ -20,9 +20,8 @@ import weakref
 from typing import Iterator
 
 import torch
-from transformers import PretrainedConfig
 
-from hf_async_cb.model.mask_semantics import config_tree
+from hf_async_cb.model.attention import switched_configs
 
 # Every guard's state, the index and the waits. Reentrant: the collector may finalize a dropped serving
 # Engine on a thread inside this lock, and its loop's stop request takes it again (stop_serving).
@@ -220,13 +219,9 @@ def _waits_for(me: int, target: ModelGuard, blockers: set[int]) -> str | None:
 
 
 def _parts(model: torch.nn.Module) -> list:
-    """What a call on `model` touches: its modules and the configs they hold (sub-configs included)."""
+    """What a call on `model` touches: its modules and the configs its attention switch sets."""
     modules = list(model.modules())
-    configs: dict[int, PretrainedConfig] = {}
-    for c in (getattr(model, "config", None), *(m.__dict__.get("config") for m in modules)):
-        if isinstance(c, PretrainedConfig) and id(c) not in configs:
-            configs.update((id(s), s) for s in config_tree(c))
-    return [*modules, *configs.values()]
+    return [*modules, *switched_configs(model, modules)]
 
 
 def _guard_of(part) -> ModelGuard | None:
