@@ -196,3 +196,93 @@ def test_a_serving_loop_reads_the_new_weights(through_data):
         engine.close()
     expected = stock_generate(model, [prompt], max_new_tokens=6, eos_token_id=[], pad_token_id=0)[0, len(prompt):]
     assert first != second and second == expected.tolist()
+
+
+def _nudge(model, through_data: bool) -> None:
+    """In every word row of every projection, the first part's field of column 0 +1 and of column 1 -1
+    (a re-rounding at fixed scales and zeros): each row's sum of words is unchanged."""
+    for module in model.modules():
+        if type(module).__name__ == "HQQLinear":
+            words = module.W_q.data if through_data else module.W_q
+            with torch.no_grad():
+                fields = (words[:, :2] >> 27) & 7
+                up = (fields[:, 0] < 7) & (fields[:, 1] > 0)
+                down = ~up & (fields[:, 0] > 0) & (fields[:, 1] < 7)
+                delta = (up.to(torch.int32) - down.to(torch.int32)) << 27
+                words[:, 0] += delta
+                words[:, 1] -= delta
+
+
+@pytest.mark.parametrize("through_data", [False, True])
+def test_a_write_keeping_each_rows_sum_is_seen(through_data):
+    """+1 and -1 in two fields of one row (in place: the counter moves; through `.data`: only the words'
+    hash can tell), on a held Engine."""
+    model = _three_bit_model()
+    with Engine(model, BatchingConfig(**CONFIG, mode="sync")) as engine:
+        first = [o.output_token_ids for o in engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=())]
+        _nudge(model, through_data)
+        second = [o.output_token_ids for o in engine.generate(PROMPTS, max_new_tokens=6, eos_token_ids=())]
+    expected = stock_generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[], pad_token_id=0)[:, -6:].tolist()
+    assert first != second and second == expected
+
+
+def test_word_hashes_see_moves_within_a_row():
+    from hf_async_cb.model.hqq_four_bit_copy import word_hashes
+
+    words = torch.randint(-2**31, 2**31 - 1, (40, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    swapped, nudged = words.clone(), words.clone()
+    swapped[3, [5, 9]] = words[3, [9, 5]]
+    nudged[7, 0] += 1 << 27
+    nudged[7, 1] -= 1 << 27
+    rows_moved = words[[1, 0, *range(2, 40)]]
+    hashes = word_hashes([words, swapped, nudged, rows_moved, words.clone()])
+    assert len(set(hashes[:4])) == 4 and hashes[4] == hashes[0]
+
+
+def test_a_serving_loop_reads_words_written_in_an_inference_tensor():
+    """Words made (and written) under inference_mode keep no version counter: a loop hashes them at
+    each admission, prefix caching on or off."""
+    for prefix_caching in (True, False):
+        model = _three_bit_model()
+        for module in model.modules():
+            if type(module).__name__ == "HQQLinear":
+                with torch.inference_mode():
+                    module.W_q = torch.nn.Parameter(module.W_q.clone(), requires_grad=False)
+        prompt = PROMPTS[2]
+        engine = Engine(model, BatchingConfig(**CONFIG, mode="async", prefix_caching=prefix_caching))
+        try:
+            assert all(c.version() is None for c in engine.prepared_model.decode_gemms.copies)
+            engine.start()
+            first = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
+            _requantize(model, seed=10, through_data=False)
+            second = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
+            engine.shutdown(timeout=60)
+        finally:
+            engine.shutdown(cancel=True, timeout=60)
+            engine.close()
+        expected = stock_generate(model, [prompt], max_new_tokens=6, eos_token_id=[], pad_token_id=0)[0, len(prompt):]
+        assert first != second and second == expected.tolist()
+
+
+@pytest.mark.parametrize("replace", ["words_data", "scale"])
+@pytest.mark.parametrize("nbits", [3, 4])
+def test_a_serving_loop_refuses_hqq_tensors_given_new_data(replace, nbits):
+    """`W_q.data = ...` (same Parameter, other storage) or `meta["scale"] = ...` (another tensor in HQQ's
+    dict) while a loop serves: the decode GEMMs read the old ones, so the next request is refused with
+    the reason (as a held Engine refuses it), never served stale."""
+    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=nbits)
+    prompt = PROMPTS[0]
+    engine = Engine(model, BatchingConfig(**CONFIG, mode="async"))
+    try:
+        engine.start()
+        engine.add_request(prompt, max_new_tokens=4, eos_token_ids=()).result(timeout=60)
+        module = model.model.layers[0].mlp.down_proj
+        if replace == "words_data":
+            module.W_q.data = module.W_q.data.clone()
+        else:
+            module.meta["scale"] = module.meta["scale"].clone() * 2
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.add_request(prompt, max_new_tokens=4, eos_token_ids=()).result(timeout=60)
+    finally:
+        engine.shutdown(cancel=True, timeout=60)
+        engine.close()

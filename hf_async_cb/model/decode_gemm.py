@@ -45,7 +45,7 @@ from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_li
                                               skinny_linear_grouped)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.attention import current_metadata
-from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, copies_fit, copy_bytes, takes_a_copy
+from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, copies_fit, copy_bytes, takes_a_copy, word_hashes
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
     Bnb4bit, BnbInt8, HqqGrouped, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
     hqq_grouped, quanto_bytes, scaled_int8, torchao_float8)
@@ -280,7 +280,6 @@ class DecodeGemms:
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
                      and _codebook_buckets(found.packed.device)]
         self._llm_int8 = [(m, found) for m in model.modules() if (found := bnb_int8(m)) is not None]
-        self._versions = {id(c): c.version() for c in self.copies}
         self._attached: list = []
         self._by_shape: dict[tuple, dict[int, dict]] = {}  # (N, K, dtype, device) -> bucket -> config
 
@@ -383,17 +382,14 @@ class DecodeGemms:
 
     def refresh_copies(self, versions_only: bool = False) -> int:
         """Rebuild the 4-bit copies whose source changed since they were made (how many were).
-        `versions_only`: only where a source's version counter moved (a serving loop's cheap check at
-        each admission; its clear_prefix_cache() reads the contents)."""
-        copies = self.copies
-        if versions_only:
-            copies = [c for c in copies if c.version() != self._versions.get(id(c))]
+        `versions_only`: only those whose words' version counter moved, or that keep none (a serving
+        loop's check at each admission; its clear_prefix_cache() reads every copy's words)."""
+        copies = [c for c in self.copies if c.moved()] if versions_only else self.copies
         if not copies:
             return 0
-        contents = FourBitCopy.contents([c.source.packed for c in copies])
-        rebuilt = sum(c.refresh(now) for c, now in zip(copies, contents))
-        self._versions.update((id(c), c.version()) for c in copies)
-        return rebuilt
+        versions = [c.version() for c in copies]  # (before the words are read: a write in between is seen next time)
+        hashes = word_hashes([c.source.packed for c in copies])
+        return sum(c.refresh(v, h) for c, v, h in zip(copies, versions, hashes))
 
     def detach(self) -> None:
         for item in self._attached:

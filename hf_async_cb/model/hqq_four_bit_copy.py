@@ -12,11 +12,15 @@ What it costs: N * K / 2 bytes on the device per projection, beside HQQ's own wo
 forward, and stock, keep reading). `copies_fit` takes the copies only where all of them together use at
 most a quarter of the device's free memory; else the words are read as they are (slow, no memory).
 
-A copy is never stale: `FourBitCopy.refresh` rebuilds it, in place (CUDA graphs read its storage), when
-its source's contents changed since it was made (`weight_kinds.content_sums`, which also sees writes
-through `.data` or a collective that bump no version counter). DecodeGemms.refresh_copies runs it once
-per engine call (Engine.check_caches) and, from a serving loop, at each admission after a write that
-bumped a version counter and at each `clear_prefix_cache()`.
+A copy is never stale: `FourBitCopy.refresh` rebuilds it in place (CUDA graphs read its storage) when
+its source's version counter moved (a write in place: `copy_`, an optimizer step, `load_state_dict`) or
+its words' hash changed (`word_hashes`: writes through `.data`, a collective, or into an inference
+tensor, which keeps no counter). The hash weighs every word by a random odd 64-bit number for its column
+and another for its row, so that a write which only moves words within a row, or changes two fields by
++1 and -1, changes it too (weight_kinds.content_sums, the prefix cache's, sums each row's words as they
+are and would not see those). DecodeGemms.refresh_copies runs it once per engine call
+(Engine.check_caches); a serving loop checks the counters at each admission (and hashes the words of
+sources without one) and everything at each `clear_prefix_cache()`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import torch
 from torch import nn
 
 from hf_async_cb.model.quantized_linears import HqqGrouped
-from hf_async_cb.model.weight_kinds import content_sums
 
 FREE_MEMORY_SHARE = 0.25  # the most of the device's free memory the copies may take together
 
@@ -47,23 +50,35 @@ def copies_fit(found: list[HqqGrouped]) -> bool:
     free memory (always off CUDA: the interpreter's tests)."""
     if not found:
         return False
-    device = found[0].packed.device
-    if device.type != "cuda":
+    if found[0].packed.device.type != "cuda":
         return True
-    free = torch.cuda.mem_get_info(device)[0]
-    return sum(copy_bytes(f) for f in found) <= FREE_MEMORY_SHARE * free
+    needed: dict[torch.device, int] = {}
+    for f in found:  # (a model spread over several devices: each one's copies against its own memory)
+        needed[f.packed.device] = needed.get(f.packed.device, 0) + copy_bytes(f)
+    return all(size <= FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0] for device, size in needed.items())
+
+
+ROWS_AT_ONCE = 1 << 24  # weights unpacked at once while a copy is made (bounds its temporaries)
+
+
+@torch.no_grad()
+def three_bit_rows(found: HqqGrouped, first: int, last: int) -> torch.Tensor:
+    """The 3-bit values [last - first, K] (uint8) of the weight's rows first..last - 1 from HQQ's
+    "3bit_32" words [step, group]: part p of the flat groups [N * K / group, group] sits in bits
+    27 - 3p of the words, group g at word row g - p * step (the last part padded past the weight)."""
+    n, k = found.shape
+    words, group = found.packed, found.group_size
+    step = words.shape[0]
+    groups = torch.arange(first * (k // group), last * (k // group), device=words.device)
+    part = groups // step
+    shift = (27 - 3 * part).to(torch.int32).unsqueeze(1)
+    return ((words[groups - part * step] >> shift) & 7).to(torch.uint8).reshape(last - first, k)
 
 
 @torch.no_grad()
 def unpack_three_bit(found: HqqGrouped) -> torch.Tensor:
-    """The weight's 3-bit values [N, K] (uint8) from HQQ's "3bit_32" words [step, group]: part p of
-    the flat groups [N * K / group, group] sits in bits 27 - 3p of the words, group r of the weight at
-    word row r - p * step (the last part padded past the weight's groups)."""
-    n, k = found.shape
-    words = found.packed
-    shifts = torch.arange(27, -1, -3, device=words.device, dtype=torch.int32).view(10, 1, 1)
-    fields = ((words.unsqueeze(0) >> shifts) & 7).to(torch.uint8)  # [10, step, group]
-    return fields.reshape(-1, found.group_size)[: n * k // found.group_size].reshape(n, k)
+    """All the weight's 3-bit values [N, K] (uint8)."""
+    return three_bit_rows(found, 0, found.shape[0])
 
 
 @torch.no_grad()
@@ -73,41 +88,86 @@ def pack_four_bit(values: torch.Tensor) -> torch.Tensor:
     return (values[:half] << 4) | values[half:]
 
 
+@torch.no_grad()
+def write_four_bit(found: HqqGrouped, out: torch.Tensor) -> None:
+    """`found`'s values in HQQ's 4-bit layout, written into `out` [N / 2, K] a slice of rows at a time."""
+    n, k = found.shape
+    half = n // 2
+    rows = max(1, ROWS_AT_ONCE // k)
+    for first in range(0, half, rows):
+        last = min(half, first + rows)
+        out[first:last] = (three_bit_rows(found, first, last) << 4) | three_bit_rows(found, half + first, half + last)
+
+
+_WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _odd_weights(device: torch.device, count: int, salt: int) -> torch.Tensor:
+    """`count` random odd int64 numbers (fixed: a generator seeded with `salt`), on `device`, kept."""
+    key = (device, salt)
+    kept = _WEIGHTS.get(key)
+    if kept is None or kept.numel() < count:
+        g = torch.Generator().manual_seed(salt)
+        drawn = torch.randint(-(1 << 62), 1 << 62, (max(count, 1024),), generator=g, dtype=torch.int64) * 2 + 1
+        kept = _WEIGHTS[key] = drawn.to(device)
+    return kept[:count]
+
+
+@torch.no_grad()
+def word_hashes(words: list[torch.Tensor]) -> list[int]:
+    """A 64-bit hash of each int32 word tensor [rows, columns]: sum over words of word x column weight
+    x row weight (random odd numbers, wrapping int64 arithmetic, so the same in any reduction order).
+    Any change moves it except with a chance of about 2**-32 per pair of changed words; one transfer
+    for all."""
+    if not words:
+        return []
+    sums = []
+    for w in words:
+        rows, columns = w.shape
+        by_row = (w.to(torch.int64) * _odd_weights(w.device, columns, 1)).sum(dim=1)
+        sums.append((by_row * _odd_weights(w.device, rows, 2)).sum())
+    return torch.stack(sums).tolist()
+
+
 class FourBitCopy:
-    """The 4-bit copy of one 3-bit HQQ projection, and what it was made from."""
+    """The 4-bit copy of one 3-bit HQQ projection, and the state of the words it was made from."""
 
     def __init__(self, module: nn.Module, found: HqqGrouped) -> None:
         self.module, self.source = module, found
-        self.copy = pack_four_bit(unpack_three_bit(found))
-        self._made_from = self.contents([found.packed])[0]
+        n, k = found.shape
+        self.copy = torch.empty(n // 2, k, dtype=torch.uint8, device=found.packed.device)
+        self._made_from = None
+        self.refresh(self.version(), word_hashes([found.packed])[0])
 
     @property
     def grouped(self) -> HqqGrouped:
         """What the grouped form reads instead of `source`: the copy, at 4 bits."""
         return self.source._replace(packed=self.copy, bits=4)
 
-    @staticmethod
-    def contents(words: list[torch.Tensor]) -> list:
-        """content_sums of each source's words, in one transfer."""
-        return list(content_sums(words))
-
     def version(self) -> int | None:
-        """The source's version counter; None for an inference tensor (HQQ makes its words under
-        `torch.inference_mode()`), which keeps none: only a content reading sees its writes."""
+        """The words' version counter; None for an inference tensor, which keeps none."""
         words = self.source.packed
         return None if words.is_inference() else words._version
 
-    def refresh(self, contents) -> bool:
-        """Rebuild the copy in place if `contents` (this source's content_sums now) differ from what it
-        was made from; True if it was rebuilt. On CUDA the device is synchronized around the write: a
-        step of a serving loop may be reading the copy, and the next one must read the new values."""
-        if contents == self._made_from:
+    def moved(self) -> bool:
+        """Whether a version counter says the words were written since the copy was made (always, for
+        an inference tensor: only their hash can tell)."""
+        version = self.version()
+        return version is None or self._made_from is None or version != self._made_from[0]
+
+    def refresh(self, version: int | None, words_hash: int) -> bool:
+        """Rebuild the copy in place unless `version` (the words' counter, read before `words_hash`,
+        their hash now) and the hash are those it was made from; True if it was rebuilt. On CUDA the
+        device is synchronized around the write: a serving loop's step may be reading the copy, and
+        the next one must read the new values."""
+        made = self._made_from
+        if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False
         device = self.copy.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self.copy.copy_(pack_four_bit(unpack_three_bit(self.source)))
+        write_four_bit(self.source, self.copy)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self._made_from = contents
+        self._made_from = (version, words_hash)
         return True

@@ -33,10 +33,10 @@ import torch
 
 from hf_async_cb.model.compiled import unwrapped
 from hf_async_cb.model.config_snapshot import config_snapshot
-from hf_async_cb.model.fusion import global_hooks, user_hooks
+from hf_async_cb.model.fusion import global_hooks, moved_from, user_hooks
 from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.weight_kinds import content_sums, held_tensors, storage_key, versions
+from hf_async_cb.model.weight_kinds import content_sums, held_tensors, is_plain, storage_key, versions
 
 
 def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | None:
@@ -175,7 +175,14 @@ class WeightVersions:
         self._slots += [(vars(m), name, t) for m in modules if not type(m).__module__.startswith("transformers.")
                         for name, t in vars(m).items() if isinstance(t, torch.Tensor) and id(t) in listed]
         self._hooked = self.runs_user_code = runs_user_code(model, modules)
-        # The modules' structure, for restructured(): each tensor and child in its table, and the hook tables.
+        # The modules' structure, for restructured(): each tensor and child in its table, the tensors held
+        # in containers (HQQ's meta dict: its scales and zeros) by identity, where every tensor's data
+        # live (`.data = ...` keeps the tensor: fusion.moved_from, so that the package's own fusions are
+        # no change), and the hook tables.
+        self._holders = [m for m in modules if not type(m).__module__.startswith("transformers.")
+                         and attribute_tensors(model, [m])]
+        self._held = self._held_ids()
+        self._storages = [(t, t.data_ptr() if is_plain(t) else None, moved_from(t)) for t in self._tensors]
         self._children = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
         self._hook_tables = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         self._hooks = self._hook_keys()
@@ -184,14 +191,20 @@ class WeightVersions:
 
     def restructured(self) -> bool:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
-        `load_state_dict(..., assign=True)`), a module replaced, or a forward hook added or removed
+        `load_state_dict(..., assign=True)`) or given other data (`p.data = ...`), a tensor a module
+        holds in a container replaced (HQQ's `meta["scale"] = ...`), a module replaced, or a forward hook added or removed
         (the model's own or a global one), or its config edited (model/config_snapshot.py) since: a
-        model this loop can no longer run as it was built. About 100 us for a 32-layer Llama's 423
+        model this loop can no longer run as it was built. About 150 us for a 32-layer Llama's 423
         modules and its config (on this project's CPU), read at each admission."""
         return (self._hook_keys() != self._hooks
                 or any(table.get(name) is not t for table, name, t in self._slots)
+                or self._held_ids() != self._held
+                or any((ptr is None or t.data_ptr() != ptr) and moved_from(t) != key for t, ptr, key in self._storages)
                 or any(table.get(name) is not child for table, name, child in self._children)
                 or config_snapshot(self._config) != self._settings)
+
+    def _held_ids(self) -> list[int]:
+        return [id(t) for t in attribute_tensors(None, self._holders)] if self._holders else []
 
     def _hook_keys(self) -> tuple:
         tables = [t for t in self._hook_tables if t]  # (mostly empty: a handle's key is unique for the process)
