@@ -67,7 +67,9 @@ def test_the_kernel_rebuilds_hqqs_weights_from_the_copy_exactly(split):
     (fp16 on the CPU: the two rounding steps)."""
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     module = _three_bit_linear(96, 192, dtype=dtype, seed=3)
-    found = FourBitCopy(module, hqq_grouped(module)).grouped
+    made = FourBitCopy(module, hqq_grouped(module))
+    made.refresh(made.version(), 0)
+    found = made.grouped
     assert found.bits == 4 and found.packed.shape == (48, 192) and found.packed.dtype == torch.uint8
     eye = torch.eye(192, dtype=dtype, device=DEVICE)
     got = skinny.skinny_linear_grouped(eye, found.packed, found.scale, found.zero, 64, bits=4,

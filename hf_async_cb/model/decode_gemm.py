@@ -273,6 +273,7 @@ class DecodeGemms:
         # HQQ's 3-bit words read through 4-bit copies where they fit (model/hqq_four_bit_copy.py).
         three_bit = [(m, found) for m, found in self._hqq if takes_a_copy(found)]
         self.copies = [FourBitCopy(m, found) for m, found in three_bit] if copies_fit([f for _, f in three_bit]) else []
+        self.refresh_copies()  # (made: their words' hashes in one transfer)
         by_module = {id(c.module): c.grouped for c in self.copies}
         self._hqq = [(m, by_module.get(id(m), found)) for m, found in self._hqq]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]

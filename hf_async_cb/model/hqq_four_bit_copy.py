@@ -136,8 +136,7 @@ class FourBitCopy:
         self.module, self.source = module, found
         n, k = found.shape
         self.copy = torch.empty(n // 2, k, dtype=torch.uint8, device=found.packed.device)
-        self._made_from = None
-        self.refresh(self.version(), word_hashes([found.packed])[0])
+        self._made_from: tuple | None = None  # (version, hash) of the words it holds; None: not written yet
 
     @property
     def grouped(self) -> HqqGrouped:
@@ -160,7 +159,7 @@ class FourBitCopy:
         their hash now) and the hash are those it was made from; True if it was rebuilt. On CUDA the
         device is synchronized around the write: a serving loop's step may be reading the copy, and
         the next one must read the new values."""
-        made = self._made_from
+        made = self._made_from  # (FourBitCopy(...) writes nothing: DecodeGemms refreshes all of them at once)
         if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False
         device = self.copy.device
