@@ -19,6 +19,9 @@ quantize = pytest.importorskip("hqq.core.quantize")
 bitpack = pytest.importorskip("hqq.core.bitpack")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+# The models whose tokens are compared with stock's: fp32 on CUDA too (bf16 near-ties of random weights
+# would flip tokens between two correct roundings).
+MODEL_DTYPE = torch.float32
 
 
 def _three_bit_linear(n: int, k: int, *, dtype=DTYPE, seed=0, group_size=64):
@@ -32,7 +35,7 @@ def _three_bit_linear(n: int, k: int, *, dtype=DTYPE, seed=0, group_size=64):
 def _three_bit_model(plain_tensors: bool = False) -> torch.nn.Module:
     """A tiny Llama with 3-bit HQQ projections; HQQ makes its words, scales and zeros under
     `torch.inference_mode()` (inference tensors: no version counters); `plain_tensors`: made plain."""
-    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=3)
+    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, MODEL_DTYPE), quantize, nbits=3)
     if plain_tensors:
         for module in model.modules():
             if type(module).__name__ == "HQQLinear":
@@ -96,7 +99,7 @@ def test_decode_steps_read_the_copies(grouped_calls):
     layers = model.config.num_hidden_layers
     assert len(gemms.copies) == layers * 7
     assert f"{layers * 7} HQQ 3-bit projections read as 4-bit (copies of" in gemms.summary()
-    x = torch.randn(1, 3, 64, dtype=DTYPE, device=DEVICE)
+    x = torch.randn(1, 3, 64, dtype=MODEL_DTYPE, device=DEVICE)
     module = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         expected = module(x)
@@ -128,7 +131,7 @@ def _requantize(model, seed: int, through_data: bool) -> None:
         with torch.no_grad():
             linear.weight.copy_(torch.randn(n, k, generator=g) * 0.1)
         other = quantize.HQQLinear(linear.to(DEVICE), quantize.BaseQuantizeConfig(nbits=3, group_size=64),
-                                   compute_dtype=DTYPE, device=DEVICE)
+                                   compute_dtype=MODEL_DTYPE, device=DEVICE)
         with torch.no_grad():
             for mine, theirs in ((module.W_q, other.W_q), (module.meta["scale"], other.meta["scale"]),
                                  (module.meta["zero"], other.meta["zero"])):
@@ -272,7 +275,7 @@ def test_a_serving_loop_refuses_hqq_tensors_given_new_data(replace, nbits):
     """`W_q.data = ...` (same Parameter, other storage) or `meta["scale"] = ...` (another tensor in HQQ's
     dict) while a loop serves: the decode GEMMs read the old ones, so the next request is refused with
     the reason (as a held Engine refuses it), never served stale."""
-    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, DTYPE), quantize, nbits=nbits)
+    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, MODEL_DTYPE), quantize, nbits=nbits)
     prompt = PROMPTS[0]
     engine = Engine(model, BatchingConfig(**CONFIG, mode="async"))
     try:
