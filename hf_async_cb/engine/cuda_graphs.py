@@ -444,7 +444,7 @@ class DecodeGraphs:
                     logger.warning("CUDA graph capture failed (%s: %s); steps of that shape run eagerly",
                                    type(e).__name__, str(e).splitlines()[0])
                 self.failed.add(key)
-                release_generators_after_failed_capture()
+                self._after_failed_capture()
                 return self.runner.step(inputs, previous_tokens)
             self._graphs[key] = graph
             self.num_prefill_graphs += key.tokens > 0
@@ -462,18 +462,31 @@ class DecodeGraphs:
         thread = threading.get_ident()
         warm_up = WARM_UP_EVERY_CAPTURE or thread not in self.warm_threads
         # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
-        capture = functools.partial(_Graph, self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool,
-                                    self.stream, decode=key.tokens == 0)
+        def capture(warm_up: bool) -> _Graph:  # (into the pool of now: a failed capture renews it)
+            return _Graph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
+                          decode=key.tokens == 0, warm_up=warm_up)
+
         if not warm_up:
             try:
                 return capture(warm_up=False)
             except RuntimeError as e:
                 logger.debug("a capture without a warm-up failed (%s); again with one", e)
-                release_generators_after_failed_capture()
+                self._after_failed_capture()
                 self.num_warm_up_retries += 1
         graph = capture(warm_up=True)
         self.warm_threads.add(thread)
         return graph
+
+    def _after_failed_capture(self) -> None:
+        """After a capture that raised: the CUDA generators released (release_generators_after_failed_capture),
+        and later captures given a pool of their own. Where the capture's end raised (an invalidated
+        capture), torch (2.11 on the H100) left the caching allocator recording to the pool even after
+        _end_allocating_to, and every later capture into it failed ("beginAllocateToPool: already
+        recording to mempool_id"): the engine's steps ran eagerly for good. The graphs captured before
+        keep their pool; the new one is shared by those captured after."""
+        release_generators_after_failed_capture()
+        if self.pool is not None:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def keep_for(self, context: tuple) -> None:
         """Before a call (or a serving admission) in arithmetic `context` (model/numeric_context.py):
