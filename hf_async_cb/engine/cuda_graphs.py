@@ -259,7 +259,8 @@ def _end_allocating_to(pool) -> None:
     """After a capture whose end failed (an invalidated capture: torch raises at the stream's end of
     capture, before it tells the caching allocator the capture is over), end the allocator's routing
     to the graphs' pool, which would otherwise refuse every later capture ("beginAllocateToPool:
-    already recording to mempool_id") and leave the engine's steps eager for good."""
+    already recording to mempool_id"). On the H100 with torch 2.11 this did not suffice: the engine
+    also captures into a fresh pool after a failure (DecodeGraphs._after_failed_capture)."""
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
     except (AttributeError, RuntimeError):  # (ended already; or a torch without the binding)
