@@ -181,26 +181,36 @@ def test_a_held_engine_reads_the_new_weights():
     assert first != second and second == expected.tolist()
 
 
-@pytest.mark.parametrize("through_data", [False, True])
-def test_a_serving_loop_reads_the_new_weights(through_data):
-    """While a loop serves: a write in place is seen at the next admission; one through `.data` after
-    `clear_prefix_cache()`, as the docs ask (and so one of an inference tensor's, which keeps no counter)."""
-    model = _three_bit_model(plain_tensors=not through_data)
-    prompt = PROMPTS[1]
-    engine = Engine(model, BatchingConfig(**CONFIG, mode="async"))
+def _served_around(model, prompt, write, **config) -> tuple[list, list, list]:
+    """(tokens, tokens, stock's): `prompt` served by a loop, `write(engine)`, `prompt` served again;
+    stock's tokens of the model as written."""
+    engine = Engine(model, BatchingConfig(**CONFIG, mode="async", **config))
     try:
         engine.start()
         first = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
-        _requantize(model, seed=9, through_data=through_data)
-        if through_data:
-            engine.clear_prefix_cache()
+        write(engine)
         second = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
         engine.shutdown(timeout=60)
     finally:
         engine.shutdown(cancel=True, timeout=60)
         engine.close()
     expected = stock_generate(model, [prompt], max_new_tokens=6, eos_token_id=[], pad_token_id=0)[0, len(prompt):]
-    assert first != second and second == expected.tolist()
+    return first, second, expected.tolist()
+
+
+@pytest.mark.parametrize("through_data", [False, True])
+def test_a_serving_loop_reads_the_new_weights(through_data):
+    """While a loop serves: a write in place is seen at the next admission; one through `.data` after
+    `clear_prefix_cache()`, as the docs ask (and so one of an inference tensor's, which keeps no counter)."""
+    model = _three_bit_model(plain_tensors=not through_data)
+
+    def write(engine):
+        _requantize(model, seed=9, through_data=through_data)
+        if through_data:
+            engine.clear_prefix_cache()
+
+    first, second, expected = _served_around(model, PROMPTS[1], write)
+    assert first != second and second == expected
 
 
 def _nudge(model, through_data: bool) -> None:
@@ -253,20 +263,12 @@ def test_a_serving_loop_reads_words_written_in_an_inference_tensor():
             if type(module).__name__ == "HQQLinear":
                 with torch.inference_mode():
                     module.W_q = torch.nn.Parameter(module.W_q.clone(), requires_grad=False)
-        prompt = PROMPTS[2]
-        engine = Engine(model, BatchingConfig(**CONFIG, mode="async", prefix_caching=prefix_caching))
-        try:
-            assert all(c.version() is None for c in engine.prepared_model.decode_gemms.copies)
-            engine.start()
-            first = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
-            _requantize(model, seed=10, through_data=False)
-            second = engine.add_request(prompt, max_new_tokens=6, eos_token_ids=()).result(timeout=60).output_token_ids
-            engine.shutdown(timeout=60)
-        finally:
-            engine.shutdown(cancel=True, timeout=60)
-            engine.close()
-        expected = stock_generate(model, [prompt], max_new_tokens=6, eos_token_id=[], pad_token_id=0)[0, len(prompt):]
-        assert first != second and second == expected.tolist()
+        copies = DecodeGemms(model, None).copies
+        assert copies and all(c.version() is None for c in copies)
+        first, second, expected = _served_around(
+            model, PROMPTS[2], lambda engine: _requantize(model, seed=10, through_data=False),
+            prefix_caching=prefix_caching)
+        assert first != second and second == expected
 
 
 @pytest.mark.parametrize("replace", ["words_data", "scale"])
