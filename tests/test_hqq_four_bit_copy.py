@@ -13,7 +13,8 @@ import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
 from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.model.decode_gemm import DecodeGemms, hqq_grouped
-from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, pack_four_bit, takes_a_copy, unpack_three_bit
+import hf_async_cb.model.hqq_four_bit_copy as four_bit_copy
+from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, takes_a_copy, three_bit_rows
 
 quantize = pytest.importorskip("hqq.core.quantize")
 bitpack = pytest.importorskip("hqq.core.bitpack")
@@ -44,17 +45,22 @@ def _three_bit_model(plain_tensors: bool = False) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("rows_at_once", [1 << 24, 200])
 @pytest.mark.parametrize("n, k, group", [(96, 192, 64), (34, 128, 32), (64, 512, 128), (2, 64, 16)])
-def test_the_copy_holds_hqqs_values_in_hqqs_4bit_layout(n, k, group):
+def test_the_copy_holds_hqqs_values_in_hqqs_4bit_layout(n, k, group, rows_at_once, monkeypatch):
     """Unpacked: HQQ's own unpacking of its words (parts starting mid-row where N * K / group is no
-    multiple of ten); packed: HQQ's own 4-bit packing of those values."""
+    multiple of ten); the copy: HQQ's own 4-bit packing of those values, written whole or a few rows
+    at a time (ROWS_AT_ONCE)."""
+    monkeypatch.setattr(four_bit_copy, "ROWS_AT_ONCE", rows_at_once)
     module = _three_bit_linear(n, k, group_size=group, seed=n + k)
     found = hqq_grouped(module)
     assert found.bits == 3 and takes_a_copy(found)
-    values = unpack_three_bit(found)
+    values = three_bit_rows(found, 0, n)
     theirs = bitpack.BitPack.unpack_3bit_32(module.W_q)[: n * k // group].reshape(n, k)
     assert values.dtype == torch.uint8 and torch.equal(values, theirs)
-    assert torch.equal(pack_four_bit(values), bitpack.BitPack.pack_4bit_u8(theirs))
+    made = FourBitCopy(module, found)
+    made.refresh(made.version(), 0)
+    assert torch.equal(made.copy, bitpack.BitPack.pack_4bit_u8(theirs))
 
 
 def test_an_odd_row_count_keeps_the_words():

@@ -76,19 +76,6 @@ def three_bit_rows(found: HqqGrouped, first: int, last: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def unpack_three_bit(found: HqqGrouped) -> torch.Tensor:
-    """All the weight's 3-bit values [N, K] (uint8)."""
-    return three_bit_rows(found, 0, found.shape[0])
-
-
-@torch.no_grad()
-def pack_four_bit(values: torch.Tensor) -> torch.Tensor:
-    """[N, K] values below 16 in HQQ's "4bit_u8" layout [N / 2, K]: rows n < N / 2 in the high nibbles."""
-    half = values.shape[0] // 2
-    return (values[:half] << 4) | values[half:]
-
-
-@torch.no_grad()
 def write_four_bit(found: HqqGrouped, out: torch.Tensor) -> None:
     """`found`'s values in HQQ's 4-bit layout, written into `out` [N / 2, K] a slice of rows at a time."""
     n, k = found.shape
