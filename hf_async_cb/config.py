@@ -34,7 +34,8 @@ class BatchingConfig:
     mixed_prefill_tokens: at most this many prompt tokens in a step that also decodes (None: the
         whole budget). Lower values keep decoding requests' inter-token latency steady while long
         prompts arrive, at the cost of their time to first token.
-    max_running_requests: requests that hold KV pages at once.
+    max_running_requests: requests that run at once (a request whose last token is still being
+        sampled gives its place to a waiting one before its pages are freed).
     seed: the engine seed: a sampled request without a seed of its own gets one derived from it and
         from its index in the generate call (or its submission order online), so that its tokens
         do not depend on its batch mates. None: drawn from torch's global generator per call.

@@ -179,11 +179,16 @@ class Scheduler:
         # num_tokens inlined: this loop runs over every running request, every step.)
         prefilling: list[tuple[Request, int]] = []
         page_size = self.page_size
+        # Requests whose last token is in flight (the async loop builds this step before it sees
+        # the step before's tokens) give their place to a waiting request now: they run no more,
+        # and it would otherwise wait a step longer than in the sync loop for every place that frees.
+        leaving = 0
         for req in self.running[:]:  # a copy: preemption removes requests from the list
             if preempted and req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             sampled = len(req.output_token_ids) + req.num_pending
             if sampled >= req.params.max_new_tokens:
+                leaving += 1
                 continue
             start = req.num_computed
             left = len(req.prompt_token_ids) + sampled - start
@@ -224,7 +229,7 @@ class Scheduler:
         # Admit new requests only when nothing was preempted: freed pages go to the preempted first.
         deferred: list[Request] = []
         while (budget > 0 and self.waiting and not preempted
-               and len(self.running) < self.max_running_requests):
+               and len(self.running) - leaving < self.max_running_requests):
             req = self.waiting[0]
             if not req.wants_more_tokens:
                 break  # preempted with its last token in flight: it finishes when that token lands
