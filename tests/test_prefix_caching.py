@@ -259,6 +259,9 @@ WRITES_WITHOUT_COUNTERS = {
     "a NumPy view": lambda w: w.detach().numpy().__imul__(1.7),
     "one value, one step": lambda w: w.data.view(-1)[7].add_(w.data.view(-1)[7].abs() * 0.01 + 1e-3),
     "rows reordered (every sum the same)": lambda w: w.data.copy_(w.data.flip(0)),
+    "input features swapped in every row (each row's sum the same)":
+        lambda w: w.data.copy_(w.data[:, torch.arange(w.shape[1]).roll(4)]),
+    "two values of one row swapped": lambda w: w.data[3].index_copy_(0, torch.tensor([0, 5]), w.data[3, [5, 0]].clone()),
 }
 
 
@@ -454,3 +457,23 @@ def test_the_profile_reports_what_the_run_took_from_the_cache():
     second = engine.last_profile.summary()["prefix_cache"]
     assert first["hit_tokens"] == 2 * 32 and second["hit_tokens"] >= 3 * 32
     assert second["prefilled_tokens"] < first["prefilled_tokens"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_content_sums_move_with_any_values_moved(dtype):
+    """The contents read per call tell a tensor whose values were only moved: rows reordered, input
+    features swapped in every row or in one, a vector's values swapped, signs flipped, one bit."""
+    from hf_async_cb.model.weight_kinds import content_sums
+    g = torch.Generator().manual_seed(0)
+    matrix, vector = torch.randn(12, 16, generator=g).to(dtype), torch.randn(16, generator=g).to(dtype)
+    one_row = matrix.clone()
+    one_row[3, [0, 5]] = matrix[3, [5, 0]]
+    bit = matrix.clone()
+    bit.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[2, 7] ^= 1
+    moved = {"rows reordered": matrix.flip(0), "features swapped": matrix[:, torch.arange(16).roll(4)],
+             "two values of one row swapped": one_row, "signs flipped": -matrix, "one bit": bit}
+    base = content_sums([matrix])
+    for name, changed in moved.items():
+        assert content_sums([changed]) != base, name
+    assert content_sums([vector.flip(0)]) != content_sums([vector])
+    assert content_sums([matrix.clone()]) == base and content_sums([vector.clone()]) == content_sums([vector])

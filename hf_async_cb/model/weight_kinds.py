@@ -78,9 +78,10 @@ def content_sums(tensors) -> tuple:
     bumps no version counter. Each row's bits read as 32-bit words are summed, wrapping (mod 2**32,
     so the same whatever the reduction order), and the rows' sums weighted by their place: any
     change of one word moves it, and so does a write that only moves rows (a flip, two heads
-    swapped), which a plain sum would not see. A floating tensor also gives its rows' float32 sums,
-    weighted likewise, which move when every sign flips (each word then moves by 2**31, and an even
-    count of them cancels in the first). A tensor over no storage of its own (a wrapper subclass: its
+    swapped), which a plain sum would not see. A floating tensor also gives its columns' float32
+    sums (a vector's values), weighted by their place likewise, which move when values move within
+    rows (input features swapped) and when signs flip (each word then moves by 2**31, and an even count of them cancels in
+    the first). A tensor over no storage of its own (a wrapper subclass: its
     inner tensors hold the data, and are listed themselves: held_tensors) or of another kind
     (complex) gives None. About two reads of the data, four small kernels per tensor and no
     temporary larger than a tensor's row count, one transfer per device (benchmarks/fingerprint_cost.py
@@ -99,7 +100,8 @@ def content_sums(tensors) -> tuple:
             place = _place_weights(word_rows.shape[0], device)[0]
             words.append((word_rows.sum(dim=1, dtype=torch.int32) * place).sum())
             if t.dtype in FLOATING:
-                values.append(torch.dot(rows.sum(dim=1, dtype=torch.float32), _place_weights(rows.shape[0], device)[1]))
+                sums = rows.sum(dim=0 if rows.shape[1] > 1 else 1, dtype=torch.float32)  # (a vector: its values)
+                values.append(torch.dot(sums, _place_weights(sums.shape[0], device)[1]))
             else:
                 values.append(torch.zeros((), dtype=torch.float32, device=device))
         for (i, _), word, value in zip(members, torch.stack(words).tolist(), torch.stack(values).tolist()):
@@ -127,8 +129,8 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=256)
 def _place_weights(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed weights for `rows` row sums by their place: int64 (odd multiples of a large constant,
-    below 2**32) and float32 in [0.5, 1.5)."""
+    """Fixed weights for `rows` sums (of rows, or of columns) by their place: int64 (odd multiples of a
+    large constant, below 2**32) and float32 in [0.5, 1.5)."""
     places = torch.arange(rows, dtype=torch.int64)
     integer = (places * 2654435761 + 1) % (1 << 32)
     real = 0.5 + torch.rand(rows, generator=torch.Generator().manual_seed(rows))
