@@ -208,3 +208,61 @@ def test_a_copy_made_while_a_loop_serves_is_a_stock_model(how):
     ids, _ = left_pad(PROMPTS[:1])
     twin(ids, labels=ids).loss.backward()
     assert twin.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@pytest.fixture
+def patch_llama():
+    """Patches of Llama's modeling code, as liger-kernel's apply_liger_kernel_to_llama() makes them (a
+    class's forward, a modeling file's function), undone after the test."""
+    from transformers.models.llama import modeling_llama
+
+    saved = {"forward": modeling_llama.LlamaMLP.forward, "rotary": modeling_llama.apply_rotary_pos_emb}
+
+    def patch(what: str):
+        if what == "class forward":
+            modeling_llama.LlamaMLP.forward = lambda self, x: saved["forward"](self, x) * 2.0
+        else:  # the keys rotated twice as far: another formula than the one the fused kernel computes
+            modeling_llama.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: saved["rotary"](
+                q, k, cos * cos - sin * sin, 2 * sin * cos, *a, **kw)
+
+    yield patch
+    modeling_llama.LlamaMLP.forward, modeling_llama.apply_rotary_pos_emb = saved["forward"], saved["rotary"]
+
+
+@pytest.mark.parametrize("what", ["class forward", "modeling function"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_code_patched_between_calls_is_what_the_next_call_runs(mode, fused, what, patch_llama):
+    """A class's forward or a modeling file's function patched after a first call changes no model:
+    the next call must not reuse the prefix cache's K/V, fusions that replaced the old code (the fused
+    MLP and rotary kernels with fuse_elementwise, the CUDA default) or graphs captured on it."""
+    model = _llama()
+    config = BatchingConfig(fuse_projections=fused, fuse_elementwise=fused)
+    before = _generate(model, batching=mode, batching_config=config)
+    assert torch.equal(before, _generate(model))
+    patch_llama(what)
+    expected = _generate(model)
+    assert not torch.equal(expected, before)
+    assert torch.equal(_generate(model, batching=mode, batching_config=config), expected)
+
+
+def test_a_held_engine_and_a_serving_loop_refuse_code_patched_since_and_no_verdict_is_borrowed(patch_llama):
+    """A held Engine's preparation, pool and graphs were made on the old code: refused, saying so; a
+    verdict of the parity check is kept per code, never borrowed by a model whose class was patched."""
+    from hf_async_cb.engine import parity
+
+    model = _llama()
+    params = SamplingParams(max_new_tokens=4, eos_token_ids=())
+    with Engine(model) as engine:
+        engine.generate(PROMPTS[:1], params)
+        verdicts = len(parity._VERDICTS)
+        patch_llama("class forward")
+        with pytest.raises(RuntimeError, match="modeling file's function patched"):
+            engine.generate(PROMPTS[:1], params)
+    with Engine(model) as engine:  # (the patched code: checked afresh)
+        assert len(parity._VERDICTS) == verdicts + 1
+        engine.start()
+        assert engine.add_request(PROMPTS[0], params).result(timeout=60).output_token_ids
+        patch_llama("modeling function")
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.add_request(PROMPTS[0], params).result(timeout=60)

@@ -32,6 +32,7 @@ from hf_async_cb.engine import parity_store
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.model.attention import own_configs
 from hf_async_cb.model.compiled import compiled_wrappers, uncompiled
+from hf_async_cb.model.code_identity import code_identity
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.fusion import has_hooks
 from hf_async_cb.model.kv_fingerprint import runs_user_code
@@ -77,14 +78,16 @@ def _key(engine) -> tuple:
 def check_parity(engine) -> None:
     """Raise ValueError if `engine`'s model does not reproduce its own forward on the engine."""
     model = engine.model
-    key = _key(engine)
+    # In this process a verdict is kept for the code it was measured on too (model/code_identity.py: a
+    # class's forward patched since); on disk, parity_store hashes that code into the file's name.
+    key = (_key(engine), code_identity(list(model.modules())))
     hooked = sum(map(has_hooks, model.modules()))  # this instance's own: its verdict is not the family's
     # Modules on configs of their own (a layer deep-copied in) make the instance its own case too.
     own = hooked or bool(own_configs(model, model.config))
     # Not kept across processes: a model running the user's code (hooks, a patched instance forward),
     # which may change between processes under the same names.
     stored = None if own or key in _VERDICTS or runs_user_code(model) else \
-        parity_store.path_for(key, model, engine.device)
+        parity_store.path_for(key[0], model, engine.device)
     if key in _VERDICTS and not own:
         reason = _VERDICTS[key]
     elif parity_store.passed_before(stored):

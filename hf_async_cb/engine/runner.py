@@ -62,8 +62,9 @@ class ModelRunner:
     def check_model_unchanged(self) -> None:
         """A held Engine runs the model as it was built on: its fused weights, K/V pools of its dtype
         and CUDA graphs over its storages, around its modules and hooks. A weight given new storage
-        since then (`p.data = ...`), a dtype or device move, a module replaced, a hook added or removed
-        or a config change would run stale weights, skip the hooks or fail inside a step: refused.
+        since then (`p.data = ...`), a dtype or device move, a module replaced, a hook added or removed,
+        a config change or a patch of the code its classes run would run stale weights or code, skip
+        the hooks or fail inside a step: refused.
         (Updates in place, as optimizers and load_state_dict make, keep the storages: they run.) A weight
         moved by another preparation of the model (fused by another Engine or a generate() call, or
         given its own storage back: fusion.moved_from) is no change; the CUDA graphs, which read where
@@ -72,7 +73,8 @@ class ModelRunner:
         if self._owns_preparation and not self.prepared_model.matches(model):
             raise RuntimeError(
                 "the model changed since this Engine was built (a weight given new storage, e.g. `p.data = ...`, "
-                "a dtype or device move, a module replaced, a forward hook added or removed, or a config change): "
+                "a dtype or device move, a module replaced, a forward hook added or removed, a config change, or "
+                "a class's forward or a modeling file's function patched): "
                 "close() this engine and build a new one. Updates in place (optimizer steps, load_state_dict, "
                 "copy_) need no rebuild; model.generate(batching=...) rebuilds on its own.")
         graphs = self.graphs

@@ -40,12 +40,17 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KERNEL_AGREES: dict[tuple, bool] = {}  # (activation class, kind, dtype, device) -> silu_mul agrees
 
 
-@functools.lru_cache(maxsize=None)
 def gated_form(cls: type) -> bool:
     """Whether cls.forward is exactly `return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))`
-    for its one argument x (a docstring aside)."""
+    for its one argument x (a docstring aside). Read once per forward function: a class whose forward
+    is patched later is read afresh."""
+    return _gated_form(getattr(cls, "forward", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_form(forward) -> bool:
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):
         return False
     fn = tree.body[0] if tree.body else None
@@ -118,7 +123,7 @@ def _fused_activation(m: nn.Module) -> str | None:
     kind = _activation(m.act_fn) if runs_on(w.device) and w.dtype in _KERNEL_DTYPES else None
     if kind is None:
         return None
-    key = (type(m.act_fn), kind, w.dtype, w.device)
+    key = (type(m.act_fn), type(m.act_fn).forward, kind, w.dtype, w.device)
     if key not in _KERNEL_AGREES:
         g = torch.Generator().manual_seed(0)
         y = (torch.randn(4, 2 * 24, generator=g) * 3).to(w.device, w.dtype)

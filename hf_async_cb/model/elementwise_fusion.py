@@ -109,7 +109,7 @@ def _agrees(fused, original, *inputs) -> bool:
 
 
 _ROTARY: dict[str, list] = {}  # modeling module -> [original function, fused function, handles using it]
-_ROTARY_CHECKED: dict[tuple, bool] = {}  # (modeling module, dtype, device) -> the fused function agrees
+_ROTARY_CHECKED: dict[tuple, bool] = {}  # (modeling module, its function, dtype, device) -> the fused one agrees
 
 
 def rotary_candidates(model: nn.Module) -> list[str]:
@@ -124,9 +124,11 @@ def _rotary_agrees(name: str, dtype: torch.dtype, device: torch.device, heads: t
     once per kind): Llama's rotate-half form, which most families copy; an interleaved or otherwise
     different one (Cohere, GLM, ...) disagrees and keeps its own. `heads`: (query heads, key heads,
     head size) of the inputs, the model's where known (its steps' compiled variant then serves)."""
-    key = (name, dtype, device)
+    original = getattr(sys.modules[name], "apply_rotary_pos_emb", None)
+    original = _ROTARY[name][0] if name in _ROTARY and original is _ROTARY[name][1] else original  # (ours: what it wraps)
+    # The function checked is part of the key: one patched in since (liger-kernel's) is checked afresh.
+    key = (name, original, dtype, device)
     if key not in _ROTARY_CHECKED:
-        original = getattr(sys.modules[name], "apply_rotary_pos_emb", None)
         if not callable(original) or not runs_on(device):
             return False
         fused, g = _fused_rotary(original), torch.Generator().manual_seed(0)

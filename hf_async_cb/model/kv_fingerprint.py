@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_async_cb.model.code_identity import code_identity, owners
 from hf_async_cb.model.compiled import unwrapped
 from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, moved_from, user_hooks
@@ -188,20 +189,24 @@ class WeightVersions:
         self._hooks = self._hook_keys()
         self._config = model.config
         self._settings = config_snapshot(model.config)
+        self._owners = owners(modules)  # (the classes and files whose functions the forward runs)
+        self._code = code_identity(modules, self._owners)
 
     def restructured(self) -> bool:
         """Whether a parameter or buffer was replaced by another tensor (a new nn.Parameter,
         `load_state_dict(..., assign=True)`) or given other data (`p.data = ...`), a tensor a module
         holds in a container replaced (HQQ's `meta["scale"] = ...`), a module replaced, or a forward hook added or removed
-        (the model's own or a global one), or its config edited (model/config_snapshot.py) since: a
-        model this loop can no longer run as it was built. About 150 us for a 32-layer Llama's 423
-        modules and its config (on this project's CPU), read at each admission."""
+        (the model's own or a global one), its config edited (model/config_snapshot.py) or the code its
+        classes run patched (model/code_identity.py) since: a model this loop can no longer run as it
+        was built. About 200 us for a 32-layer Llama's 423 modules and its config (on this project's
+        CPU), read at each admission."""
         return (self._hook_keys() != self._hooks
                 or any(table.get(name) is not t for table, name, t in self._slots)
                 or self._held_ids() != self._held
                 or any((ptr is None or t.data_ptr() != ptr) and moved_from(t) != key for t, ptr, key in self._storages)
                 or any(table.get(name) is not child for table, name, child in self._children)
-                or config_snapshot(self._config) != self._settings)
+                or config_snapshot(self._config) != self._settings
+                or code_identity([], self._owners) != self._code)
 
     def _held_ids(self) -> list[int]:
         return [id(t) for t in attribute_tensors(None, self._holders)] if self._holders else []

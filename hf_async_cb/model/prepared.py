@@ -26,6 +26,7 @@ from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
+from hf_async_cb.model.code_identity import code_identity
 from hf_async_cb.model.compiled import uncompiled
 from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.embeddings_path import embeddings_refusal
@@ -50,12 +51,13 @@ def signature(model: torch.nn.Module) -> tuple:
     hold as attributes (graphs read them where they were) and the config. A storage the package's own
     fusion gave a weight (another engine's or generate()'s preparation of the same model, or its
     undoing) reads as the one it replaced (fusion.moved_from): the user changed nothing there, and
-    an engine's CUDA graphs follow the move (weight_storages)."""
+    an engine's CUDA graphs follow the move (weight_storages). So does the code the modules' classes
+    run (model/code_identity.py: a class's forward or a modeling file's function patched)."""
     modules = list(model.modules())
     params = tuple((id(p), moved_from(p), p.dtype, p.device)
                    for p in (*parameters_of(modules), *attribute_tensors(model, modules)))
     kinds = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in modules)
-    return params, kinds, global_hooks(), config_snapshot(model.config)
+    return params, kinds, global_hooks(), config_snapshot(model.config), code_identity(modules)
 
 
 def weight_storages(model: torch.nn.Module) -> tuple:

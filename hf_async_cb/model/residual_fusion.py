@@ -65,7 +65,7 @@ _STATEMENTS = """
 return {H}
 """
 
-_FORMS: dict[type, LayerForm | None] = {}
+_FORMS: dict[tuple, LayerForm | None] = {}  # (class, its forward) -> its form
 
 
 def plain_prenorm(cls: type) -> LayerForm | None:
@@ -82,14 +82,17 @@ def plain_prenorm(cls: type) -> LayerForm | None:
         return hidden_states
 
     whatever the variable and parameter names, with comments and a docstring ignored, and wrapped at
-    most by transformers' deprecate_kwarg and GradientCheckpointingLayer wrappers. Checked once per class.
+    most by transformers' deprecate_kwarg and GradientCheckpointingLayer wrappers. Checked once per class
+    and forward (a forward patched onto the class later is read afresh).
     """
-    if cls not in _FORMS:
+    forward = getattr(cls, "forward", None)
+    key = (cls, forward)
+    if key not in _FORMS:
         try:
-            _FORMS[cls] = _match(getattr(cls, "forward", None))
+            _FORMS[key] = _match(forward)
         except (OSError, TypeError, SyntaxError, ValueError, AttributeError):  # no source, unparsable, ...
-            _FORMS[cls] = None
-    return _FORMS[cls]
+            _FORMS[key] = None
+    return _FORMS[key]
 
 
 @functools.cache

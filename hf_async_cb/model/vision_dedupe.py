@@ -63,7 +63,7 @@ _PER_IMAGE: set[type] = set()  # tower classes whose outputs of two or more imag
 def _tower_kind(module: torch.nn.Module):
     if type(module) in _NOT_PER_IMAGE:
         return None
-    parameters = _leading_parameters(type(module))
+    parameters = _leading_parameters(type(module).forward)
     if parameters == ("hidden_states", "grid_thw") and isinstance(getattr(module, "spatial_merge_size", None), int):
         return _packed
     if parameters[:1] == ("pixel_values",):
@@ -72,10 +72,10 @@ def _tower_kind(module: torch.nn.Module):
 
 
 @functools.lru_cache(maxsize=None)
-def _leading_parameters(cls: type) -> tuple[str, ...]:
-    """The first two parameters of a module class's forward after self (read once per class)."""
+def _leading_parameters(forward) -> tuple[str, ...]:
+    """The first two parameters of a module class's forward after self (read once per function)."""
     try:
-        return tuple(inspect.signature(cls.forward).parameters)[1:3]
+        return tuple(inspect.signature(forward).parameters)[1:3]
     except (TypeError, ValueError):
         return ()
 

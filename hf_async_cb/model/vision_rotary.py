@@ -30,7 +30,7 @@ NAME = "apply_rotary_pos_emb_vision"
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _PATCHED: dict[str, list] = {}  # modeling module -> [original, fused, blocks using it]
-_AGREES: dict[tuple, bool] = {}  # (modeling module, q dtype, cos dtype, device, head size) -> bit for bit
+_AGREES: dict[tuple, bool] = {}  # (modeling module, its function, q dtype, cos dtype, device, head size) -> bit for bit
 
 
 def _takes(q, k, cos, sin) -> bool:
@@ -49,7 +49,7 @@ def _takes(q, k, cos, sin) -> bool:
 
 
 def _agrees(name: str, original, q, cos) -> bool:
-    key = (name, q.dtype, cos.dtype, q.device, q.shape[-1])
+    key = (name, original, q.dtype, cos.dtype, q.device, q.shape[-1])
     if key not in _AGREES:
         g = torch.Generator().manual_seed(0)
         dim = q.shape[-1]
