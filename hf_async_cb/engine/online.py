@@ -70,7 +70,9 @@ class _Worker:
         self.thread_id: int | None = None
         late = config.late_admission and pipeline.overlap
         self.cadence = StepCadence() if late else None
-        self.late_waits = 0  # builds put off for late admission
+        # Late admission's record: builds put off, and those not put off because requests queued, because
+        # no duration of the running step's kind was known, or after a step the device had run dry at.
+        self.late_waits = self.late_queued = self.late_unknown = self.late_idled = 0
         # The model's guard, found now: a stop request may come from the collector's finalizer of a
         # dropped engine, on a thread in the middle of a guard lookup of its own.
         self.guard = model_guard(runner.model)
@@ -175,6 +177,9 @@ class _Worker:
         # Requests waiting for room: an arrival would queue behind them, so a wait would gain it nothing.
         waits = steady and self.intake.empty() and not self.stopping and not self.scheduler.waiting
         delay = self.cadence.delay(now, running) if waits else 0.0
+        self.late_idled += idled
+        self.late_queued += steady and not waits
+        self.late_unknown += waits and self.cadence.expected_s(running) is None
         if delay > 0:
             self.wake.wait(delay)
             self.wake.clear()

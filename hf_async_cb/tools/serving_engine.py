@@ -37,8 +37,13 @@ class OurServer:
     def counters(self) -> dict[str, int]:
         """Steps launched, graphs captured and graph steps run so far (what run_path reports per run)."""
         graphs = self.engine.graphs
-        return {"steps": self.pipeline.num_steps, "captures": len(graphs) if graphs is not None else 0,
-                "graph_steps": graphs.num_replays if graphs is not None else 0}
+        counts = {"steps": self.pipeline.num_steps, "captures": len(graphs) if graphs is not None else 0,
+                  "graph_steps": graphs.num_replays if graphs is not None else 0}
+        loop = self.engine._background
+        worker = getattr(loop, "_worker", None)
+        if worker is not None and worker.cadence is not None:  # late admission: why steps were (not) put off
+            counts.update({f"late_{k}": getattr(worker, f"late_{k}") for k in ("waits", "queued", "unknown", "idled")})
+        return counts
 
     def warm_up(self, workload: Workload, timeout: float | None = None, deadline: float | None = None) -> bool:
         """The replay warm-up (tools/serving.py's docstring); whether it finished before `deadline`."""
