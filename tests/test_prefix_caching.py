@@ -477,3 +477,25 @@ def test_content_sums_move_with_any_values_moved(dtype):
         assert content_sums([changed]) != base, name
     assert content_sums([vector.flip(0)]) != content_sums([vector])
     assert content_sums([matrix.clone()]) == base and content_sums([vector.clone()]) == content_sums([vector])
+
+
+def test_content_sums_of_integer_codes_move_with_words_moved_within_rows():
+    """int8 weights (LLM.int8, torchao's qdata, quanto's data) have no float sums: their words' column
+    sums, by place, tell 4-byte groups moved within a row."""
+    from hf_async_cb.model.weight_kinds import content_sums
+    codes = torch.randint(-128, 128, (8, 32), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    swapped = codes.clone()
+    swapped[:, 0:4], swapped[:, 4:8] = codes[:, 4:8], codes[:, 0:4]
+    assert content_sums([swapped]) != content_sums([codes]) and content_sums([codes.clone()]) == content_sums([codes])
+
+
+def test_weights_in_torch_ao_packed_parameters_are_never_served_stale():
+    """torch.ao's dynamically quantized Linears keep their weights in TorchScript objects, which no
+    tensor read reaches: `set_weight_bias()` between calls must not leave the next call the old K/V."""
+    model = torch.ao.quantization.quantize_dynamic(fresh_model("llama", seed=13), {torch.nn.Linear}, dtype=torch.float16)
+    prompts = shared_prompts(groups=1, rows=2, prefix=32, own=4, seed=8)
+    assert generate_rows(model, prompts, 6, "sync") == expected(model, prompts, 6)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    k_proj.set_weight_bias(k_proj.weight() * -1, k_proj.bias())
+    assert generate_rows(model, prompts, 6, "sync") == expected(model, prompts, 6)
+    hf_async_cb.release(model)

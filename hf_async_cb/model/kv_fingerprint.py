@@ -23,8 +23,9 @@ compute. A call compares this fingerprint with the last one and empties the cach
 
 Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
 user's, or a forward of the user's patched onto a module instance, may hold anything (a steering
-vector changed in place between calls): for such a model the fingerprint is None, "unknown", and the
-cache lives for one call only.
+vector changed in place between calls), and torch.ao's quantized Linears keep their weights in
+TorchScript objects that no tensor read reaches (`set_weight_bias()`): for such a model the fingerprint
+is None, "unknown", and the cache lives for one call only.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | Non
     nested generators costs about a millisecond for an 8B model's 423 modules)."""
     named = list(model.named_modules())
     modules = [m for _, m in named]
-    if runs_user_code(model, modules):
+    if runs_user_code(model, modules) or holds_opaque_weights(modules):
         return None
     tensors = model_tensors(model, modules)
     counters = versions(tensors)
@@ -92,6 +93,13 @@ def runs_user_code(model: torch.nn.Module, modules: list[torch.nn.Module] | None
     forward of the user's patched onto a module instance. `modules`: `list(model.modules())` where
     the caller has it."""
     return any(global_hooks()) or any(_hooked(m) or _patched(m) for m in (modules or model.modules()))
+
+
+def holds_opaque_weights(modules: list[torch.nn.Module]) -> bool:
+    """Whether a module keeps weights in an object no tensor read reaches: a TorchScript object (the
+    packed parameters of torch.ao's quantized and dynamically quantized Linears, which
+    `set_weight_bias()` rewrites). The fingerprint is then unknown."""
+    return any(isinstance(v, torch.ScriptObject) for m in modules for v in vars(m).values())
 
 
 # Instance forwards whose state is the model's own: this package's swaps, accelerate's device hooks
@@ -175,7 +183,8 @@ class WeightVersions:
         listed = {id(t) for t in self._tensors}  # (the attribute tensors among them, in their modules' dicts)
         self._slots += [(vars(m), name, t) for m in modules if not type(m).__module__.startswith("transformers.")
                         for name, t in vars(m).items() if isinstance(t, torch.Tensor) and id(t) in listed]
-        self._hooked = self.runs_user_code = runs_user_code(model, modules)
+        self.runs_user_code = runs_user_code(model, modules)
+        self._hooked = self.runs_user_code or holds_opaque_weights(modules)  # (either: nothing known)
         # The modules' structure, for restructured(): each tensor and child in its table, the tensors held
         # in containers (HQQ's meta dict: its scales and zeros) by identity, where every tensor's data
         # live (`.data = ...` keeps the tensor: fusion.moved_from, so that the package's own fusions are

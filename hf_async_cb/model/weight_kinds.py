@@ -79,7 +79,7 @@ def content_sums(tensors) -> tuple:
     so the same whatever the reduction order), and the rows' sums weighted by their place: any
     change of one word moves it, and so does a write that only moves rows (a flip, two heads
     swapped), which a plain sum would not see. A floating tensor also gives its columns' float32
-    sums (a vector's values), weighted by their place likewise, which move when values move within
+    sums (a vector's values; an integer tensor its words' column sums), weighted by their place likewise, which move when values move within
     rows (input features swapped) and when signs flip (each word then moves by 2**31, and an even count of them cancels in
     the first). A tensor over no storage of its own (a wrapper subclass: its
     inner tensors hold the data, and are listed themselves: held_tensors) or of another kind
@@ -93,7 +93,8 @@ def content_sums(tensors) -> tuple:
             groups.setdefault(data.device, []).append((i, data))
     out: list = [None] * len(tensors)
     for device, members in groups.items():
-        words, values = [], []
+        words, values, columns = [], [], []
+        zero = torch.zeros((), dtype=torch.int64, device=device)
         for _, t in members:
             word_rows, rows = _rows(t)
             # Integer arithmetic is exact whatever the order of the additions (int64, wrapping).
@@ -102,10 +103,14 @@ def content_sums(tensors) -> tuple:
             if t.dtype in FLOATING:
                 sums = rows.sum(dim=0 if rows.shape[1] > 1 else 1, dtype=torch.float32)  # (a vector: its values)
                 values.append(torch.dot(sums, _place_weights(sums.shape[0], device)[1]))
-            else:
-                values.append(torch.zeros((), dtype=torch.float32, device=device))
-        for (i, _), word, value in zip(members, torch.stack(words).tolist(), torch.stack(values).tolist()):
-            out[i] = (word, value)
+                columns.append(zero)
+            else:  # integer codes (int8 weights, packed 4-bit): their words' column sums, by place (exact)
+                by_column = word_rows.sum(dim=0, dtype=torch.int64)
+                columns.append((by_column * _place_weights(by_column.shape[0], device)[0]).sum())
+                values.append(zero.float())
+        for (i, _), word, value, column in zip(members, torch.stack(words).tolist(), torch.stack(values).tolist(),
+                                               torch.stack(columns).tolist()):
+            out[i] = (word, value, column)
     return tuple(out)
 
 
