@@ -113,7 +113,8 @@ def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(m
                         lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
     # (the CPU's steps have always finished when the next is built: read as the device's intervals)
     monkeypatch.setattr(late_admission.StepCadence, "observe",
-                        lambda self, now, steady, idled=False, kind=0: observe(self, now, steady, False, kind))
+                        lambda self, now, steady, idled=False, kind=0, build_s=None: observe(self, now, steady, False, kind,
+                                                                                            build_s))
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", max_batch_tokens=48,
                                                                        late_admission=True))
     engine.start()
@@ -145,8 +146,8 @@ def test_an_arrival_cuts_the_wait_short(monkeypatch):
     observe = StepCadence.observe
     long_steps = [True]
 
-    def read_steps(self, now, steady, idled=False, kind=0):
-        observe(self, now, steady, False, kind)
+    def read_steps(self, now, steady, idled=False, kind=0, build_s=None):
+        observe(self, now, steady, False, kind, build_s)
         self._intervals.clear()
         if long_steps[0]:
             for k in range(12):  # (whatever kind of step runs)
@@ -197,8 +198,8 @@ def test_no_wait_while_requests_queue_for_room(monkeypatch):
     hold the running request far past the bound below."""
     observe = StepCadence.observe
 
-    def read_long_steps(self, now, steady, idled=False, kind=0):
-        observe(self, now, steady, False, kind)
+    def read_long_steps(self, now, steady, idled=False, kind=0, build_s=None):
+        observe(self, now, steady, False, kind, build_s)
         self._intervals.clear()
         for k in range(12):
             self._record(k).append(5.0)
@@ -216,3 +217,37 @@ def test_no_wait_while_requests_queue_for_room(monkeypatch):
         assert not queued.done or queued.result().output_token_ids
     finally:
         engine.shutdown(cancel=True, timeout=30)
+
+
+def test_short_builds_narrow_the_margin_down_to_its_floor_and_an_idle_device_widens_it_again():
+    """The margin's base is a quarter of the step where nothing is known of the host's builds; twice
+    their median where that is less (what an arrival in the margin pays: a step), not below
+    `min_share`; a device that ran dry still grows it from there."""
+    cadence = StepCadence()
+    t = 0.0
+    for _ in range(8):
+        t += 0.016
+        cadence.observe(t, steady=True)
+    assert cadence.delay(t) == pytest.approx(0.016 * 0.75)  # no builds known: a quarter of the step
+    for _ in range(16):
+        t += 0.016
+        cadence.observe(t, steady=True, build_s=0.0015)
+    assert cadence.delay(t) == pytest.approx(0.016 - 0.003)  # twice the builds' median
+    for _ in range(16):
+        t += 0.016
+        cadence.observe(t, steady=True, build_s=0.0002)
+    assert cadence.delay(t) == pytest.approx(0.016 - 0.0015)  # (at least margin_s: 1.5 ms)
+    for _ in range(8):
+        t += 0.030
+        cadence.observe(t, steady=True, build_s=0.0002)
+    assert cadence.delay(t) == pytest.approx(0.030 * (1 - 0.08))  # the floor: min_share of the step
+    t += 0.030
+    cadence.observe(t, steady=True, idled=True, build_s=0.0002)
+    t += 0.030
+    cadence.observe(t, steady=True, build_s=0.0002)
+    grown = 0.25 * 1.5 * 0.97  # (grown by half, then one steady step's recovery)
+    assert cadence.delay(t) == pytest.approx(0.030 * (1 - (0.08 + grown - 0.25)))  # the growth kept on the floor
+    for _ in range(16):
+        t += 0.016
+        cadence.observe(t, steady=True, build_s=0.02)  # builds longer than the step: the base, no more
+    assert cadence.step_s == pytest.approx(0.016) and cadence.delay(t) <= 0.016 * 0.75 + 1e-9

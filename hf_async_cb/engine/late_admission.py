@@ -29,12 +29,21 @@ Where the device ran dry all the same, the margin grows (by half, up to `max_sha
 and it shrinks back toward its base step by step while none does: the cost of a wrong estimate is
 paid once, not at every step. (At 16 requests/s on an 8B model, one median for every kind left the
 device idle often enough to raise the mean inter-token latency by 10%: docs/benchmarks.md.)
+
+The margin's base is a quarter of the step, less where the host's recent builds (schedule, build and
+launch of a step, timed by the pipeline) were short beside it: twice their median, at least
+`min_share` of the step. An arrival in the margin joins a step later, so the margin is what the async
+loop's first tokens pay over the sync loop's, which in turn pays the build between every two steps
+(at 64 requests/s on an 8B model, a margin of a quarter of ~15 ms steps left async 4-7 ms behind).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import statistics
+
+MIN_SHARE_VARIABLE = "HF_ASYNC_CB_LATE_MIN_SHARE"
 
 
 def step_kind(tokens: int, chunks: int) -> int:
@@ -48,7 +57,7 @@ class StepCadence:
     step in flight, and how long to wait before building the next one."""
 
     def __init__(self, min_step_s: float = 3e-3, margin_s: float = 1.5e-3, margin_share: float = 0.25,
-                 window: int = 8, max_share: float = 0.6, recovery: float = 0.97) -> None:
+                 window: int = 8, max_share: float = 0.6, recovery: float = 0.97, min_share: float | None = None) -> None:
         self.min_step_s = min_step_s  # shorter steps: the margin would take all of it
         self.margin_s = margin_s  # at least this long before the expected end, for the build and launch
         self.base_share = margin_share  # and at least this share of the step
@@ -56,6 +65,9 @@ class StepCadence:
         self.max_share = max_share
         self.recovery = recovery  # the factor that brings the margin back toward its base per steady step
         self.window = window
+        # The base share's floor where builds are short (HF_ASYNC_CB_LATE_MIN_SHARE=0.25: a quarter always).
+        self.min_share = float(os.environ.get(MIN_SHARE_VARIABLE, 0.08)) if min_share is None else min_share
+        self._builds: collections.deque[float] = collections.deque(maxlen=16)
         self._intervals: dict[int, collections.deque[float]] = {}
         self._last: float | None = None
 
@@ -75,11 +87,15 @@ class StepCadence:
         """The expected duration of a decode step, or None."""
         return self.expected_s(0)
 
-    def observe(self, now: float, steady: bool, idled: bool = False, kind: int = 0) -> None:
+    def observe(self, now: float, steady: bool, idled: bool = False, kind: int = 0,
+                build_s: float | None = None) -> None:
         """step() returned at `now`, having completed a step of `kind`; `steady`: a step was in flight
         before and after it (an interval between two such returns is that step's duration); `idled`:
         the device had finished the step in flight before the next was launched, so the interval is
-        not one (the record is emptied, the margin grows). An unsteady return forgets the last time."""
+        not one (the record is emptied, the margin grows). An unsteady return forgets the last time.
+        `build_s`: how long the host took to build and launch the step it launched in that step()."""
+        if build_s is not None:
+            self._builds.append(build_s)
         if idled:
             self._intervals.clear()
             self.margin_share = min(self.max_share, self.margin_share * 1.5)
@@ -94,5 +110,9 @@ class StepCadence:
         step = self.expected_s(kind)
         if step is None or self._last is None or step < self.min_step_s:
             return 0.0
-        margin = max(self.margin_s, self.margin_share * step)
+        share = self.margin_share
+        if self._builds:  # the base share lowered to what the builds need (the grown part kept)
+            needed = max(self.min_share, 2 * statistics.median(self._builds) / step)
+            share -= self.base_share - min(self.base_share, needed)
+        margin = max(self.margin_s, share * step)
         return max(0.0, self._last + step - margin - now)

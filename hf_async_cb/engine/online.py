@@ -171,7 +171,7 @@ class _Worker:
         """Wait until the step running is about to end, or a request arrives, before building the next.
         `returned`: when the step that ended returned (its callers' callbacks since are not a step's time)."""
         pipeline = self.pipeline
-        self.cadence.observe(returned, steady, idled, pipeline.completed_kind)
+        self.cadence.observe(returned, steady, idled, pipeline.completed_kind, pipeline.build_s)
         now = time.perf_counter()
         running = pipeline.in_flight[-1].kind if pipeline.in_flight else 0
         # Requests waiting for room: an arrival would queue behind them, so a wait would gain it nothing.

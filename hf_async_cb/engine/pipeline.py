@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class Pipeline:
         self.overlap = overlap
         self.found_idle = False  # see step(); asked only where track_idle (a serving loop with late admission)
         self.track_idle = False
+        self.build_s: float | None = None  # where track_idle: the last step's build and launch, in seconds
         self.completed_kind = 0  # the kind of the step last completed (engine/late_admission.py)
         self.graphs = graphs
         self.slots = (IOSlot(streams), IOSlot(streams))
@@ -102,6 +104,7 @@ class Pipeline:
         requests that finished. A request failed by its own code is among them with its
         `error` set when `isolate_faults`; otherwise that error is raised once the step is processed."""
         finished: list[Request] = []
+        began = time.perf_counter() if self.track_idle else 0.0
         with self._span("schedule+build"):
             inputs = self._prepare()
         launched = inputs is not None
@@ -114,6 +117,8 @@ class Pipeline:
         if launched:
             with self._span("launch"):
                 self._enqueue(*inputs)
+            if self.track_idle:  # what late admission's margin must leave the host before a step's expected end
+                self.build_s = time.perf_counter() - began
         keep = 1 if (self.overlap and launched) else 0
         completed = bool(finished) or len(self.in_flight) > keep
         while len(self.in_flight) > keep:
