@@ -266,3 +266,38 @@ def test_a_held_engine_and_a_serving_loop_refuse_code_patched_since_and_no_verdi
         patch_llama("modeling function")
         with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
             engine.add_request(PROMPTS[0], params).result(timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_attention_modules_window_set_after_a_call_is_read_as_stock_reads_it(mode):
+    """Stock's masks come from the config: a module's own `sliding_window` set after a first call
+    changes nothing in stock, and must not change the window the engine attends with."""
+    torch.manual_seed(0)
+    model = scaled(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=24)))
+    model.eval()
+    ids, mask = left_pad(random_prompts(3, 30, 60, seed=11))
+    def generate(**kw):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, **kw)
+    generate(batching=mode, batching_config=BatchingConfig(prefix_caching=False))
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 8
+    assert torch.equal(generate(batching=mode, batching_config=BatchingConfig(prefix_caching=False)), generate())
+
+
+def test_a_sub_models_config_replaced_after_a_call_is_never_run_stale():
+    """`model.model.config = other` (a window stock's masks then read): the next call runs the model as
+    it now is or refuses it (here the parity check does), never with the old config's window."""
+    torch.manual_seed(0)
+    model = scaled(transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=32))).eval()
+    _generate(model, batching="sync")
+    inner = copy.deepcopy(model.model.config)
+    inner.sliding_window = 8
+    model.model.config = inner
+    expected = _generate(model)
+    try:
+        got = _generate(model, batching="sync")
+    except ValueError as refusal:
+        assert "cannot run on hf_async_cb" in str(refusal)
+    else:
+        assert torch.equal(got, expected)

@@ -52,12 +52,18 @@ def signature(model: torch.nn.Module) -> tuple:
     fusion gave a weight (another engine's or generate()'s preparation of the same model, or its
     undoing) reads as the one it replaced (fusion.moved_from): the user changed nothing there, and
     an engine's CUDA graphs follow the move (weight_storages). So does the code the modules' classes
-    run (model/code_identity.py: a class's forward or a modeling file's function patched)."""
+    run (model/code_identity.py: a class's forward or a modeling file's function patched), a module's
+    config replaced by another object, a config a module holds outside the model's edited, and an
+    attention module's `sliding_window` set since."""
     modules = list(model.modules())
     params = tuple((id(p), moved_from(p), p.dtype, p.device)
                    for p in (*parameters_of(modules), *attribute_tensors(model, modules)))
-    kinds = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m)) for m in modules)
-    return params, kinds, global_hooks(), config_snapshot(model.config), code_identity(modules)
+    # Each module's config by identity (a sub-model given another config object), and an attention
+    # module's own window (the preparation reads its masks against it: model/mask_semantics.py).
+    kinds = tuple((id(m), type(m), m.__dict__.get("forward"), user_hooks(m), id(m.__dict__.get("config")),
+                   m.__dict__.get("sliding_window")) for m in modules)
+    own = tuple(config_snapshot(c) for c in attention.own_configs(model, model.config, modules))  # (edited in place too)
+    return params, kinds, global_hooks(), config_snapshot(model.config), own, code_identity(modules)
 
 
 def weight_storages(model: torch.nn.Module) -> tuple:
