@@ -36,6 +36,18 @@ METADATA_KWARG = "hf_async_cb_step"
 # The step of the forward running in this thread (or task): what the attention reads when the
 # modeling code drops the forward kwargs on the way.
 _current_step: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("hf_async_cb_step", default=None)
+# Set on the thread of an engine call for its whole run (PreparedModel.using): a forward outside its steps
+# there is the call's own user code (a processor, a criterion, a streamer) running the model.
+_in_call: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_async_cb_call", default=False)
+
+
+@contextlib.contextmanager
+def engine_call() -> Iterator[None]:
+    token = _in_call.set(True)
+    try:
+        yield
+    finally:
+        _in_call.reset(token)
 
 
 def current_metadata() -> StepMetadata | None:
@@ -67,6 +79,12 @@ def check_probed(module, probed: set[int], what: str) -> None:
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: StepMetadata | None = kwargs.get(METADATA_KWARG) or _current_step.get()
     if meta is None:
+        if _in_call.get():
+            raise RuntimeError(
+                f"{type(module).__name__} ran a forward inside an engine call, outside its steps: a logits processor, "
+                "stopping criterion, streamer or callback of this call ran the model, which the engine holds for the "
+                "whole call (its attention runs on the engine's pages). Run such a forward on a copy of the model "
+                "(copy.deepcopy(model)), or generate without batching.")
         raise RuntimeError(
             f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step: its model is "
             "held by an engine right now (a serving loop: call the model after shutdown(); a generate call in another "

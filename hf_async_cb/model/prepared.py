@@ -196,7 +196,8 @@ class PreparedModel:
                 try:
                     self._attach()
                     attention.register()
-                    with attention.implementation(model.config, attention.ATTENTION_NAME, model) as stock:
+                    with attention.implementation(model.config, attention.ATTENTION_NAME, model) as stock, \
+                            attention.engine_call():
                         self._stock_attention = stock
                         yield
                 finally:
