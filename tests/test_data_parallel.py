@@ -232,6 +232,70 @@ def test_replicas_follow_the_model_when_it_is_trained(workers):
         assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.weight_syncs == 2
 
 
+def _set_eps(model):
+    for m in model.modules():
+        if hasattr(m, "variance_epsilon"):
+            m.variance_epsilon = 0.5
+
+
+def _torchao_inner_write(model):
+    for m in model.modules():
+        qdata = getattr(getattr(m, "weight", None), "qdata", None)
+        if qdata is not None:
+            qdata.mul_(-1)
+
+
+CHANGES_BEYOND_PARAMETERS = {
+    "a buffer written in place (rotary inv_freq)": lambda model: model.model.rotary_emb.inv_freq.mul_(0.3),
+    "a module setting (RMSNorm eps)": _set_eps,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES_BEYOND_PARAMETERS))
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_replicas_follow_changes_beyond_the_parameters(workers, change):
+    """Buffers are copied with the parameters; module settings, adapter states and quantized weights'
+    inner tensors, which no copy of them carries, make the replicas afresh: every row is the changed
+    model's, whichever replica it lands on."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama"))
+    with DataParallel(model, devices=["cpu", "cpu"], workers=workers) as dp:
+        before = _tokens(dp.generate(PROMPTS, max_new_tokens=6))
+        with torch.no_grad():
+            CHANGES_BEYOND_PARAMETERS[change](model)
+        expected = _tokens(Engine(copy.deepcopy(model)).generate(PROMPTS, max_new_tokens=6))
+        assert expected != before
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected
+
+
+def test_replicas_follow_an_adapter_switch_and_a_quantized_weights_inner_write():
+    import copy
+
+    import peft
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    wrapper = peft.get_peft_model(copy.deepcopy(tiny_model("llama")), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    wrapper.add_adapter("b", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = wrapper.get_base_model()  # (its adapter layers stay in it)
+    with DataParallel(model, devices=["cpu", "cpu"]) as dp:
+        before = _tokens(dp.generate(PROMPTS, max_new_tokens=6))
+        wrapper.set_adapter("b")
+        expected = _tokens(Engine(copy.deepcopy(model)).generate(PROMPTS, max_new_tokens=6))
+        assert expected != before
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected and dp.rebuilds == 1
+    quantized = copy.deepcopy(tiny_model("llama"))
+    quantize_(quantized, Int8WeightOnlyConfig())
+    with DataParallel(quantized, devices=["cpu", "cpu"]) as dp:
+        before = _tokens(dp.generate(PROMPTS, max_new_tokens=6))
+        with torch.no_grad():
+            _torchao_inner_write(quantized)
+        expected = _tokens(Engine(copy.deepcopy(quantized)).generate(PROMPTS, max_new_tokens=6))
+        assert expected != before
+        assert _tokens(dp.generate(PROMPTS, max_new_tokens=6)) == expected
+
+
 @pytest.mark.parametrize("workers", ["threads", "processes"])
 def test_errors_keep_their_type_and_a_closed_one_says_so(workers):
     """A request's own error (here a logits processor's KeyError) is raised as one Engine raises it,

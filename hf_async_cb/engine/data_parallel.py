@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import heapq
+import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -43,8 +44,12 @@ from hf_async_cb.engine.engine import Engine, _random_seed
 from hf_async_cb.engine.eos import with_model_eos
 from hf_async_cb.engine.replica_process import ProcessReplica
 from hf_async_cb.engine.requests import RequestOutput, SamplingParams, as_token_lists, params_per_prompt
+from hf_async_cb.model.kv_fingerprint import adapter_states, model_tensors
+from hf_async_cb.model.numerics_key import numerics_key
 from hf_async_cb.model.weight_kinds import content_sums
 from hf_async_cb.sampling.sampler import derive_seed
+
+logger = logging.getLogger(__name__)
 
 STREAM_HEADROOM = 16  # requests a replica holds beyond what it runs, so that a freed slot refills at once
 STREAM_POLL_S = 0.5  # how often a waiting call checks that its replicas are alive
@@ -78,8 +83,17 @@ class DataParallel:
         self._closed = False
         self.engines: list[Engine] = []  # the thread replicas' engines
         self.replicas: list[ProcessReplica] = []  # the process replicas
+        self.model = model
+        self.tokenizer = tokenizer
+        self._start_replicas()
+        self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
+        self.weight_syncs = 0  # how many times the replicas took the model's new weights
+        self.rebuilds = 0  # how many times they were made afresh (a change no weight copy carries)
+
+    def _start_replicas(self) -> None:
+        model, tokenizer = self.model, self.tokenizer
         try:
-            if workers == "processes":
+            if self.workers == "processes":
                 self.replicas = [ProcessReplica(model, device, self.config, tokenizer) for device in self.devices]
                 for replica in self.replicas:  # the processes start together, then each is waited for
                     replica.wait_ready()
@@ -93,11 +107,8 @@ class DataParallel:
         except BaseException:
             self.close()
             raise
-        self.last_assignment: list[list[int]] = []  # prompt indices per replica, of the last call
-        self.model = model
-        self.tokenizer = tokenizer
         self._weights_seen = weights_fingerprint(model)
-        self.weight_syncs = 0  # how many times the replicas took the model's new weights
+        self._state_seen = replica_state(model)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, mode: str | None = None, logits_processor=None, stopping_criteria=None,
@@ -295,10 +306,23 @@ class DataParallel:
         weights changed since the last call (trained in place, or weights assigned), copy them into
         every replica first, so that a call always generates with the model as it is now, as one
         Engine on the model would (an RL loop of rollouts and training steps)."""
+        if replica_state(self.model) != self._state_seen:
+            # Module settings, adapter states or quantized weights' inner tensors changed: no copy of the
+            # parameters carries those, so the replicas are made afresh from the model as it is now.
+            logger.info("hf_async_cb: the model changed beyond its weights' values since its replicas were made; "
+                        "making them afresh")
+            for engine in self.engines:
+                engine.close()
+            for replica in self.replicas:
+                replica.close()
+            self.engines, self.replicas = [], []
+            self._start_replicas()
+            self.rebuilds += 1
+            return
         seen = weights_fingerprint(self.model)
         if seen == self._weights_seen:
             return
-        weights = [p.detach() for p in self.model.parameters()]
+        weights = _state_tensors(self.model)
         for engine in self.engines:
             if engine.model is not self.model:  # (the model's own engine reads its weights)
                 copy_weights(engine.model, weights)
@@ -328,21 +352,39 @@ class DataParallel:
 
 
 @torch.no_grad()
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a weight sync copies into a replica, in order: the parameters, then the buffers."""
+    return [t.detach() for t in (*model.parameters(), *model.buffers())]
+
+
 def weights_fingerprint(model: torch.nn.Module) -> tuple:
-    """Changes whenever a parameter is replaced (its storage), written in place (its version
-    counter), or written through `.data`, which bumps no version counter (EMA and hand-written
-    optimiser code do): the sum of its bits (weight_kinds.content_sums). One pass over the weights
-    per call, against a copy of them all to every replica when they changed."""
-    params = [p.detach() for p in model.parameters()]
+    """Changes whenever a parameter or buffer is replaced (its storage), written in place (its
+    version counter), or written through `.data`, which bumps no version counter (EMA and
+    hand-written optimiser code do): the sum of its bits (weight_kinds.content_sums). One pass over
+    the weights per call, against a copy of them all to every replica when they changed."""
+    params = _state_tensors(model)
     layout = tuple((p.data_ptr(), p._version, p.dtype, p.shape) for p in params)
     return layout, content_sums(params)
 
 
+def replica_state(model: torch.nn.Module) -> tuple:
+    """What a copy of the parameters and buffers does not carry to a replica: every module's own
+    settings and the PEFT configs (model/numerics_key.py), the adapter layers' states, and the contents
+    of the tensors held beyond the parameters and buffers (a quantized weight's inner data and scales,
+    a custom module's tensor attributes)."""
+    named = list(model.named_modules())
+    modules = [m for _, m in named]
+    plain = {id(t) for t in (*model.parameters(), *model.buffers())}
+    held = [t for t in model_tensors(model, modules) if id(t) not in plain]
+    return hash(numerics_key(model, named)), adapter_states(modules), content_sums(held)
+
+
 @torch.no_grad()
 def copy_weights(replica: torch.nn.Module, weights: list[torch.Tensor]) -> None:
-    """Copy `weights` (the model's parameters, in order) into the replica's parameters in place: a
-    replica's weights are views of its fused tensors, which see the new values without a rebuild."""
-    params = list(replica.parameters())
+    """Copy `weights` (the model's parameters and buffers, in order: _state_tensors) into the
+    replica's in place: a replica's weights are views of its fused tensors, which see the new values
+    without a rebuild."""
+    params = _state_tensors(replica)
     if len(params) != len(weights) or any(p.shape != w.shape for p, w in zip(params, weights)):
         raise ValueError("the model's parameters no longer match its replicas' (a layer added, removed or "
                          "resized): build a new DataParallel.")

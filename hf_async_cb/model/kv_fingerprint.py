@@ -60,7 +60,7 @@ def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | Non
     except Exception:  # noqa: BLE001 - settings it cannot read: unknown
         return None
     storages = tuple(storage_key(t) for t in tensors)  # (a quantized subclass's inner tensors')
-    fingerprint = (sum(counters), hash(storages), _adapter_state(modules), settings,
+    fingerprint = (sum(counters), hash(storages), adapter_states(modules), settings,
                    numeric_context(tensors[0].device.type if tensors else "cpu"))
     return fingerprint + (content_sums(tensors),) if content else fingerprint
 
@@ -149,7 +149,7 @@ def _hooked(module: torch.nn.Module) -> bool:
     return any(getattr(hooks[i][k], "__name__", "") != "make_inputs_require_grad" for i in (0, 1) for k in keys[i])
 
 
-def _adapter_state(modules: list[torch.nn.Module]) -> tuple:
+def adapter_states(modules: list[torch.nn.Module]) -> tuple:
     return _states(m for m in modules if "_active_adapter" in m.__dict__)  # (PEFT tuner layers)
 
 
