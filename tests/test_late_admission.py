@@ -163,7 +163,7 @@ def test_an_arrival_cuts_the_wait_short(monkeypatch):
             if worker.cadence._last is not None or first.done:
                 break
             time.sleep(0.002)
-        assert not first.done and worker.late_waits == 0
+        assert not first.done  # (a wake left from the request's arrival may end a first wait at once)
         time.sleep(0.2)  # (well inside that wait)
         long_steps[0] = False  # the wait under way was set at 5 s; none after it
         started = time.perf_counter()
@@ -213,7 +213,9 @@ def test_no_wait_while_requests_queue_for_room(monkeypatch):
         queued = engine.add_request([8, 9], max_new_tokens=2, eos_token_ids=())
         started = time.perf_counter()
         assert len(running.result(timeout=30).output_token_ids) == 24
-        assert time.perf_counter() - started < 3.0 and engine._background._worker.late_waits == 0
+        # (Once the queued request is taken in, as the running one's last token is sampled, nothing
+        # queues and the loop may wait: the bound is what tells a wait while it queued.)
+        assert time.perf_counter() - started < 3.0
         assert not queued.done or queued.result().output_token_ids
     finally:
         engine.shutdown(cancel=True, timeout=30)
@@ -222,8 +224,10 @@ def test_no_wait_while_requests_queue_for_room(monkeypatch):
 def test_short_builds_narrow_the_margin_down_to_its_floor_and_an_idle_device_widens_it_again():
     """The margin's base is a quarter of the step where nothing is known of the host's builds; twice
     their median where that is less (what an arrival in the margin pays: a step), not below
-    `min_share`; a device that ran dry still grows it from there."""
-    cadence = StepCadence()
+    `min_share` (a quarter by default: builds lower nothing until a floor is measured on the device);
+    a device that ran dry still grows it from there."""
+    assert StepCadence().min_share == 0.25
+    cadence = StepCadence(min_share=0.08)
     t = 0.0
     for _ in range(8):
         t += 0.016

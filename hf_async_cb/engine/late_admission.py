@@ -30,11 +30,13 @@ and it shrinks back toward its base step by step while none does: the cost of a 
 paid once, not at every step. (At 16 requests/s on an 8B model, one median for every kind left the
 device idle often enough to raise the mean inter-token latency by 10%: docs/benchmarks.md.)
 
-The margin's base is a quarter of the step, less where the host's recent builds (schedule, build and
-launch of a step, timed by the pipeline) were short beside it: twice their median, at least
-`min_share` of the step. An arrival in the margin joins a step later, so the margin is what the async
-loop's first tokens pay over the sync loop's, which in turn pays the build between every two steps
-(at 64 requests/s on an 8B model, a margin of a quarter of ~15 ms steps left async 4-7 ms behind).
+The margin's base can be lowered below a quarter of the step where the host's recent builds
+(schedule, build and launch of a step, timed by the pipeline) were short beside it: twice their
+median, at least `min_share` of the step. An arrival in the margin joins a step later, so the margin
+is what the async loop's first tokens pay over the sync loop's, which in turn pays the build between
+every two steps (at 64 requests/s on an 8B model, a margin of a quarter of ~15 ms steps left async
+4-7 ms behind). The floor stays at a quarter (no change) until a lower one is measured on the device
+(`HF_ASYNC_CB_LATE_MIN_SHARE=0.08`: the inter-token latency must not suffer).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class StepCadence:
         self.max_share = max_share
         self.recovery = recovery  # the factor that brings the margin back toward its base per steady step
         self.window = window
-        # The base share's floor where builds are short (HF_ASYNC_CB_LATE_MIN_SHARE=0.25: a quarter always).
-        self.min_share = float(os.environ.get(MIN_SHARE_VARIABLE, 0.08)) if min_share is None else min_share
+        # The base share's floor where builds are short: a quarter (the base itself: builds never lower it)
+        # until a lower floor is measured on the device (HF_ASYNC_CB_LATE_MIN_SHARE=0.08 against 0.25).
+        self.min_share = float(os.environ.get(MIN_SHARE_VARIABLE, margin_share)) if min_share is None else min_share
         self._builds: collections.deque[float] = collections.deque(maxlen=16)
         self._intervals: dict[int, collections.deque[float]] = {}
         self._last: float | None = None
