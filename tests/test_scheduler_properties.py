@@ -222,7 +222,7 @@ class Sim:
     def check_state(self) -> None:
         sched, alloc, cfg = self.scheduler, self.allocator, self.cfg
         # (a request whose last token is in flight has given its place to a waiting one already)
-        leaving = sum(len(r.output_token_ids) + r.num_pending >= r.params.max_new_tokens for r in sched.running)
+        leaving = sum(r.num_sampled >= r.params.max_new_tokens for r in sched.running)
         assert len(sched.running) - leaving <= cfg.max_running_requests
         held: list[int] = []
         for req in sched.running:
