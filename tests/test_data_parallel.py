@@ -344,3 +344,27 @@ def test_process_replicas_take_a_model_once_asked_for_hidden_states():
     with torch.no_grad():
         assert len(model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states) == \
             model.config.num_hidden_layers + 1
+
+
+def test_a_replica_rebuild_that_fails_raises_instead_of_hanging(monkeypatch):
+    """Making the replicas afresh runs inside a call, which holds the call lock: a failure there must
+    stop the replicas and raise, not wait for that lock (close() takes it)."""
+    import copy
+    import threading
+
+    model = copy.deepcopy(tiny_model("llama"))
+    dp = DataParallel(model, devices=["cpu", "cpu"])
+    dp.generate(PROMPTS[:2], max_new_tokens=2)
+    _set_eps(model)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no room for a replica")
+
+    monkeypatch.setattr("hf_async_cb.engine.data_parallel.Engine", fail)
+    raised = []
+    call = threading.Thread(target=lambda: raised.append(pytest.raises(RuntimeError, dp.generate, PROMPTS[:2],
+                                                                       max_new_tokens=2)), daemon=True)
+    call.start()
+    call.join(timeout=60)
+    assert not call.is_alive() and raised and "no room for a replica" in str(raised[0].value)
+    dp.close()

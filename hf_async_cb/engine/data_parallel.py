@@ -105,7 +105,7 @@ class DataParallel:
                         else copy.deepcopy(model).to(device)
                     self.engines.append(Engine(replica, self.config, tokenizer=tokenizer))
         except BaseException:
-            self.close()
+            self._stop_replicas()  # (not close(): a rebuild runs inside a call, which holds its lock)
             raise
         self._weights_seen = weights_fingerprint(model)
         self._state_seen = replica_state(model)
@@ -311,11 +311,7 @@ class DataParallel:
             # parameters carries those, so the replicas are made afresh from the model as it is now.
             logger.info("hf_async_cb: the model changed beyond its weights' values since its replicas were made; "
                         "making them afresh")
-            for engine in self.engines:
-                engine.close()
-            for replica in self.replicas:
-                replica.close()
-            self.engines, self.replicas = [], []
+            self._stop_replicas()
             self._start_replicas()
             self.rebuilds += 1
             return
@@ -338,11 +334,14 @@ class DataParallel:
         """Close every replica (idempotent). A call in flight on another thread ends first."""
         with self._calls:
             self._closed = True
-            for engine in self.engines:
-                engine.close()
-            for replica in self.replicas:
-                replica.close()
-            self.replicas = []
+            self._stop_replicas()
+
+    def _stop_replicas(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        for replica in self.replicas:
+            replica.close()
+        self.engines, self.replicas = [], []
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -351,12 +350,12 @@ class DataParallel:
         self.close()
 
 
-@torch.no_grad()
 def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """What a weight sync copies into a replica, in order: the parameters, then the buffers."""
     return [t.detach() for t in (*model.parameters(), *model.buffers())]
 
 
+@torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter or buffer is replaced (its storage), written in place (its
     version counter), or written through `.data`, which bumps no version counter (EMA and

@@ -114,7 +114,7 @@ class StepCadence:
         if step is None or self._last is None or step < self.min_step_s:
             return 0.0
         share = self.margin_share
-        if self._builds:  # the base share lowered to what the builds need (the grown part kept)
+        if self._builds and self.min_share < self.base_share:  # the base lowered to what builds need (growth kept)
             needed = max(self.min_share, 2 * statistics.median(self._builds) / step)
             share -= self.base_share - min(self.base_share, needed)
         margin = max(self.margin_s, share * step)
