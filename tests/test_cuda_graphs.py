@@ -514,7 +514,68 @@ def test_greedy_steps_after_sampled_ones_replay_the_sampled_graphs_then_capture_
     assert set(engine.graphs._graphs) == sampled_keys and engine.graphs.num_lent > 0
 
     monkeypatch.setattr(cuda_graphs, "LEND_SAMPLED_STEPS", 0)  # no more lending: the buckets capture their own
+    monkeypatch.setattr(cuda_graphs, "LEND_LARGER_DECODE_STEPS", 0)
     outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
     own = set(engine.graphs._graphs) - sampled_keys
     assert own and not any(k.sampled for k in own)
+
+
+def test_a_step_of_a_bucket_not_captured_is_lent_the_smallest_larger_captured_one():
+    """A decode step whose bucket is not captured replays the smallest captured decode bucket with
+    as many rows or more (up to LEND_LARGER_MAX_BATCH), as long a context or longer and the same
+    options (a greedy step may take a sampled one), LEND_LARGER_DECODE_STEPS times; then it gets its
+    own bucket. Prefill steps below the cap are not lent (a warmed-up loop would capture them later)."""
+    from hf_async_cb.engine import cuda_graphs
+
+    graphs = DecodeGraphs(None, 256, is_cuda=False, prefill=True)
+
+    def decode(rows, context, **options):
+        return StepPlan([ScheduledChunk(Request([3] * context, SamplingParams(**options)), context - 1, 1, True)
+                         for _ in range(rows)], [])
+
+    assert graphs.key_for(decode(7, 300)) == GraphKey(8, 512)  # nothing captured
+    for key in [GraphKey(64, 256), GraphKey(16, 1024, sampled=True), GraphKey(128, 512), GraphKey(32, 512, shared=True),
+                GraphKey(32, 1024), GraphKey(16, 512, 64)]:
+        graphs._graphs[key] = None
+    # (64, 256): context too short; (128, 512): over the batch limit; shared and prefill buckets: other kernels.
+    assert graphs.key_for(decode(7, 300)) == GraphKey(16, 1024, sampled=True)  # greedy rows draw greedily in it
+    graphs._graphs[GraphKey(16, 512)] = None
+    assert graphs.key_for(decode(7, 300)) == GraphKey(16, 512)
+    assert graphs.key_for(decode(7, 300, do_sample=True, seed=1)) == GraphKey(16, 1024, sampled=True)
+    assert graphs.key_for(decode(7, 300, do_sample=True, seed=1, repetition_penalty=1.2)).batch == 8  # other options
+    assert graphs.key_for(decode(65, 300)) == GraphKey(128, 512)  # own bucket captured: its own
+    assert graphs.num_lent_larger == 3
+    for _ in range(cuda_graphs.LEND_LARGER_DECODE_STEPS - 2):
+        graphs.key_for(decode(7, 300))
+    assert graphs.key_for(decode(7, 300)) == GraphKey(8, 512)  # lent enough: captures its own
+
+    prefill = StepPlan([ScheduledChunk(Request([3] * 20, SamplingParams()), 0, 20, True) for _ in range(3)], [])
+    graphs._graphs[GraphKey(16, 512, 128)] = None
+    assert graphs.key_for(prefill) == GraphKey(4, 64, 64)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_later_call_with_fewer_rows_captures_no_decode_graph_and_gives_stock_tokens(mode, monkeypatch):
+    """After a call of 16 rows, a call of 3 (a new batch size, greedy after sampled) replays the larger
+    captured decode bucket with more padding rows: no decode capture, every token stock's (its prefill
+    step captures its own). With the lending off the same call captures a decode bucket."""
+    from hf_async_cb import SamplingParams
+    from hf_async_cb.engine import cuda_graphs
+
+    model = tiny_model("llama")
+    engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=True, seed=3, page_size=4, max_batch_tokens=256))
+    wide = random_prompts(16, 10, 12, seed=4)
+    engine.generate(wide, [SamplingParams(max_new_tokens=40, do_sample=True, top_k=5)] * len(wide))
+    captured = set(engine.graphs._graphs)
+    prompts = random_prompts(3, 10, 12, seed=5)
+    outs = engine.generate(prompts, max_new_tokens=20, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 20)
+    assert not [k for k in set(engine.graphs._graphs) - captured if not k.tokens]
+    assert engine.graphs.num_lent_larger >= 19  # every decode step
+
+    for name in ("LEND_LARGER_DECODE_STEPS", "LEND_SAMPLED_STEPS"):
+        monkeypatch.setattr(cuda_graphs, name, 0)
+    outs = engine.generate(prompts, max_new_tokens=20, eos_token_ids=(2,))
+    assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 20)
+    assert any(k.batch == 4 and not k.tokens for k in set(engine.graphs._graphs) - captured)

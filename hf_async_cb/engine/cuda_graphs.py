@@ -72,6 +72,17 @@ WARM_UP_EVERY_CAPTURE = False
 # captures nothing in its first steps (0.11 s of captures on the H200 for a 1B call), while a long run
 # of greedy steps still ends on the greedy graphs. 0 turns the lending off.
 LEND_SAMPLED_STEPS = 1024
+# A decode step whose bucket is not captured replays a larger captured decode bucket that holds it (more
+# padding rows, a wider block table) this many times before it captures its own: a later call with a new
+# batch size (7 rows after a call of 64) then captures no decode graph, while a shape that keeps coming
+# back still ends on its own graph. A capture costs a 1B model's host 30-45 ms (docs/benchmarks.md); a
+# decode step padded from 8 rows to 64 costs little more than its own (its weights are read once either
+# way). Prefill and mixed steps are not lent (below the cap): a warmed-up serving loop, which has seen
+# each of its prefill buckets once, would capture them in its timed run. 0 turns the lending off.
+LEND_LARGER_DECODE_STEPS = 1024
+# The largest batch a decode step is lent: up to it a step's GEMMs stay bound by reading the weights
+# (at 16 bits, and 4-bit weights near the limit), so the padding rows cost little beyond the launch.
+LEND_LARGER_MAX_BATCH = 64
 
 _STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
 _STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
@@ -313,6 +324,8 @@ class DecodeGraphs:
         self.storages: tuple | None = None  # where the weights were when they were captured (keep_over)
         self.num_lent = 0  # greedy steps that replayed their bucket's sampled graph (LEND_SAMPLED_STEPS)
         self._lent: dict[GraphKey, int] = {}
+        self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_DECODE_STEPS)
+        self._lent_larger: dict[GraphKey, int] = {}
 
     @property
     def num_captured(self) -> int:
@@ -375,10 +388,40 @@ class DecodeGraphs:
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
-                return self._padded_into_captured(key, plan)
+                padded = self._padded_into_captured(key, plan)
+                self.num_padded_up += padded is not None
+                return padded
         if not key.sampled and key not in self._graphs:
             key = self._lent_sampled(key)
+        if key not in self._graphs and not key.tokens:
+            key = self._lent_larger_decode(key)
         return None if key in self.failed else key
+
+    def _lent_larger_decode(self, key: GraphKey) -> GraphKey:
+        """A larger captured decode bucket for a decode step whose own is not captured, while its bucket
+        has been lent fewer than LEND_LARGER_DECODE_STEPS times; else the step's own key."""
+        times = self._lent_larger.get(key, 0)
+        larger = self._larger_decode(key) if times < LEND_LARGER_DECODE_STEPS else None
+        if larger is None:
+            return key
+        self._lent_larger[key] = times + 1
+        self.num_lent_larger += 1
+        return larger
+
+    def _larger_decode(self, key: GraphKey) -> GraphKey | None:
+        """The smallest captured decode bucket that holds a decode step of bucket `key` (as many rows
+        or more, up to LEND_LARGER_MAX_BATCH; as long a context or longer; the same options; a greedy
+        step may take a sampled graph, whose draw picks greedily for it), or None. Its padding rows
+        write to the trash page and read one key each."""
+        best = None
+        for k in self._graphs:
+            if (k.tokens or k.shared or not key.batch <= k.batch <= LEND_LARGER_MAX_BATCH or k.context < key.context
+                    or (k.penalty, k.blocked) != (key.penalty, key.blocked) or (key.sampled and not k.sampled)):
+                continue
+            rank = (k.batch, k.context, k.sampled != key.sampled)
+            if best is None or rank < best[0]:
+                best = (rank, k)
+        return best and best[1]
 
     def _lent_sampled(self, key: GraphKey) -> GraphKey:
         """The sampled graph of a greedy step's bucket, where only that one is captured (and it has
@@ -409,14 +452,15 @@ class DecodeGraphs:
         Triton attention's launch of a prefill/mixed step depends only on its token and request
         counts, so any bucket that holds the step computes it; the extra tokens are bounded
         (PADDED_BUCKET_MAX_TOKENS or twice the step's own bucket) so that the padding costs less
-        than the launches it saves. None when no captured bucket fits."""
+        than the launches it saves. A greedy step may take a sampled bucket (its draw picks greedily),
+        where no greedy one is as small. None when no captured bucket fits."""
         size, tokens = len(plan.chunks), plan.num_tokens
         context = max(map(add, plan.starts, plan.sizes))
         limit = max(PADDED_BUCKET_MAX_TOKENS, 2 * key.tokens)
         best = None
         for k in self._graphs:
             if (not k.tokens or k.tokens > limit or k.batch < size or k.tall != key.tall
-                    or (k.sampled, k.penalty, k.blocked) != (key.sampled, key.penalty, key.blocked)):
+                    or (k.penalty, k.blocked) != (key.penalty, key.blocked) or (key.sampled and not k.sampled)):
                 continue
             pads = k.batch - size
             if pads == 0:
@@ -424,9 +468,9 @@ class DecodeGraphs:
             else:  # each padding request takes a token, the last all those left
                 last = k.tokens - tokens - (pads - 1)
                 fits = last >= 1 and k.context >= max(context, last)
-            if fits and (best is None or (k.tokens, k.batch, k.context) < (best.tokens, best.batch, best.context)):
+            if fits and (best is None or (k.tokens, k.batch, k.context, k.sampled) < (
+                    best.tokens, best.batch, best.context, best.sampled)):
                 best = k
-        self.num_padded_up += best is not None
         return best
 
     def step(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
