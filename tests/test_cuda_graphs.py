@@ -73,6 +73,7 @@ def test_plain_plans_skip_the_row_checks_and_any_other_row_still_counts():
     keeps.keep_scores = True
     for other in (processor, keeps, request(do_sample=True)):
         assert not plan(*plain, other).plain and graphs.key_for(plan(*plain, other)) is None
+    assert graphs.eager == {"row_options": 3}
     assert graphs.key_for(plan(*plain, request(do_sample=True, seed=3))) == GraphKey(4, 64, sampled=True)
 
 
@@ -157,6 +158,7 @@ def test_large_prefill_steps_run_eagerly():
 
     assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS - 8)) is not None
     assert graphs.key_for(plan(PREFILL_GRAPH_MAX_TOKENS + 1)) is None
+    assert graphs.eager == {"too_large": 1}  # counted by why (the serving benchmark reports them)
 
 
 def test_a_token_cap_keeps_larger_steps_eager():

@@ -25,6 +25,7 @@ tensors, which lets CI test the padding, the static buffers and the carry-over t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -324,6 +325,10 @@ class DecodeGraphs:
         self.storages: tuple | None = None  # where the weights were when they were captured (keep_over)
         self.num_lent = 0  # greedy steps that replayed their bucket's sampled graph (LEND_SAMPLED_STEPS)
         self._lent: dict[GraphKey, int] = {}
+        # Steps that ran eagerly, by why: embeddings, row_options (user processors, kept scores, unseeded
+        # draws), too_large (over the graphs' rows or tokens), no_prefill_graphs, prefill_cap (every prefill
+        # bucket taken and none captured holds the step), capture_failed.
+        self.eager: collections.Counter[str] = collections.Counter()
         self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_DECODE_STEPS)
         self._lent_larger: dict[GraphKey, int] = {}
 
@@ -340,7 +345,7 @@ class DecodeGraphs:
         a token, so the token bucket leaves room for them."""
         chunks = plan.chunks
         if plan.embedded:
-            return None  # inputs_embeds: an eager forward
+            return self._eager("embeddings")  # inputs_embeds: an eager forward
         decode = plan.sizes.count(1) == len(chunks) and plan.all_sample  # one token each, all sampling
         sampled = False
         penalised = []
@@ -349,13 +354,13 @@ class DecodeGraphs:
             for c in chunks:
                 r = c.request
                 if r.logits_processor is not None or r.keep_scores:
-                    return None
+                    return self._eager("row_options")
                 p = r.params
                 if p.plain or not c.samples:
                     continue
                 if p.do_sample:
                     if p.seed is None:
-                        return None
+                        return self._eager("row_options")
                     sampled = True
                 if p.reads_history:
                     penalised.append(r)
@@ -368,12 +373,12 @@ class DecodeGraphs:
                        max(r.params.no_repeat_ngram_size for r in penalised), *sequence_shapes(penalised))
         if decode:
             if len(chunks) > self.max_batch or (self.max_tokens is not None and _pow2(len(chunks)) > self.max_tokens):
-                return None
+                return self._eager("too_large")
             key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
             if not self.prefill or plan.num_tokens > PREFILL_GRAPH_MAX_TOKENS:
-                return None
+                return self._eager("too_large" if self.prefill else "no_prefill_graphs")
             size, tokens = len(chunks), plan.num_tokens
             batch = self._prefill_batch(size)
             bucket = _token_bucket(tokens)
@@ -384,18 +389,22 @@ class DecodeGraphs:
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
             tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
             if self.max_tokens is not None and bucket > self.max_tokens:
-                return None
+                return self._eager("too_large")
             key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 padded = self._padded_into_captured(key, plan)
                 self.num_padded_up += padded is not None
-                return padded
+                return padded or self._eager("prefill_cap")
         if not key.sampled and key not in self._graphs:
             key = self._lent_sampled(key)
         if key not in self._graphs and not key.tokens:
             key = self._lent_larger_decode(key)
-        return None if key in self.failed else key
+        return self._eager("capture_failed") if key in self.failed else key
+
+    def _eager(self, why: str) -> None:
+        """Count a step that runs eagerly, by why (the serving benchmark reports them)."""
+        self.eager[why] += 1
 
     def _lent_larger_decode(self, key: GraphKey) -> GraphKey:
         """A larger captured decode bucket for a decode step whose own is not captured, while its bucket

@@ -163,7 +163,8 @@ def run_path(path: str, model, workload: Workload, config=None, sample: bool = F
                 extra["steps_in_run"] = after["steps"] - before["steps"]
                 extra["eager_steps_in_run"] = extra["steps_in_run"] - (after["graph_steps"] - before["graph_steps"])
                 extra["first_token_steps"] = first_token_step_stats(traces)
-                extra.update({k: after[k] - before[k] for k in after if k.startswith("late_")})
+                extra.update({k: after[k] - before.get(k, 0) for k in after
+                              if k.startswith(("late_", "eager_")) or k == "lent_larger"})
             unfinished = sum(not t.finished for t in traces)
             if unfinished:
                 note = f"{unfinished}/{len(traces)} requests not finished within the {limit_s:g} s limit"

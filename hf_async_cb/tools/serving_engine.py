@@ -39,6 +39,8 @@ class OurServer:
         graphs = self.engine.graphs
         counts = {"steps": self.pipeline.num_steps, "captures": len(graphs) if graphs is not None else 0,
                   "graph_steps": graphs.num_replays if graphs is not None else 0}
+        if graphs is not None:  # why steps ran eagerly (DecodeGraphs.eager), and decode steps lent a larger graph
+            counts.update({f"eager_{why}": n for why, n in graphs.eager.items()}, lent_larger=graphs.num_lent_larger)
         loop = self.engine._background
         worker = getattr(loop, "_worker", None)
         if worker is not None and worker.cadence is not None:  # late admission: why steps were (not) put off
