@@ -369,9 +369,9 @@ def test_kernels_compile_for_sm90():
                                           "stride_outer": "i64", "stride_inner": "i64", "r_outer": "i64",
                                           "r_inner": "i64", "inv_n": "fp32", "eps": "fp32"},
          dict(ROWS=1, BLOCK=4096, X_BF16=True, Y_BF16=True, LIBDEVICE=True, ALIGNED=True)),
-        (module, "_rotary_kernel", rotary, dict(HEADS=16, DIM=128, BF16=True, ALIGNED=True, ROUND_TERMS=True)),
-        (module, "_rotary_kernel", dict(rotary, cos_ptr="*fp32", sin_ptr="*fp32"),  # a vision tower's
-         dict(HEADS=16, DIM=128, BF16=True, ALIGNED=True, ROUND_TERMS=False)),
+        (module, "_rotary_kernel", rotary, dict(HEADS=16, DIM=128, BF16=True, ALIGNED=True, ROUND_TERMS=True, TOKENS=1)),
+        *[(module, "_rotary_kernel", dict(rotary, cos_ptr="*fp32", sin_ptr="*fp32"),  # a vision tower's
+           dict(HEADS=16, DIM=128, BF16=True, ALIGNED=True, ROUND_TERMS=False, TOKENS=tokens)) for tokens in (1, 4)],
         *[(module, "_silu_mul_kernel", {"y_ptr": "*bf16", "o_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
                                         "stride_y": "i64"},
            dict(ROWS=1, BLOCK=1024, BF16=True, LIBDEVICE=True, GELU_TANH=gelu)) for gelu in (False, True)],

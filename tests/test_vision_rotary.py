@@ -17,15 +17,16 @@ qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU runs the kernel in Triton's interpreter)
 
 
+@pytest.mark.parametrize("tokens", [None, 1, 4])  # per program: None the default (1 on the GPU)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, dim", [((4, 4), 80), ((3, 1), 16), ((2, 2), 6), ((16, 16), 80)])
-def test_the_kernel_is_the_towers_rotary_bit_for_bit(dtype, heads, dim):
+def test_the_kernel_is_the_towers_rotary_bit_for_bit(dtype, heads, dim, tokens):
     g = torch.Generator().manual_seed(0)
     seq = 7
     qkv = (torch.randn(seq, 2 * heads[0] + heads[1], dim, generator=g) * 4).to(DEVICE, dtype)
     q, k = qkv[:, :heads[0]], qkv[:, heads[0]:heads[0] + heads[1]]  # strided views of one projection
     cos, sin = (torch.randn(seq, dim, generator=g).to(DEVICE) for _ in range(2))  # fp32, as the towers make them
-    got = vision_rotary(q, k, cos, sin)
+    got = vision_rotary(q, k, cos, sin, tokens)
     expected = qwen2_vl.apply_rotary_pos_emb_vision(q, k, cos, sin)
     for a, b in zip(got, expected):
         assert a.dtype == b.dtype and a.is_contiguous()

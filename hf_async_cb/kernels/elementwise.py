@@ -111,27 +111,41 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, n_rows, n_cols, inne
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_heads, half,
                    sqb, sqh, sqt, skb, skh, skt, scb, sct, sob, soh, sot, skob, skoh, skot,
                    HEADS: tl.constexpr, DIM: tl.constexpr, BF16: tl.constexpr, ALIGNED: tl.constexpr,
-                   ROUND_TERMS: tl.constexpr = True):
+                   ROUND_TERMS: tl.constexpr = True, TOKENS: tl.constexpr = 1):
     """One program per (token, block of HEADS heads), q's heads first, then k's, one head per row.
     ROUND_TERMS: each product rounded to the output dtype before the sum (apply_rotary_pos_emb in the
-    model's dtype); without it all in fp32, rounded once (the vision towers' apply_rotary_pos_emb_vision)."""
+    model's dtype); without it all in fp32, rounded once (the vision towers' apply_rotary_pos_emb_vision).
+    TOKENS > 1 (one batch row only, as vision_rotary's): that many tokens per program, a row per (token,
+    head), for Triton's interpreter, whose time goes with the number of programs; the GPU's launches take 1."""
     pid = tl.program_id(0)
-    b = (pid // seq_len).to(tl.int64)
-    t = (pid % seq_len).to(tl.int64)
     dt = qo_ptr.dtype.element_ty
     d = tl.arange(0, DIM)
     d_mask = d < 2 * half
     first = d < half
     d_rot = tl.where(first, d + half, d - half)  # rotate_half(x) = cat(-x2, x1): x[d_rot] * sign
     sign = tl.where(first, -1.0, 1.0)[None, :]
-    cs = b * scb + t * sct + d
-    if ALIGNED:
-        cs = tl.multiple_of(cs, 16)
-    c = tl.load(cos_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    if TOKENS == 1:
+        b = (pid // seq_len).to(tl.int64)
+        t = (pid % seq_len).to(tl.int64)
+        cs = b * scb + t * sct + d
+        if ALIGNED:
+            cs = tl.multiple_of(cs, 16)
+        c = tl.load(cos_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        rows = h < n_heads
+    else:
+        r = tl.arange(0, TOKENS * HEADS)
+        b = 0
+        t = (pid * TOKENS + r // HEADS).to(tl.int64)
+        cs = t[:, None] * sct + d[None, :]
+        in_seq = (t < seq_len)[:, None] & d_mask[None, :]
+        c = tl.load(cos_ptr + cs, mask=in_seq, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs, mask=in_seq, other=0.0).to(tl.float32)
+        h = tl.program_id(1) * HEADS + r % HEADS
+        rows = (h < n_heads) & (t < seq_len)
     is_q = (h < n_q)[:, None]
-    mask = (h < n_heads)[:, None] & d_mask[None, :]
+    mask = rows[:, None] & d_mask[None, :]
     at_q = b * sqb + t * sqt + h * sqh
     at_k = b * skb + t * skt + (h - n_q) * skh
     out_q = b * sob + t * sot + h * soh
@@ -290,23 +304,29 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return qo, ko
 
 
-def vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: int | None = None):
     """A vision tower's apply_rotary_pos_emb_vision(q, k, cos, sin) for q [T, H, D], k [T, KVH, D] (last
     stride 1) and cos/sin [T, D]: computed in fp32, rounded once to q's dtype; returns contiguous
-    [T, H, D] and [T, KVH, D], as the torch code does (ten full-size fp32 passes there, one here)."""
+    [T, H, D] and [T, KVH, D], as the torch code does (ten full-size fp32 passes there, one here).
+    tokens: per program, a power of two (None: 1 on the GPU, up to a whole tower's tokens in Triton's
+    interpreter, where a program per token made this kernel most of a tiny VLM test's time)."""
     (seq, n_q, dim), n_k = q.shape, k.shape[1]
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
     block_d = triton.next_power_of_2(dim)
     heads = min(triton.next_power_of_2(n_q + n_k), max(1, 2048 // block_d))
+    if tokens is None:
+        tokens = min(triton.next_power_of_2(seq), max(1, 2 ** 16 // (heads * block_d))) \
+            if triton.knobs.runtime.interpret else 1
     strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, cos.stride(0),
                0, qo.stride(1), qo.stride(0), 0, ko.stride(1), ko.stride(0))
-    _rotary_kernel[(seq, triton.cdiv(n_q + n_k, heads))](
+    per_token = {} if tokens == 1 else {"TOKENS": tokens}  # (the GPU's launches: the listed variants')
+    _rotary_kernel[(triton.cdiv(seq, tokens), triton.cdiv(n_q + n_k, heads))](
         q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2, *strides,
         HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, ROUND_TERMS=False,
         ALIGNED=_aligned(*strides) and all(t.data_ptr() % (16 * t.element_size()) == 0 for t in (q, k, cos, sin)),
-        num_warps=4, **_LAUNCH)
+        num_warps=4, **per_token, **_LAUNCH)
     return qo, ko
 
 
@@ -362,7 +382,7 @@ def rotary_variants(q_heads: int, k_heads: int, head_dim: int, dtype: torch.dtyp
     heads = min(triton.next_power_of_2(q_heads + k_heads), max(1, 2048 // block_d))
     args = (dtype,) * 6 + (2, q_heads, q_heads + k_heads, head_dim // 2) + (0,) * 14
     return [Variant(_rotary_kernel, args, dict(HEADS=heads, DIM=block_d, BF16=dtype == torch.bfloat16,
-                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=True),
+                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=True, TOKENS=1),
                     dict(num_warps=4, **_LAUNCH))]
 
 
@@ -372,7 +392,7 @@ def vision_rotary_variants(heads: int, head_dim: int, dtype: torch.dtype, cos_dt
     per = min(triton.next_power_of_2(2 * heads), max(1, 2048 // block_d))
     args = (dtype, dtype, cos_dtype, cos_dtype, dtype, dtype, 2, heads, 2 * heads, head_dim // 2) + (0,) * 14
     return [Variant(_rotary_kernel, args, dict(HEADS=per, DIM=block_d, BF16=dtype == torch.bfloat16,
-                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=False),
+                                               ALIGNED=head_dim % 16 == 0, ROUND_TERMS=False, TOKENS=1),
                     dict(num_warps=4, **_LAUNCH))]
 
 
