@@ -35,8 +35,10 @@ The margin's base can be lowered below a quarter of the step where the host's re
 median, at least `min_share` of the step. An arrival in the margin joins a step later, so the margin
 is what the async loop's first tokens pay over the sync loop's, which in turn pays the build between
 every two steps (at 64 requests/s on an 8B model, a margin of a quarter of ~15 ms steps left async
-4-7 ms behind). The floor stays at a quarter (no change) until a lower one is measured on the device
-(`HF_ASYNC_CB_LATE_MIN_SHARE=0.08`: the inter-token latency must not suffer).
+4-7 ms behind). The floor stays at a quarter (no change): on an H200 (docs/benchmarks.md, tenth session)
+`HF_ASYNC_CB_LATE_MIN_SHARE=0.08` left async 3 ms further behind sync at 64 requests/s and doubled the
+TTFT p99 at 16: the gap is not the margin (net of the step the async loop launches ahead, its requests
+join no later than sync's).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class StepCadence:
         self.max_share = max_share
         self.recovery = recovery  # the factor that brings the margin back toward its base per steady step
         self.window = window
-        # The base share's floor where builds are short: a quarter (the base itself: builds never lower it)
-        # until a lower floor is measured on the device (HF_ASYNC_CB_LATE_MIN_SHARE=0.08 against 0.25).
+        # The base share's floor where builds are short: a quarter (the base itself: builds never lower it;
+        # HF_ASYNC_CB_LATE_MIN_SHARE=0.08 measured worse, the module's docstring).
         self.min_share = float(os.environ.get(MIN_SHARE_VARIABLE, margin_share)) if min_share is None else min_share
         self._builds: collections.deque[float] = collections.deque(maxlen=16)
         self._intervals: dict[int, collections.deque[float]] = {}
