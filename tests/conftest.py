@@ -23,9 +23,10 @@ os.environ["HF_ASYNC_CB_KEEP_PARITY"] = "0"
 sys.path.insert(0, os.path.dirname(__file__))
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_patch import skip_nested_patches  # noqa: E402
+    from interpreter_patch import cache_np_dtypes, skip_nested_patches  # noqa: E402
 
     skip_nested_patches()  # (a nested jit helper's call re-patched triton.language each time)
+    cache_np_dtypes()  # (the dtype map was built afresh at each of its calls)
 
 import hf_async_cb  # noqa: E402,F401  (installs the hook)
 
