@@ -31,6 +31,16 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _eager(extra: dict) -> str:
+    """The run's eager steps, with why where counted (DecodeGraphs.eager): "45 (prefill_cap 30, too_large 15)"."""
+    total = extra.get("eager_steps_in_run")
+    if total is None:
+        return "-"
+    why = sorted(((n, k[len("eager_"):]) for k, n in extra.items() if k.startswith("eager_")
+                  and k != "eager_steps_in_run" and n), reverse=True)
+    return f"{total} ({', '.join(f'{k} {n}' for n, k in why)})" if why else str(total)
+
+
 def summary_lines(reports: list[dict]) -> list[str]:
     lines = ["| req/s offered | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL mean | E2E p50 s | req/s | "
              "captures | eager steps | 1st-token steps p50/p99 | note |", "|---" * 13 + "|"]
@@ -45,7 +55,7 @@ def summary_lines(reports: list[dict]) -> list[str]:
                 _ms(r["itl_ms"]["p50"]), _ms(r["itl_ms"]["p99"]), _ms(r["itl_ms"]["mean"]),
                 "-" if e2e is None else f"{e2e:.3f}",
                 "-" if r["request_throughput"] is None else f"{r['request_throughput']:.1f}",
-                str(extra.get("graphs_captured_in_run", "-")), str(extra.get("eager_steps_in_run", "-")), first,
+                str(extra.get("graphs_captured_in_run", "-")), _eager(extra), first,
                 (r.get("note") or "") + " |"]))
     return lines
 

@@ -213,3 +213,27 @@ def test_a_shared_system_prompt_starts_every_prompt_and_the_warm_up_shares_anoth
     warm = serving.fresh_prompts(workload, 256)
     assert [len(p) for p in warm.prompts] == [len(p) for p in workload.prompts]
     assert all(p[:40] == warm.prompts[0][:40] for p in warm.prompts) and warm.prompts[0][:40] != shared
+
+
+def test_the_arrival_rates_benchmark_runs_on_the_cpu_and_explains_its_eager_steps(tmp_path):
+    """benchmarks/serving_rates.py on the tiny shape (the graphs' eager stand-in): a row per loop, every
+    request done, and the eager-steps column the run's count with its reasons (DecodeGraphs.eager)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serving_rates
+
+    out = tmp_path / "rates.json"
+    assert serving_rates.main(["--shape", "tiny", "--device", "cpu", "--rates", "50", "--min-requests", "6",
+                               "--seconds", "0.1", "--lengths", "fixed", "--prompt", "8", "--new", "4",
+                               "--peer-rate", "0", "--cuda-graphs", "--json", str(out)]) == 0
+    results = [r for report in json.loads(out.read_text())["reports"] for r in report["results"]]
+    assert [r["path"] for r in results] == ["sync", "async"]
+    for r in results:
+        assert r["failed"] == 0 and r["note"] is None
+        assert "lent_larger" in r["extra"] and r["extra"]["eager_steps_in_run"] >= 0
+    assert serving_rates._eager({"eager_steps_in_run": 45, "eager_prefill_cap": 30, "eager_too_large": 15,
+                                 "eager_row_options": 0}) == "45 (prefill_cap 30, too_large 15)"
+    assert serving_rates._eager({"eager_steps_in_run": 3}) == "3" and serving_rates._eager({}) == "-"
