@@ -321,12 +321,11 @@ def vision_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
             if triton.knobs.runtime.interpret else 1
     strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, cos.stride(0),
                0, qo.stride(1), qo.stride(0), 0, ko.stride(1), ko.stride(0))
-    per_token = {} if tokens == 1 else {"TOKENS": tokens}  # (the GPU's launches: the listed variants')
     _rotary_kernel[(triton.cdiv(seq, tokens), triton.cdiv(n_q + n_k, heads))](
         q, k, cos, sin, qo, ko, seq, n_q, n_q + n_k, dim // 2, *strides,
         HEADS=heads, DIM=block_d, BF16=q.dtype == torch.bfloat16, ROUND_TERMS=False,
         ALIGNED=_aligned(*strides) and all(t.data_ptr() % (16 * t.element_size()) == 0 for t in (q, k, cos, sin)),
-        num_warps=4, **per_token, **_LAUNCH)
+        TOKENS=tokens, num_warps=4, **_LAUNCH)
     return qo, ko
 
 
