@@ -59,6 +59,7 @@ from hf_async_cb.engine.profiling import StepProfile
 from hf_async_cb.engine.requests import FinishReason, Request, RequestStatus
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import Scheduler
+from hf_async_cb.model.callback_forwards import user_code
 from hf_async_cb.sampling.sampler import INVALID_TOKEN, invalid_scores_error
 
 
@@ -243,28 +244,29 @@ class Pipeline:
                 if not req.is_finished:
                     req.output_logits.append(raw[i])
                     req.output_scores.append(own[i] if i in own else processed[i])  # (own: the processor's dtype)
-        for req, token, logprob in zip(flight.sample_requests, tokens, logprobs):
-            req.num_pending -= 1
-            if req.is_finished:
-                self.num_discarded += 1  # it ended in the step before; this token was speculative
-                continue
-            if token == INVALID_TOKEN:  # NaN / inf / nothing kept in a sampled row: stock raises too
-                self._fail(req, invalid_scores_error(req.request_id, len(req.output_token_ids)), "scores",
-                           finished)
-                continue
-            source = "stopping criterion"
-            try:  # free on 3.11+ when nothing raises
-                if req.append_token(token, logprob):
-                    self.scheduler.finish(req)
-                    finished.append(req)
-                if req.on_token is not None:
-                    source = getattr(getattr(req.on_token, "__self__", None), "raised_by", "token callback")
-                    req.on_token(req, token)
-            # The request's stopping criterion or callback: fail it alone. BaseException too: one
-            # request's SystemExit must not take the loop's other requests down (a foreground run
-            # re-raises it after the step, so a KeyboardInterrupt still stops the call).
-            except BaseException as error:  # noqa: BLE001
-                self._fail(req, error, source, finished)
+        with user_code():  # (a criterion or token callback may run the model: model/callback_forwards.py)
+            for req, token, logprob in zip(flight.sample_requests, tokens, logprobs):
+                req.num_pending -= 1
+                if req.is_finished:
+                    self.num_discarded += 1  # it ended in the step before; this token was speculative
+                    continue
+                if token == INVALID_TOKEN:  # NaN / inf / nothing kept in a sampled row: stock raises too
+                    self._fail(req, invalid_scores_error(req.request_id, len(req.output_token_ids)), "scores",
+                               finished)
+                    continue
+                source = "stopping criterion"
+                try:  # free on 3.11+ when nothing raises
+                    if req.append_token(token, logprob):
+                        self.scheduler.finish(req)
+                        finished.append(req)
+                    if req.on_token is not None:
+                        source = getattr(getattr(req.on_token, "__self__", None), "raised_by", "token callback")
+                        req.on_token(req, token)
+                # The request's stopping criterion or callback: fail it alone. BaseException too: one
+                # request's SystemExit must not take the loop's other requests down (a foreground run
+                # re-raises it after the step, so a KeyboardInterrupt still stops the call).
+                except BaseException as error:  # noqa: BLE001
+                    self._fail(req, error, source, finished)
         return finished
 
     def _fail(self, req: Request, error: BaseException, source: str, finished: list[Request]) -> None:

@@ -13,6 +13,7 @@ import threading
 from typing import AsyncIterator, Iterator
 
 from hf_async_cb.engine.requests import Request, RequestOutput, RequestStatus
+from hf_async_cb.model.callback_forwards import user_code
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ class RequestHandle:
             self._wake_async()
             callbacks, self._callbacks = self._callbacks, []
         self._done.set()
-        for fn in callbacks:
-            _call_back(fn, self)
+        if callbacks:
+            with user_code():  # (one may run the model, as a reward: model/callback_forwards.py)
+                for fn in callbacks:
+                    _call_back(fn, self)
 
     def _wake_async(self) -> None:
         """Wake the astream() readers waiting on their event loops (called holding the condition)."""

@@ -11,6 +11,7 @@ import torch
 
 from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.model import attention, vision
+from hf_async_cb.model.callback_forwards import user_code
 from hf_async_cb.model.kv_cache import PagedKVCache, cache_keyword
 from hf_async_cb.model.kv_layout import layer_indices_mismatch
 from hf_async_cb.model.prefix_kv import StepPrefixKV
@@ -162,8 +163,26 @@ class ModelRunner:
         if inputs.token_block is not None:
             inputs.token_block.apply(logits)
         own: dict[int, torch.Tensor] = {}  # row -> the scores its processor returned, in their own dtype
+        if inputs.processor_rows:
+            with user_code():  # (a processor may run the model: model/callback_forwards.py)
+                self._apply_processor_rows(inputs, logits, previous_tokens, own)
+        if inputs.keep_rows:
+            # The slow path: output_scores / output_logits (rows kept on the device, read after the step).
+            rows = inputs.keep_rows
+            sampling = inputs.sampling
+            if sampling is not None:
+                sampling = sampling.rows(rows)
+            inputs.kept = (raw, processed_scores(logits[rows], sampling), _own_dtype_scores(rows, own, sampling))
+        packed = _draw_packed(logits, inputs.sampling) if kernels else pack(*sample(logits, inputs.sampling))
+        if own:
+            _draw_wide_rows(packed, own, logits.dtype, inputs.sampling)
+        return packed
+
+    @staticmethod
+    def _apply_processor_rows(inputs: StepInputs, logits: torch.Tensor, previous_tokens: torch.Tensor | None,
+                              own: dict[int, torch.Tensor]) -> None:
+        """The slow path: each request's transformers LogitsProcessorList on its full history."""
         for row, processor, history, pending_row in inputs.processor_rows:
-            # The slow path: a transformers LogitsProcessorList on this request's full history.
             history = history.to(logits.device)
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
@@ -177,17 +196,6 @@ class ModelRunner:
                     inputs.faults = {}
                 inputs.faults[row] = error
                 logits[row] = 0.0  # a valid draw whatever the processor left; the token is dropped
-        if inputs.keep_rows:
-            # The slow path: output_scores / output_logits (rows kept on the device, read after the step).
-            rows = inputs.keep_rows
-            sampling = inputs.sampling
-            if sampling is not None:
-                sampling = sampling.rows(rows)
-            inputs.kept = (raw, processed_scores(logits[rows], sampling), _own_dtype_scores(rows, own, sampling))
-        packed = _draw_packed(logits, inputs.sampling) if kernels else pack(*sample(logits, inputs.sampling))
-        if own:
-            _draw_wide_rows(packed, own, logits.dtype, inputs.sampling)
-        return packed
 
 
 def _one_row(scores, vocab: int) -> torch.Tensor:

@@ -81,9 +81,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if meta is None:
         if _in_call.get():
             raise RuntimeError(
-                f"{type(module).__name__} ran a forward inside an engine call, outside its steps: a logits processor, "
-                "stopping criterion, streamer or callback of this call ran the model, which the engine holds for the "
-                "whole call (its attention runs on the engine's pages). Run such a forward on a copy of the model "
+                f"{type(module).__name__} ran a forward inside an engine call, outside its steps, which the engine "
+                "could not hand the stock model: its callbacks' forwards of the model, its base model or from its "
+                "input embeddings get it (model/callback_forwards.py), but this one started below them (a layer "
+                "called on its own) or ran outside a callback. Call the model itself, run the part on a copy "
                 "(copy.deepcopy(model)), or generate without batching.")
         raise RuntimeError(
             f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step: its model is "

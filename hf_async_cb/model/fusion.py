@@ -250,8 +250,12 @@ def hook_module(hook) -> str:
 def _users(hooks: dict) -> tuple:
     """The keys of the hooks in `hooks` that are not transformers' own (the output-capturing hooks
     it installs for good once hidden states or attentions are asked for, gradient checkpointing's
-    input hook: no-ops outside those features)."""
-    return tuple(key for key, hook in hooks.items() if not hook_module(hook).startswith("transformers."))
+    input hook: no-ops outside those features) nor this package's (put there for a call, as
+    model/callback_forwards.py's, which change no value)."""
+    return tuple(key for key, hook in hooks.items() if not hook_module(hook).startswith(_NOT_USERS))
+
+
+_NOT_USERS = ("transformers.", "hf_async_cb.")
 
 
 def user_hooks(m: nn.Module) -> tuple:

@@ -50,7 +50,8 @@ class ModelGuard:
     stock transformers: they only wait for an engine call to end, and an engine call waits for them.
     Holds nest on the owning thread: a generate call holds the guard across its whole run ("outer"),
     a build ("build": an Engine's, a preparation) across its own; "engine" and "build" holds nest in
-    them, and nothing nests in an "engine" hold."""
+    them, and nothing nests in an "engine" hold but a stock generate of one of its callbacks, for
+    which the call sets its model aside (model/callback_forwards.py)."""
 
     def __init__(self, name: str = "the model") -> None:
         self.name = name  # the model's class, for messages
@@ -87,7 +88,8 @@ class ModelGuard:
     def _serving_by_other(self, thread: int) -> bool:
         return any(g._serving and g._owner != thread for g in self._group())
 
-    def _busy(self, what: str) -> RuntimeError:
+    @staticmethod
+    def _busy(what: str) -> RuntimeError:
         return RuntimeError(f"{what} was called from inside a generate call on the same model (or one sharing its "
                             "modules or config; a logits processor, stopping criterion or streamer?): the model is "
                             "busy on this thread.")
@@ -126,7 +128,8 @@ class ModelGuard:
             # this one (the models turned out to share parts), which is then a call inside its own.
             mine = root._owned_by(me)
             if mine is not None:
-                if kind not in _NESTING or "engine" in mine._holds:
+                nests = kind in _NESTING and "engine" not in mine._holds
+                if not nests and not (kind == "stock" and "engine" in mine._holds and _callback_forward()):
                     raise self._busy(what)
                 mine._holds.append(kind)
                 taken.append((mine, "nested"))
@@ -270,3 +273,11 @@ def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | Non
                 del _OWNERS[key]
             _SWEEP[0] = max(1024, 2 * len(_OWNERS))
         return guard
+
+
+def _callback_forward() -> bool:
+    """A stock generate run by a callback of this thread's engine call, its model set aside for it
+    (model/callback_forwards.py)."""
+    from hf_async_cb.model.callback_forwards import stock_now  # (it imports the attention; this is lower)
+
+    return stock_now()

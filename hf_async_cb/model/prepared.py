@@ -25,6 +25,7 @@ import torch
 from hf_async_cb.interrupts import deferred_interrupts
 from hf_async_cb.model import attention
 from hf_async_cb.model.adapters import AttentionAdapters
+from hf_async_cb.model.callback_forwards import stock_for_callbacks
 from hf_async_cb.model.checks import check_model_supported, tensor_parallel_size
 from hf_async_cb.model.code_identity import code_identity
 from hf_async_cb.model.compiled import uncompiled
@@ -137,6 +138,7 @@ class PreparedModel:
         with uncompiled(model):  # a forward, config switched
             apply_masks(model)
         self._model = weakref.ref(model)
+        self._aside = False  # set_aside() open
         self._embeddings_refusal: str | None | object = _UNCHECKED
         self.fusion: FusedProjections | None = None
         self.elementwise = None
@@ -199,7 +201,8 @@ class PreparedModel:
                     with attention.implementation(model.config, attention.ATTENTION_NAME, model) as stock, \
                             attention.engine_call():
                         self._stock_attention = stock
-                        yield
+                        with stock_for_callbacks(model, self.set_aside):  # a callback's forward: stock
+                            yield
                 finally:
                     with deferred_interrupts():  # half given back, the model would fail every later forward
                         self._detach()
@@ -207,7 +210,12 @@ class PreparedModel:
     @contextlib.contextmanager
     def set_aside(self) -> Iterator[None]:
         """Inside using(): the model stock for a forward of its own (a served request's images merged
-        on the loop thread: model/vision.py's media_embeds), then prepared again."""
+        on the loop thread: model/vision.py's media_embeds; a callback's forward:
+        model/callback_forwards.py), then prepared again. Nested, the inner one changes nothing."""
+        if self._aside:
+            yield
+            return
+        self._aside = True
         self._detach()
         try:
             with attention.given_back(self._stock_attention):
@@ -215,6 +223,7 @@ class PreparedModel:
         finally:
             with deferred_interrupts():
                 self._attach()
+                self._aside = False
 
     def reclaim_attention(self) -> None:
         """Inside using(): the paged attention routed again where the user switched the model's
