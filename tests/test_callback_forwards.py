@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from models import left_pad, random_prompts, tiny_model
+from models import Gate, left_pad, random_prompts, started_thread, tiny_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_async_cb import BatchingConfig, Engine
@@ -157,3 +157,26 @@ def test_a_serving_loops_token_and_done_callbacks_run_the_model_it_serves(mode):
         for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
             assert scored[i] == [float(model(torch.tensor([[t]])).logits[0, -1, 0]) for t in out]
             assert rewards[i] == model(torch.tensor([prompt + out])).logits[0, -1, 0].item()
+
+
+def test_a_callback_running_a_model_another_threads_call_holds_is_refused_and_that_call_goes_on():
+    """Thread A's engine call holds model A (paused inside its processor); a processor of thread B's
+    call on model B runs model A: only A's own callbacks get A set aside, so B's forward is refused,
+    saying so (never a forward on A's engine modules), and A's call then ends with stock's tokens."""
+    a, b = copy.deepcopy(tiny_model("llama")), copy.deepcopy(tiny_model("llama", seed=1))
+    width = max(map(len, PROMPTS))
+    expected = [row[width:] for row in generate(a).tolist()]
+    engine_a, engine_b = Engine(a, CONFIGS["fused"]), Engine(b, CONFIGS["fused"])
+    gate = Gate(width)
+    thread, box = started_thread(lambda: engine_a.generate(PROMPTS, max_new_tokens=6, eos_token_ids=(),
+                                                           logits_processor=gate))
+    try:
+        assert gate.inside.wait(30)
+        with pytest.raises(RuntimeError, match="another thread's engine call holds"):
+            engine_b.generate(PROMPTS, max_new_tokens=3, logits_processor=LogitsProcessorList([SelfGuide(a)]))
+    finally:
+        gate.release.set()
+        thread.join(30)
+    assert [o.output_token_ids for o in box["value"]] == expected
+    engine_a.close()
+    engine_b.close()

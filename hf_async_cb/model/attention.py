@@ -84,8 +84,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 f"{type(module).__name__} ran a forward inside an engine call, outside its steps, which the engine "
                 "could not hand the stock model: its callbacks' forwards of the model, its base model or from its "
                 "input embeddings get it (model/callback_forwards.py), but this one started below them (a layer "
-                "called on its own) or ran outside a callback. Call the model itself, run the part on a copy "
-                "(copy.deepcopy(model)), or generate without batching.")
+                "called on its own), ran outside a callback, or ran a model another thread's engine call holds (a "
+                "DataParallel thread replica's callback running the original model). Call the model itself, run "
+                "the forward on a copy (copy.deepcopy(model)), or generate without batching.")
         raise RuntimeError(
             f"{type(module).__name__} called the {ATTENTION_NAME!r} attention outside an engine step: its model is "
             "held by an engine right now (a serving loop: call the model after shutdown(); a generate call in another "

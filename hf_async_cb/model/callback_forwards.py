@@ -15,7 +15,8 @@ reads the model's attention setting. A callback that runs no forward costs a con
 that does, a detach and an attach of the fused modules per callback call.
 
 Not seen: a forward of a part of the model below its embeddings (a decoder layer called on its
-own); its attention then refuses it, saying what to do.
+own), or of a model another thread's engine call holds (a DataParallel thread replica's callback
+running the original model); its attention then refuses it, saying what to do.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from hf_async_cb.model.attention import current_metadata
 
 # Inside user_code(): the set-aside contexts a callback's forwards opened (none until one runs).
 _opened: ContextVar[list | None] = ContextVar("hf_async_cb_user_code", default=None)
-# During an engine call, on its thread: its PreparedModel.set_aside.
+# During an engine call, on its thread: its PreparedModel.set_aside, and the ids of the modules hooked
+# for it (a hook of another thread's call, on a model that call holds, must not set this one's aside).
 _set_aside: ContextVar[Callable | None] = ContextVar("hf_async_cb_set_aside", default=None)
+_hooked: ContextVar[frozenset] = ContextVar("hf_async_cb_hooked", default=frozenset())
 
 
 @contextlib.contextmanager
@@ -65,11 +68,12 @@ def stock_for_callbacks(model: torch.nn.Module, set_aside: Callable) -> Iterator
     if isinstance(embeddings, torch.nn.Module):
         entries.append(embeddings)
     hooks = [m.register_forward_pre_hook(_stock_model_for_callbacks) for m in entries]
-    token = _set_aside.set(set_aside)
+    token, hooked = _set_aside.set(set_aside), _hooked.set(frozenset(map(id, entries)))
     try:
         yield
     finally:
         _set_aside.reset(token)
+        _hooked.reset(hooked)
         for hook in hooks:
             hook.remove()
 
@@ -88,4 +92,5 @@ def stock_now() -> bool:
 
 
 def _stock_model_for_callbacks(module, args) -> None:
-    stock_now()
+    if id(module) in _hooked.get():  # (a module-level function: a model copied or pickled meanwhile keeps it)
+        stock_now()
