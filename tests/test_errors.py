@@ -125,7 +125,6 @@ def test_pool_too_small_for_one_page(model):
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(guidance_scale=1.5), "guidance_scale"),
     (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
-    (dict(prefix_allowed_tokens_fn=lambda batch_id, ids: [5]), "prefix_allowed_tokens_fn"),
     (dict(stop_strings=["x"]), "tokenizer"),
     (dict(token_type_ids=torch.zeros(1, 3, dtype=torch.long)), "token_type_ids"),
     (dict(inputs_embeds=torch.zeros(1, 4, 64)), "inputs_embeds .* does not match input_ids"),
@@ -415,27 +414,3 @@ def test_cross_attention_layers_in_the_middle_are_refused_as_such():
     model = transformers.MllamaForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"only layers \[0, 2\] of its 3 write a K/V cache of their own \(the others write none"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, batching="sync")
-
-
-class _SelfGuided(LogitsProcessor):
-    """Runs the model's own forward from inside the call (a self-guidance bias)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, input_ids, scores):
-        with torch.no_grad():
-            return scores + self.model(input_ids[:, -2:]).logits[:, -1]
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_callback_running_the_model_inside_the_call_says_so_and_leaves_the_model_usable(mode):
-    """The engine holds the model for its whole call: a processor of that call running the model's
-    forward gets an error that names the case and what to do (not a serving loop or another thread's
-    call), and the model runs as stock, and on the engine, afterwards."""
-    model = tiny_model("llama")
-    ids = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(RuntimeError, match="a logits processor, stopping criterion, streamer or callback of this call"):
-        model.generate(ids, batching=mode, max_new_tokens=3, logits_processor=LogitsProcessorList([_SelfGuided(model)]))
-    expected = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert torch.equal(model.generate(ids, batching=mode, max_new_tokens=3, do_sample=False), expected)

@@ -88,9 +88,9 @@ def test_iterator_streamer_consumer_is_released_when_the_call_is_refused(mode):
     model = tiny_model("llama")
     streamer = TextIteratorStreamer(word_tokenizer(), skip_prompt=True)  # no timeout: a hang is a hang
     thread, pieces = consume_in_thread(streamer)
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+    with pytest.raises(ValueError, match="output_hidden_states"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, batching=mode, streamer=streamer,
-                       prefix_allowed_tokens_fn=lambda batch, ids: list(range(256)))
+                       output_hidden_states=True, return_dict_in_generate=True)
     thread.join(30)
     assert not thread.is_alive(), "the streamer's consumer still waits after the call was refused"
     assert "".join(pieces) == ""

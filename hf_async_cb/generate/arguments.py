@@ -21,7 +21,7 @@ from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
 # generate() arguments the engine does not implement; each must be left at its default.
 _UNSUPPORTED_ARGUMENTS = (
-    "prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
     "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}

@@ -154,10 +154,10 @@ def build_requests(engine: Engine, call: GenerateCall, options: CallOptions):
     row_masks = attention_mask.repeat_interleave(copies, dim=0) if copies > 1 else attention_mask
     requests: list[Request] = [
         engine.make_request_from_ids(p, params, checked=True,
-                                     logits_processor=processor(row_mask) if processor else None,
+                                     logits_processor=processor(row_mask, row) if processor else None,
                                      stopping_criteria=options.criteria, history_prefix=prefix if slow else (),
                                      on_token=streamer.on_token if streamer else None, embeds=row_embeds)
-        for p, prefix, row_mask, row_embeds in zip(prompts, prefixes, row_masks, embeds)]
+        for row, (p, prefix, row_mask, row_embeds) in enumerate(zip(prompts, prefixes, row_masks, embeds))]
     if params.repetition_penalty != 1.0:
         for req, row_mask in zip(requests, row_masks):  # where stock's penalty reads this row from
             req.penalty_start = next(start for start in map(penalty_start, options.stock_processors(row_mask))

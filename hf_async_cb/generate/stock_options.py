@@ -15,6 +15,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
+from hf_async_cb.generate.prefix_constraint import for_row
 from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
 from hf_async_cb.model.embeddings_path import output_vocab_size
 
@@ -121,11 +122,15 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
     checked: set[int] = set()  # the caller's deterministic processors and criteria (generate/row_checks.py)
 
-    def processor(row_mask: torch.Tensor):
+    def processor(row_mask: torch.Tensor, row: int = 0):
+        """Stock's list for the call's `row` (its index among the rows stock generates, copies
+        included), a batch of one row."""
         built = model._get_logits_processor(
             generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
             logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
+            prefix_allowed_tokens_fn=arguments.get("prefix_allowed_tokens_fn"),
         )
+        built = LogitsProcessorList(for_row(p, row) for p in built)
         if checked:
             built = LogitsProcessorList(RowChecked(p, "logits processor") if id(p) in checked else p for p in built)
         return built

@@ -1,0 +1,46 @@
+"""`generate(prefix_allowed_tokens_fn=...)` on the engine, one row at a time.
+
+Stock's PrefixConstrainedLogitsProcessor calls `fn(batch_id, sent)` for every row of its batch and
+keeps only the tokens it returns (constrained decoding: entity names, grammars, a trie of allowed
+outputs). The engine hands each request's processors a batch of one row, where stock's processor
+would number every row 0 (and, grouping rows by beams, see none at all). `RowPrefixConstraint` is
+that processor for one row of stock's batch: the same `fn`, the row's own `batch_id` (its index in
+stock's batch over the processor's group size, which transformers 5.17 sets to `num_beams` and 5.25
+to `num_return_sequences` where larger), the same mask, the same empty-list error.
+
+One difference: where every allowed token of a row is already -inf, stock forces the allowed tokens
+(scores 0) only when that holds for every row of its group (the copies of one prompt); here each row
+is forced on its own. Stock's other rows of that group would draw from all -inf scores and fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import LogitsProcessor
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+
+class RowPrefixConstraint(LogitsProcessor):
+    def __init__(self, fn, batch_id: int) -> None:
+        self.fn, self.batch_id = fn, batch_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(scores, -math.inf)
+        allowed = self.fn(self.batch_id, input_ids[0])
+        if len(allowed) == 0:
+            raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {self.batch_id}. "
+                             "This means that the constraint is unsatisfiable. Please check your implementation "
+                             "of `prefix_allowed_tokens_fn`.")
+        mask[0, allowed] = 0
+        constrained = scores + mask
+        return mask if bool(constrained.amax().isneginf()) else constrained
+
+
+def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
+    """`processor` for the call's `row`: stock's prefix constraint bound to the row's batch id, any
+    other processor as it is."""
+    if isinstance(processor, PrefixConstrainedLogitsProcessor):
+        return RowPrefixConstraint(processor._prefix_allowed_tokens_fn, row // max(1, processor._num_beams))
+    return processor
