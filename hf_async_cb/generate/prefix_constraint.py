@@ -8,13 +8,16 @@ that processor for one row of stock's batch: the same `fn`, the row's own `batch
 stock's batch over the processor's group size, which transformers 5.17 sets to `num_beams` and 5.25
 to `num_return_sequences` where larger), the same mask, the same empty-list error.
 
-One difference: where every allowed token of a row is already -inf, stock forces the allowed tokens
-(scores 0) only when that holds for every row of its group (the copies of one prompt); here each row
-is forced on its own. Stock's other rows of that group would draw from all -inf scores and fail.
+Where every allowed token of a row is already -inf, transformers 5.25 forces the allowed tokens
+(scores 0), 5.17 leaves the row at -inf (its draw then takes token 0 greedily, or fails sampled):
+the installed version's rule is read once from its own processor. One difference: 5.25 forces only
+when that holds for every row of its group (the copies of one prompt); here each row is forced on its
+own (stock's other rows of that group would draw from all -inf scores and fail).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,7 +38,14 @@ class RowPrefixConstraint(LogitsProcessor):
                              "of `prefix_allowed_tokens_fn`.")
         mask[0, allowed] = 0
         constrained = scores + mask
-        return mask if bool(constrained.amax().isneginf()) else constrained
+        return mask if _stock_forces() and bool(constrained.amax().isneginf()) else constrained
+
+
+@functools.cache
+def _stock_forces() -> bool:
+    """Whether the installed transformers forces a row's allowed tokens when all are -inf."""
+    stock = PrefixConstrainedLogitsProcessor(lambda batch_id, sent: [0], 1)
+    return bool(stock(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 2), -math.inf))[0, 0] == 0)
 
 
 def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
