@@ -1,4 +1,4 @@
-"""What a decode step lent a larger captured graph costs (cuda_graphs.LEND_LARGER_PADDING_ROW_STEPS): a held
+"""What a decode step lent a larger captured graph costs (cuda_graphs.LEND_LARGER_DECODE_STEPS): a held
 Engine on random weights runs a call of `--wide` rows (its decode graphs captured), then calls of
 `--rows` rows: lent the wide call's decode graphs (no capture), then with the lending off (the first
 such call captures graphs of its own; the next is timed on them). Prints the timed calls and the
@@ -50,7 +50,7 @@ def main() -> None:
     results = {}
     for setting in ("lent", "own"):
         if setting == "own":
-            cuda_graphs.LEND_LARGER_PADDING_ROW_STEPS = 0
+            cuda_graphs.LEND_LARGER_DECODE_STEPS = 0
         first = timed()
         runs = [timed() for _ in range(args.repeat)]
         results[setting] = dict(first_s=round(first[0], 4), first_captures=first[1],

@@ -516,7 +516,7 @@ def test_greedy_steps_after_sampled_ones_replay_the_sampled_graphs_then_capture_
     assert set(engine.graphs._graphs) == sampled_keys and engine.graphs.num_lent > 0
 
     monkeypatch.setattr(cuda_graphs, "LEND_SAMPLED_STEPS", 0)  # no more lending: the buckets capture their own
-    monkeypatch.setattr(cuda_graphs, "LEND_LARGER_PADDING_ROW_STEPS", 0)
+    monkeypatch.setattr(cuda_graphs, "LEND_LARGER_DECODE_STEPS", 0)
     outs = engine.generate(prompts, max_new_tokens=12, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 12)
     own = set(engine.graphs._graphs) - sampled_keys
@@ -526,8 +526,8 @@ def test_greedy_steps_after_sampled_ones_replay_the_sampled_graphs_then_capture_
 def test_a_step_of_a_bucket_not_captured_is_lent_the_smallest_larger_captured_one():
     """A decode step whose bucket is not captured replays the smallest captured decode bucket with
     as many rows or more (up to LEND_LARGER_MAX_BATCH), as long a context or longer and the same
-    options (a greedy step may take a sampled one), until its padding rows over its own bucket add up to
-    LEND_LARGER_PADDING_ROW_STEPS; then it gets its own bucket. Prefill steps below the cap are not lent (a warmed-up loop would capture them later)."""
+    options (a greedy step may take a sampled one), LEND_LARGER_DECODE_STEPS times; then it gets its
+    own bucket. Prefill steps below the cap are not lent (a warmed-up loop would capture them later)."""
     from hf_async_cb.engine import cuda_graphs
 
     graphs = DecodeGraphs(None, 256, is_cuda=False, prefill=True)
@@ -548,9 +548,9 @@ def test_a_step_of_a_bucket_not_captured_is_lent_the_smallest_larger_captured_on
     assert graphs.key_for(decode(7, 300, do_sample=True, seed=1, repetition_penalty=1.2)).batch == 8  # other options
     assert graphs.key_for(decode(65, 300)) == GraphKey(128, 512)  # own bucket captured: its own
     assert graphs.num_lent_larger == 3
-    steps = -(-(cuda_graphs.LEND_LARGER_PADDING_ROW_STEPS - 2 * 8) // 8)  # 8 rows over its own bucket a step
-    assert {graphs.key_for(decode(7, 300)) for _ in range(steps)} == {GraphKey(16, 512)}
-    assert graphs.key_for(decode(7, 300)) == GraphKey(8, 512)  # its padding cost a capture's worth: its own
+    for _ in range(cuda_graphs.LEND_LARGER_DECODE_STEPS - 2):
+        graphs.key_for(decode(7, 300))
+    assert graphs.key_for(decode(7, 300)) == GraphKey(8, 512)  # lent enough: captures its own
 
     prefill = StepPlan([ScheduledChunk(Request([3] * 20, SamplingParams()), 0, 20, True) for _ in range(3)], [])
     graphs._graphs[GraphKey(16, 512, 128)] = None
@@ -576,7 +576,7 @@ def test_a_later_call_with_fewer_rows_captures_no_decode_graph_and_gives_stock_t
     assert not [k for k in set(engine.graphs._graphs) - captured if not k.tokens]
     assert engine.graphs.num_lent_larger >= 19  # every decode step
 
-    for name in ("LEND_LARGER_PADDING_ROW_STEPS", "LEND_SAMPLED_STEPS"):
+    for name in ("LEND_LARGER_DECODE_STEPS", "LEND_SAMPLED_STEPS"):
         monkeypatch.setattr(cuda_graphs, name, 0)
     outs = engine.generate(prompts, max_new_tokens=20, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 20)

@@ -74,16 +74,13 @@ WARM_UP_EVERY_CAPTURE = False
 # of greedy steps still ends on the greedy graphs. 0 turns the lending off.
 LEND_SAMPLED_STEPS = 1024
 # A decode step whose bucket is not captured replays a larger captured decode bucket that holds it (more
-# padding rows, a wider block table) until the padding rows it has run (rows over its own bucket, summed
-# over its lent steps) reach this many, then captures its own: rent until the rent paid equals the price of
-# buying (a capture costs a 1B model's host 30-45 ms; each padding row 2.5 us of a 1B decode step on the
-# H100: 7 rows in the 64-row graph took 0.422 s for 256 new tokens against 0.387 s in their own,
-# docs/benchmarks.md). A later call with a new batch size, or a call's tail as its rows end, then captures
-# no decode graph for its first steps, while a shape that keeps coming back ends on its own graph having
-# paid at most about one capture's time for the padding. Prefill and mixed steps are not lent (below the
-# cap): a warmed-up serving loop, which has seen each of its prefill buckets once, would capture them in
-# its timed run. 0 turns the lending off.
-LEND_LARGER_PADDING_ROW_STEPS = 12_000
+# padding rows, a wider block table) this many times before it captures its own: a later call with a new
+# batch size (7 rows after a call of 64) then captures no decode graph, while a shape that keeps coming
+# back still ends on its own graph. A capture costs a 1B model's host 30-45 ms (docs/benchmarks.md); a
+# decode step padded from 8 rows to 64 costs little more than its own (its weights are read once either
+# way). Prefill and mixed steps are not lent (below the cap): a warmed-up serving loop, which has seen
+# each of its prefill buckets once, would capture them in its timed run. 0 turns the lending off.
+LEND_LARGER_DECODE_STEPS = 1024
 # The largest batch a decode step is lent: up to it a step's GEMMs stay bound by reading the weights
 # (at 16 bits, and 4-bit weights near the limit), so the padding rows cost little beyond the launch.
 LEND_LARGER_MAX_BATCH = 64
@@ -332,8 +329,8 @@ class DecodeGraphs:
         # draws), too_large (over the graphs' rows or tokens), no_prefill_graphs, prefill_cap (every prefill
         # bucket taken and none captured holds the step), capture_failed.
         self.eager: collections.Counter[str] = collections.Counter()
-        self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_PADDING_ROW_STEPS)
-        self._lent_larger: dict[GraphKey, int] = {}  # bucket -> padding rows its lent steps ran
+        self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_DECODE_STEPS)
+        self._lent_larger: dict[GraphKey, int] = {}
 
     @property
     def num_captured(self) -> int:
@@ -410,13 +407,13 @@ class DecodeGraphs:
         self.eager[why] += 1
 
     def _lent_larger_decode(self, key: GraphKey) -> GraphKey:
-        """A larger captured decode bucket for a decode step whose own is not captured, while the padding
-        rows its bucket's lent steps ran are fewer than LEND_LARGER_PADDING_ROW_STEPS; else the step's own key."""
-        spent = self._lent_larger.get(key, 0)
-        larger = self._larger_decode(key) if spent < LEND_LARGER_PADDING_ROW_STEPS else None
+        """A larger captured decode bucket for a decode step whose own is not captured, while its bucket
+        has been lent fewer than LEND_LARGER_DECODE_STEPS times; else the step's own key."""
+        times = self._lent_larger.get(key, 0)
+        larger = self._larger_decode(key) if times < LEND_LARGER_DECODE_STEPS else None
         if larger is None:
             return key
-        self._lent_larger[key] = spent + max(1, larger.batch - key.batch)
+        self._lent_larger[key] = times + 1
         self.num_lent_larger += 1
         return larger
 
