@@ -123,7 +123,6 @@ def test_pool_too_small_for_one_page(model):
     (dict(num_beams=2), "num_beams"),
     (dict(num_return_sequences=2), "do_sample"),
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
-    (dict(guidance_scale=1.5), "guidance_scale"),
     (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
     (dict(stop_strings=["x"]), "tokenizer"),
     (dict(token_type_ids=torch.zeros(1, 3, dtype=torch.long)), "token_type_ids"),

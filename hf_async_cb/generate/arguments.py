@@ -21,8 +21,7 @@ from hf_async_cb.generate.prompt_learning import check_inputs_not_rewritten
 
 # generate() arguments the engine does not implement; each must be left at its default.
 _UNSUPPORTED_ARGUMENTS = (
-    "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
-    "custom_generate",
+    "assistant_model", "custom_generate",
 )
 _ALLOWED_MODEL_KWARGS = {"attention_mask", "use_cache", "input_ids"}
 _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": False}
@@ -33,7 +32,7 @@ _UNSUPPORTED_GENERATION_OPTIONS = (
     ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
     ("constraints", (None,)), ("force_words_ids", (None,)),  # (diversity_penalty: group beams' alone)
     ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
-    ("encoder_no_repeat_ngram_size", (None, 0)), ("guidance_scale", (None, 1.0)),
+    ("encoder_no_repeat_ngram_size", (None, 0)),
     ("watermarking_config", (None,)), ("output_attentions", (None, False)),
     ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
     ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),

@@ -15,7 +15,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
-from hf_async_cb.generate.prefix_constraint import for_row
+from hf_async_cb.generate.row_processors import for_row, negative_prompt
 from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
 from hf_async_cb.model.embeddings_path import output_vocab_size
 
@@ -122,6 +122,9 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # repetition_penalty ignores padding in newer transformers) and must see a batch of one.
     checked: set[int] = set()  # the caller's deterministic processors and criteria (generate/row_checks.py)
 
+    copies = max(1, int(gc.num_return_sequences or 1))
+    negative_prompt(arguments, 0, input_ids.shape[0])  # (checked once, before any work)
+
     def processor(row_mask: torch.Tensor, row: int = 0):
         """Stock's list for the call's `row` (its index among the rows stock generates, copies
         included), a batch of one row."""
@@ -129,6 +132,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             generation_config=gc, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
             logits_processor=user_processors, device=input_ids.device, model_kwargs={"attention_mask": row_mask[None]},
             prefix_allowed_tokens_fn=arguments.get("prefix_allowed_tokens_fn"),
+            **negative_prompt(arguments, row // copies, input_ids.shape[0]),
         )
         built = LogitsProcessorList(for_row(p, row) for p in built)
         if checked:
@@ -159,7 +163,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         elif isinstance(p, SequenceBiasLogitsProcessor):
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
-    rows = input_ids.shape[0] * max(1, int(gc.num_return_sequences or 1))
+    rows = input_ids.shape[0] * copies
     checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model),
                                 criteria_get_scores(gc))
     if slow:

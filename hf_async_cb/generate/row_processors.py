@@ -1,4 +1,9 @@
-"""`generate(prefix_allowed_tokens_fn=...)` on the engine, one row at a time.
+"""Stock's processors that number or slice the rows of their batch, built for one row.
+
+The engine hands each request's processors a batch of one row: a processor built for stock's
+whole batch must be told which row it is.
+
+`generate(prefix_allowed_tokens_fn=...)`:
 
 Stock's PrefixConstrainedLogitsProcessor calls `fn(batch_id, sent)` for every row of its batch and
 keeps only the tokens it returns (constrained decoding: entity names, grammars, a trie of allowed
@@ -46,6 +51,28 @@ def _stock_forces() -> bool:
     """Whether the installed transformers forces a row's allowed tokens when all are -inf."""
     stock = PrefixConstrainedLogitsProcessor(lambda batch_id, sent: [0], 1)
     return bool(stock(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 2), -math.inf))[0, 0] == 0)
+
+
+def negative_prompt(arguments: dict, prompt: int, prompts: int) -> dict:
+    """`generate(guidance_scale=..., negative_prompt_ids=..., negative_prompt_attention_mask=...)`:
+    the negative prompt of the call's `prompt` (of `prompts`), for that row's own classifier-free
+    guidance processor (stock's UnbatchedClassifierFreeGuidanceLogitsProcessor, which runs the
+    model on it with a cache of its own: model/callback_forwards.py hands it the stock model).
+    Stock takes one negative row per prompt, or one for a batch of one prompt; copies
+    (`num_return_sequences`) share their prompt's."""
+    ids, mask = arguments.get("negative_prompt_ids"), arguments.get("negative_prompt_attention_mask")
+    if ids is None:
+        if mask is not None:
+            raise ValueError("negative_prompt_attention_mask without negative_prompt_ids.")
+        return {}
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != prompts:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"negative_prompt_ids must be a LongTensor [batch, length] with a row per prompt "
+                         f"({prompts}), as stock's guidance concatenates it with the batch; got {shape}.")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape)):
+        raise ValueError("negative_prompt_attention_mask must have negative_prompt_ids' shape.")
+    return {"negative_prompt_ids": ids[prompt : prompt + 1],
+            "negative_prompt_attention_mask": None if mask is None else mask[prompt : prompt + 1]}
 
 
 def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:

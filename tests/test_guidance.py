@@ -1,0 +1,48 @@
+"""Classifier-free guidance (`generate(guidance_scale=..., negative_prompt_ids=...)`) against stock
+generate: each row runs stock's guidance processor on its own, which runs the model on the row's
+unconditional context with a cache of its own (the callbacks' stock model,
+model/callback_forwards.py), its negative prompt that row's (generate/row_processors.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import left_pad, random_prompts, tiny_model
+
+from hf_async_cb import BatchingConfig
+
+MODES = ["sync", "async"]
+PROMPTS = random_prompts(4, 3, 10, seed=5)
+NEGATIVE = random_prompts(4, 2, 6, seed=6)
+
+
+def generate(model, mode=None, **kwargs):
+    ids, mask = left_pad(PROMPTS)
+    if mode is not None:
+        kwargs["batching"] = mode
+    return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["last_token", "negative_prompt", "positive_prompt"])
+def test_guided_rows_give_stock_tokens(case, mode):
+    model = tiny_model("llama")
+    options = {"guidance_scale": 1.5}
+    if case != "last_token":  # (left-padded, with their mask)
+        ids, mask = left_pad(NEGATIVE)
+        options = {"guidance_scale": 2.0 if case == "negative_prompt" else 0.0,
+                   "negative_prompt_ids": ids, "negative_prompt_attention_mask": mask}
+    expected = generate(model, **options)
+    assert not torch.equal(expected, generate(model))  # (the guidance changes the tokens)
+    assert torch.equal(generate(model, mode, batching_config=BatchingConfig(fuse_projections=True), **options),
+                       expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_negative_prompt_of_another_batch_size_is_refused_before_any_work(mode):
+    model = tiny_model("llama")
+    ids, mask = left_pad(NEGATIVE[:2])
+    with pytest.raises(ValueError, match="a row per prompt"):
+        generate(model, mode, guidance_scale=2.0, negative_prompt_ids=ids)
+    with pytest.raises(ValueError, match="without negative_prompt_ids"):
+        generate(model, mode, guidance_scale=2.0, negative_prompt_attention_mask=mask)
