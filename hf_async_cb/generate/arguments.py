@@ -33,7 +33,7 @@ _UNSUPPORTED_GENERATION_OPTIONS = (
     ("constraints", (None,)), ("force_words_ids", (None,)),  # (diversity_penalty: group beams' alone)
     ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
     ("encoder_no_repeat_ngram_size", (None, 0)),
-    ("watermarking_config", (None,)), ("output_attentions", (None, False)),
+    ("output_attentions", (None, False)),
     ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
     ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
 )
