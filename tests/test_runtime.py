@@ -289,14 +289,15 @@ def test_engine_failing_at_any_stage_after_fusing_gives_the_model_back(stage, mo
     assert torch.equal(engine_generate(model, PROMPTS), stock_generate(model, PROMPTS, max_new_tokens=6))
 
 
-def test_generate_inside_a_processor_of_the_same_model_is_refused():
+def test_an_engine_generate_inside_a_processor_of_the_same_model_is_refused():
+    """(A stock generate there runs, as in stock: tests/test_callback_forwards.py.)"""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     model = fresh()
 
     class Reentrant(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            model.generate(input_ids[:, -2:], max_new_tokens=1, batching="off")
+            model.generate(input_ids[:, -2:], max_new_tokens=1, batching="sync")
             return scores
 
     before = snapshot(model)
