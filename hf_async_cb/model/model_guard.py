@@ -92,7 +92,8 @@ class ModelGuard:
     def _busy(what: str) -> RuntimeError:
         return RuntimeError(f"{what} was called from inside a generate call on the same model (or one sharing its "
                             "modules or config; a logits processor, stopping criterion or streamer?): the model is "
-                            "busy on this thread.")
+                            "busy on this thread. (A stock generate, batching='off', runs from an engine call's "
+                            "callbacks.)")
 
     # -- holds ---------------------------------------------------------------------------------
     @contextlib.contextmanager
