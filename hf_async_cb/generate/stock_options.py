@@ -166,6 +166,10 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     rows = input_ids.shape[0] * copies
     checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model),
                                 criteria_get_scores(gc))
+    if gc.guidance_scale is not None and gc.guidance_scale != 1 and rows > 1:
+        _warn_once("Classifier-free guidance runs stock's guidance processor on each row: one forward of the "
+                   "unconditional context per row and step, where stock runs one for the whole batch, so for many "
+                   "rows it is slower than batching='off' (64 rows of a tiny model on a CPU: 20x).")
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
