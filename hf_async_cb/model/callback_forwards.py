@@ -78,14 +78,19 @@ def stock_for_callbacks(model: torch.nn.Module, set_aside: Callable) -> Iterator
             hook.remove()
 
 
+def in_callback() -> bool:
+    """Whether this thread runs a callback of its engine call, outside the call's steps."""
+    return _opened.get() is not None and _set_aside.get() is not None and current_metadata() is None
+
+
 def stock_now() -> bool:
     """Inside a callback of an engine call, outside its steps: the call's model set aside until the
     callback returns (once per callback), and True; else False."""
-    opened, set_aside = _opened.get(), _set_aside.get()
-    if opened is None or set_aside is None or current_metadata() is not None:
+    if not in_callback():
         return False
+    opened = _opened.get()
     if not opened:
-        aside = set_aside()
+        aside = _set_aside.get()()
         aside.__enter__()
         opened.append(aside)
     return True

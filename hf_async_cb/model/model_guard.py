@@ -107,6 +107,8 @@ class ModelGuard:
         try:
             with _COND:
                 self._enter(me, what, kind, serving, taken)
+            if kind == "stock" and taken and taken[0][1] == "nested":  # a stock generate of an engine call's callback
+                _set_aside_for_callback()  # (outside the lock: it swaps the model's modules)
             yield
         finally:
             if taken:
@@ -130,7 +132,7 @@ class ModelGuard:
             mine = root._owned_by(me)
             if mine is not None:
                 nests = kind in _NESTING and "engine" not in mine._holds
-                if not nests and not (kind == "stock" and "engine" in mine._holds and _callback_forward()):
+                if not nests and not (kind == "stock" and "engine" in mine._holds and _in_callback()):
                     raise self._busy(what)
                 mine._holds.append(kind)
                 taken.append((mine, "nested"))
@@ -276,9 +278,15 @@ def model_guard(model: torch.nn.Module, create: bool = True) -> ModelGuard | Non
         return guard
 
 
-def _callback_forward() -> bool:
-    """A stock generate run by a callback of this thread's engine call, its model set aside for it
-    (model/callback_forwards.py)."""
-    from hf_async_cb.model.callback_forwards import stock_now  # (it imports the attention; this is lower)
+def _in_callback() -> bool:
+    """Whether this thread runs a callback of its engine call (model/callback_forwards.py)."""
+    from hf_async_cb.model.callback_forwards import in_callback  # (it imports the attention; this is lower)
 
-    return stock_now()
+    return in_callback()
+
+
+def _set_aside_for_callback() -> None:
+    """The engine call's model stock for its callback's stock generate, until the callback returns."""
+    from hf_async_cb.model.callback_forwards import stock_now
+
+    stock_now()
