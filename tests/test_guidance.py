@@ -46,3 +46,22 @@ def test_a_negative_prompt_of_another_batch_size_is_refused_before_any_work(mode
         generate(model, mode, guidance_scale=2.0, negative_prompt_ids=ids)
     with pytest.raises(ValueError, match="without negative_prompt_ids"):
         generate(model, mode, guidance_scale=2.0, negative_prompt_attention_mask=mask)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("negative", [False, True])
+def test_a_guidance_processor_of_the_callers_gives_stock_tokens(negative, mode):
+    """Stock's UnbatchedClassifierFreeGuidanceLogitsProcessor built for the whole batch and passed in
+    `logits_processor`: made anew per row with that row's unconditional context."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+    model = tiny_model("llama")
+    ids, mask = left_pad(NEGATIVE) if negative else (None, None)
+
+    def guided():
+        return LogitsProcessorList([UnbatchedClassifierFreeGuidanceLogitsProcessor(2.0, model, ids, mask)])
+
+    expected = generate(model, logits_processor=guided())
+    assert not torch.equal(expected, generate(model))
+    assert torch.equal(generate(model, mode, logits_processor=guided()), expected)

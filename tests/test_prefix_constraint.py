@@ -87,3 +87,14 @@ def test_a_constraint_that_runs_the_model_gives_stock_tokens(mode):
 
     assert torch.equal(generate(model, mode, prefix_allowed_tokens_fn=top_five),
                        generate(model, prefix_allowed_tokens_fn=top_five))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefix_constraint_processor_of_the_callers_gives_stock_tokens(mode):
+    """Stock's PrefixConstrainedLogitsProcessor passed in `logits_processor`: bound per row to its batch id."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    model = tiny_model("llama")
+    given = LogitsProcessorList([PrefixConstrainedLogitsProcessor(allowed, 1)])
+    assert torch.equal(generate(model, mode, logits_processor=given), generate(model, logits_processor=given))

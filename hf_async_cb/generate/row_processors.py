@@ -1,7 +1,9 @@
 """Stock's processors that number or slice the rows of their batch, built for one row.
 
 The engine hands each request's processors a batch of one row: a processor built for stock's
-whole batch must be told which row it is.
+whole batch must be told which row it is. So is one the caller built for the whole batch and passed
+in `logits_processor` (stock's PrefixConstrainedLogitsProcessor or
+UnbatchedClassifierFreeGuidanceLogitsProcessor): `for_row` makes it per row.
 
 `generate(prefix_allowed_tokens_fn=...)`:
 
@@ -27,7 +29,10 @@ import math
 
 import torch
 from transformers import LogitsProcessor
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 
 class RowPrefixConstraint(LogitsProcessor):
@@ -75,9 +80,30 @@ def negative_prompt(arguments: dict, prompt: int, prompts: int) -> dict:
             "negative_prompt_attention_mask": None if mask is None else mask[prompt : prompt + 1]}
 
 
-def for_row(processor: LogitsProcessor, row: int) -> LogitsProcessor:
-    """`processor` for the call's `row`: stock's prefix constraint bound to the row's batch id, any
-    other processor as it is."""
+def for_row(processor: LogitsProcessor, row: int, copies: int = 1, prompts: int = 1) -> LogitsProcessor:
+    """`processor` for the call's `row` (of `prompts` prompts, `copies` rows each): stock's prefix
+    constraint bound to the row's batch id, a guidance processor of the caller's own made anew with
+    the row's unconditional context, any other processor as it is."""
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
         return RowPrefixConstraint(processor._prefix_allowed_tokens_fn, row // max(1, processor._num_beams))
+    if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
+        context = processor.unconditional_context
+        if not context["first_pass"]:
+            raise ValueError("a UnbatchedClassifierFreeGuidanceLogitsProcessor that has run already keeps its "
+                             "unconditional cache: pass a new one (or guidance_scale=... and negative_prompt_ids=...).")
+        ids, mask = context["input_ids"], context["attention_mask"]
+        if ids is not None:
+            n = ids.shape[0]
+            at = {prompts * copies: row, prompts: row // copies, 1: 0}.get(n)
+            if at is None:
+                raise ValueError(f"a guidance processor's unconditional_ids have {n} rows for a call of {prompts} "
+                                 f"prompts x {copies} copies: give one per row, one per prompt, or one.")
+            ids, mask = ids[at : at + 1], None if mask is None else mask[at : at + 1]
+        return UnbatchedClassifierFreeGuidanceLogitsProcessor(processor.guidance_scale, processor.model, ids, mask,
+                                                              context["use_cache"])
     return processor
+
+
+# Stock's processors of the caller's that for_row makes per row (the row checks' probe would call a
+# batch-wide one on copies of one row: a guidance processor keeps state, a constraint numbers rows).
+ROW_BUILT = (PrefixConstrainedLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)

@@ -15,7 +15,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
-from hf_async_cb.generate.row_processors import for_row, negative_prompt
+from hf_async_cb.generate.row_processors import ROW_BUILT, for_row, negative_prompt
 from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
 from hf_async_cb.model.embeddings_path import output_vocab_size
 
@@ -134,7 +134,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             prefix_allowed_tokens_fn=arguments.get("prefix_allowed_tokens_fn"),
             **negative_prompt(arguments, row // copies, input_ids.shape[0]),
         )
-        built = LogitsProcessorList(for_row(p, row) for p in built)
+        built = LogitsProcessorList(for_row(p, row, copies, input_ids.shape[0]) for p in built)
         if checked:
             built = LogitsProcessorList(RowChecked(p, "logits processor") if id(p) in checked else p for p in built)
         return built
@@ -164,7 +164,8 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             device_options["sequence_bias"] = tuple(p.sequence_bias.items())
     user_criteria = arguments.get("stopping_criteria") or StoppingCriteriaList()
     rows = input_ids.shape[0] * copies
-    checked |= check_rows_alike(user_processors, user_criteria, input_ids, rows, _vocab_size(model),
+    probed = [p for p in user_processors if not isinstance(p, ROW_BUILT)]  # (made per row: for_row)
+    checked |= check_rows_alike(probed, user_criteria, input_ids, rows, _vocab_size(model),
                                 criteria_get_scores(gc))
     if gc.guidance_scale is not None and gc.guidance_scale != 1 and rows > 1:
         _warn_once("Classifier-free guidance runs stock's guidance processor on each row: one forward of the "
