@@ -65,3 +65,32 @@ def test_a_guidance_processor_of_the_callers_gives_stock_tokens(negative, mode):
     expected = generate(model, logits_processor=guided())
     assert not torch.equal(expected, generate(model))
     assert torch.equal(generate(model, mode, logits_processor=guided()), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", ["roomy", "tight"])
+def test_the_rows_unconditional_forwards_run_together_and_rows_that_miss_steps_catch_up(config, mode, monkeypatch):
+    """Ten guided rows: with room, one unconditional forward per step for all of them (stock runs one
+    per step too; per row it would be ten); in a small pool with a small step budget (rows started
+    apart, one preempted after some tokens and resumed: its context recomputed), stock's tokens."""
+    from hf_async_cb.generate import guidance
+
+    forwards, restarts = [], []
+    run, start = guidance.GuidedRows._forward, guidance.GuidedRows._start
+    monkeypatch.setattr(guidance.GuidedRows, "_forward", lambda self, *a: forwards.append(a[0].shape[0]) or run(self, *a))
+    monkeypatch.setattr(guidance.GuidedRows, "_start",
+                        lambda self, entries: restarts.extend(r.calls for r, _ in entries if r.calls) or start(self, entries))
+    model = tiny_model("llama")
+    prompts = random_prompts(10, 3, 12, seed=9)
+    ids, mask = left_pad(prompts)
+    options = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, guidance_scale=1.5)
+    expected = model.generate(ids, **options)
+    tight = config == "tight"
+    batching = BatchingConfig(page_size=4, num_pages=8, max_batch_tokens=8, max_running_requests=3,
+                              prefix_caching=False) if tight else None
+    forwards.clear()
+    assert torch.equal(model.generate(ids, batching=mode, batching_config=batching, **options), expected)
+    if tight:
+        assert restarts, "no row was preempted after its first tokens: the test needs a smaller pool"
+    else:
+        assert len(forwards) <= 8 + 2 and max(forwards) == len(prompts), forwards

@@ -181,11 +181,16 @@ class ModelRunner:
     @staticmethod
     def _apply_processor_rows(inputs: StepInputs, logits: torch.Tensor, previous_tokens: torch.Tensor | None,
                               own: dict[int, torch.Tensor]) -> None:
-        """The slow path: each request's transformers LogitsProcessorList on its full history."""
+        """The slow path: each request's transformers LogitsProcessorList on its full history. Processors
+        batched across rows (`batched_by`: generate/guidance.py) first get the step's rows at once."""
+        rows = []
         for row, processor, history, pending_row in inputs.processor_rows:
             history = history.to(logits.device)
             if pending_row >= 0:
                 history = torch.cat([history, previous_tokens[pending_row : pending_row + 1].clamp(min=0)])
+            rows.append((row, processor, history))
+        _before_step(rows)
+        for row, processor, history in rows:
             try:
                 scores = _one_row(processor(history[None], logits[row : row + 1]), logits.shape[1])
                 logits[row] = scores
@@ -196,6 +201,23 @@ class ModelRunner:
                     inputs.faults = {}
                 inputs.faults[row] = error
                 logits[row] = 0.0  # a valid draw whatever the processor left; the token is dropped
+
+
+def _before_step(rows: list) -> None:
+    """Hand each owner of batched processors the step's rows it serves ((processor, history [1, n]));
+    an owner that fails leaves its rows to compute alone (their own calls then fail their requests)."""
+    owners: dict[int, tuple] = {}
+    for _, processor, history in rows:
+        for p in processor if isinstance(processor, list) else (processor,):  # (one callable, or a list)
+            owner = getattr(p, "batched_by", None)
+            if owner is not None:
+                owners.setdefault(id(owner), (owner, []))[1].append((p, history[None]))
+    for owner, entries in owners.values():
+        try:
+            owner.before_step(entries)
+        except Exception:  # noqa: BLE001 - each row's own call raises it again, failing that request alone
+            for p, _ in entries:
+                p.logits = None
 
 
 def _one_row(scores, vocab: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from hf_async_cb.engine.requests import SamplingParams
 from hf_async_cb.generate.arguments import GenerateCall, check_rows_stop_together, max_new_tokens
+from hf_async_cb.generate.guidance import GuidedRows
 from hf_async_cb.generate.row_processors import ROW_BUILT, for_row, negative_prompt
 from hf_async_cb.generate.row_checks import RowChecked, check_rows_alike
 from hf_async_cb.model.embeddings_path import output_vocab_size
@@ -110,6 +111,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        UnbatchedClassifierFreeGuidanceLogitsProcessor,
     )
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -123,6 +125,18 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     checked: set[int] = set()  # the caller's deterministic processors and criteria (generate/row_checks.py)
 
     copies = max(1, int(gc.num_return_sequences or 1))
+    owners: dict = {}  # the call's batched guidance (generate/guidance.py), per guidance processor
+
+    def guided(given, made):
+        """A guidance processor made for one row (`made`, from `given`) as a row of the call's batched
+        guidance; anything else as it is."""
+        if not isinstance(made, UnbatchedClassifierFreeGuidanceLogitsProcessor) \
+                or not made.unconditional_context["use_cache"]:
+            return made  # (without a cache stock feeds the whole context each step: per row, as stock's)
+        key = id(given) if any(given is p for p in user_processors) else "guidance_scale"
+        owner = owners.setdefault(key, GuidedRows(made.model, made.guidance_scale))
+        return owner.row(made.unconditional_context["input_ids"], made.unconditional_context["attention_mask"])
+
     negative_prompt(arguments, 0, input_ids.shape[0])  # (checked once, before any work)
 
     def processor(row_mask: torch.Tensor, row: int = 0):
@@ -134,7 +148,7 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             prefix_allowed_tokens_fn=arguments.get("prefix_allowed_tokens_fn"),
             **negative_prompt(arguments, row // copies, input_ids.shape[0]),
         )
-        built = LogitsProcessorList(for_row(p, row, copies, input_ids.shape[0]) for p in built)
+        built = LogitsProcessorList(guided(p, for_row(p, row, copies, input_ids.shape[0])) for p in built)
         if checked:
             built = LogitsProcessorList(RowChecked(p, "logits processor") if id(p) in checked else p for p in built)
         return built
@@ -167,10 +181,6 @@ def _slow_path(model, gc, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     probed = [p for p in user_processors if not isinstance(p, ROW_BUILT)]  # (made per row: for_row)
     checked |= check_rows_alike(probed, user_criteria, input_ids, rows, _vocab_size(model),
                                 criteria_get_scores(gc))
-    if gc.guidance_scale is not None and gc.guidance_scale != 1 and rows > 1:
-        _warn_once("Classifier-free guidance runs stock's guidance processor on each row: one forward of the "
-                   "unconditional context per row and step, where stock runs one for the whole batch, so for many "
-                   "rows it is slower than batching='off' (64 rows of a tiny model on a CPU: 20x).")
     if slow:
         _warn_once("Logits processors run on the engine's slow path: one call per request per step, on "
                    "the request's full history, as a batch of one row (correct for processors that treat "
