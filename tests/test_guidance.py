@@ -94,3 +94,16 @@ def test_the_rows_unconditional_forwards_run_together_and_rows_that_miss_steps_c
         assert restarts, "no row was preempted after its first tokens: the test needs a smaller pool"
     else:
         assert len(forwards) <= 8 + 2 and max(forwards) == len(prompts), forwards
+
+
+def test_the_guidance_benchmark_runs_on_the_cpu():
+    """benchmarks/guidance_bench.py on the tiny shape: every path's rows equal stock's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import guidance_bench
+
+    report = guidance_bench.main(["--device", "cpu", "--shape", "tiny", "--rows", "6", "--prompt", "12", "--new", "5",
+                                  "--repeat", "1"])
+    assert [report[path]["rows_equal_stock"] for path in ("stock", "sync", "async")] == [6, 6, 6]
