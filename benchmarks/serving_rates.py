@@ -24,6 +24,7 @@ import time
 import torch
 
 from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine import cuda_graphs
 from hf_async_cb.tools import bench, serving
 
 
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
                    help="our paths' BatchingConfig.cuda_graphs (default: on CUDA; on the CPU, the same keys eagerly)")
     p.add_argument("--paths", default="sync,async", help="our loops at every rate (e.g. sync,async,async-early: "
                    "bench's path names)")
+    p.add_argument("--prefill-context-steps", default=None,
+                   help="A/B of cuda_graphs.PREFILL_CONTEXT_STEP: our paths run once per value, e.g. 2,1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     bench.check_paths(args.paths.split(","))
@@ -85,23 +88,34 @@ def main(argv=None) -> int:
     device = torch.device(args.device) if args.device else bench.default_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = bench.build_model(args.shape, device, dtype)
-    runs = [(float(r), tuple(args.paths.split(","))) for r in args.rates.split(",")]
+    steps = [int(s) for s in args.prefill_context_steps.split(",")] if args.prefill_context_steps else [None]
+    runs = [(float(r), tuple(args.paths.split(",")), s) for r in args.rates.split(",") for s in steps]
     if args.peer_rate:  # last: ours come first within the budget
         paths, notes = serving.runnable_paths(("hf-cb-sync",), device)
         print(*notes, sep="\n")
-        runs += [(args.peer_rate, paths)] if paths else []
+        runs += [(args.peer_rate, paths, None)] if paths else []
     reports, skipped = [], []
-    for rate, paths in runs:
+    default_step = cuda_graphs.PREFILL_CONTEXT_STEP
+    for rate, paths, step in runs:
         if time.perf_counter() - started > args.budget:
             skipped.append(f"{'/'.join(paths)} at {rate:g} req/s")
             continue
         requests = max(args.min_requests, math.ceil(rate * args.seconds))
         config = BatchingConfig(max_running_requests=requests, cuda_graphs=args.cuda_graphs)
+        cuda_graphs.PREFILL_CONTEXT_STEP = default_step if step is None else step
         report = serving.run(args.shape, requests, rate, args.lengths, args.prompt, args.new, paths, device, dtype,
                              config, model=model, peer_limit_s=args.peer_limit)
         report["elapsed_s"] = time.perf_counter() - started
+        if step is not None:
+            report["prefill_context_step"] = step
+            for r in report["results"]:
+                r["note"] = f"prefill context step {step}" + (f"; {r['note']}" if r.get("note") else "")
         reports.append(report)
         print(serving.format_table(report))
+        for r in report["results"]:  # the buckets its eager prefill steps missed, and those it had
+            missed = r.get("extra", {}).get("missed_buckets")
+            if missed:
+                print(f"{r['path']}: eager steps' buckets {missed}; captured {r['extra']['captured_prefill_buckets']}")
         print(f"(done after {report['elapsed_s']:.0f} s)\n", flush=True)
         if args.json:  # after every run: a run cut short by an outer timeout keeps the ones before
             with open(args.json, "w") as f:

@@ -45,9 +45,10 @@ def test_graph_buckets():
     outs = engine.generate(prompts, max_new_tokens=10, eos_token_ids=(2,))
     assert [o.output_token_ids for o in outs] == expected_rows(model, prompts, 10)
     keys = set(engine.graphs._graphs)
-    # The prompts' ~200 tokens in one step padded to 256: a padding request of ~60 tokens, on the trash page.
-    assert GraphKey(4, 128, 256) in keys
-    assert keys <= {GraphKey(4, 64), GraphKey(4, 128), GraphKey(4, 128, 256)}, keys
+    # The prompts' ~200 tokens in one step padded to 256: a padding request of ~60 tokens, on the trash
+    # page; its context bucket a power of 4 (the decodes' a power of 2).
+    assert GraphKey(4, 256, 256) in keys
+    assert keys <= {GraphKey(4, 64), GraphKey(4, 128), GraphKey(4, 256, 256)}, keys
     assert engine.graphs.max_batch == 32
     # The step's inputs are one uploaded buffer, so a graph loads them with one copy.
     for graph in engine.graphs._graphs.values():
@@ -105,6 +106,27 @@ def test_mixed_steps_of_a_drifting_request_count_share_buckets():
     assert graphs.key_for(decode) == GraphKey(32, 256)
 
 
+def test_prefill_buckets_share_contexts_within_a_power_of_four():
+    """A prefill/mixed bucket's context grows by powers of 4 from 64 (its block table is only read as
+    far as each request's own length), so steps over contexts of 257 to 1024 keys share one bucket;
+    decode buckets keep powers of two (their split count depends on the context)."""
+    from hf_async_cb.engine.cuda_graphs import prefill_context_bucket
+
+    assert [prefill_context_bucket(n) for n in (1, 64, 65, 256, 257, 1024, 1025, 4096, 4097)] == [
+        64, 64, 256, 256, 1024, 1024, 4096, 4096, 16384]
+    assert [prefill_context_bucket(n, step=1) for n in (64, 65, 129, 1025)] == [64, 128, 256, 2048]
+    graphs = DecodeGraphs(None, 64, is_cuda=False, prefill=True)
+
+    def mixed(context):
+        decodes = [ScheduledChunk(Request([3] * context, SamplingParams()), context - 1, 1, True) for _ in range(5)]
+        return StepPlan(decodes + [ScheduledChunk(Request([3] * 40, SamplingParams()), 0, 40, True)], [])
+
+    assert {graphs.key_for(mixed(n)) for n in (300, 600, 1000)} == {GraphKey(16, 1024, 64)}
+    decodes = [graphs.key_for(StepPlan([ScheduledChunk(Request([3] * n, SamplingParams()), n - 1, 1, True)], []))
+               for n in (300, 600)]
+    assert decodes == [GraphKey(1, 512), GraphKey(1, 1024)]
+
+
 def test_at_the_cap_a_step_replays_the_smallest_captured_bucket_that_holds_it():
     """With every prefill bucket taken, a step of a new bucket pads up into a captured one: enough
     requests (each padding request needs a token), tokens and context; the same kind (tall,
@@ -114,7 +136,7 @@ def test_at_the_cap_a_step_replays_the_smallest_captured_bucket_that_holds_it():
     def plan(*chunks):  # (cached start, own tokens) per request
         return StepPlan([ScheduledChunk(Request([3] * (s + n), SamplingParams()), s, n, True) for s, n in chunks], [])
 
-    step = plan((1025, 5), (300, 1), (40, 1))  # 7 tokens, 3 requests, context 1030: bucket (4, 2048, 8)
+    step = plan((1025, 5), (300, 1), (40, 1))  # 7 tokens, 3 requests, context 1030: bucket (4, 4096, 8)
     assert graphs.key_for(step) is None  # nothing captured
     for key in [GraphKey(4, 1024, 8), GraphKey(8, 2048, 16), GraphKey(8, 2048, 32), GraphKey(16, 2048, 512),
                 GraphKey(8, 2048, 16, tall=True), GraphKey(8, 2048, 16, sampled=True), GraphKey(16, 256, 64),

@@ -178,6 +178,25 @@ def test_a_replay_warmed_run_captures_no_graph(tiny, mode):
     assert [len(t.output_token_ids) for t in run.traces] == workload.new
 
 
+def test_a_run_names_the_buckets_its_eager_prefill_steps_missed(tiny, monkeypatch):
+    """With no prefill bucket captured before the timed run (a warm-up that captured none), every
+    prefill step runs eagerly for want of one: the report names each such step's own bucket, and
+    their counts add up to the prefill_cap steps."""
+    from hf_async_cb.tools.serving_engine import OurServer
+
+    def freeze_only(self, workload, timeout=None, deadline=None):
+        self.engine.graphs.max_prefill_graphs = 0
+        return True
+
+    monkeypatch.setattr(OurServer, "warm_up", freeze_only)
+    workload = serving.make_workload(6, tiny.config.vocab_size, 400.0, "uniform", 24, 4, seed=5)
+    config = BatchingConfig(cuda_graphs=True, max_running_requests=6, max_batch_tokens=96)
+    run = serving.run_path("sync", tiny, workload, config, timeout=120)
+    missed = run.extra["missed_buckets"]
+    assert sum(missed.values()) == run.extra["eager_prefill_cap"] > 0
+    assert all(len(k.split()[0].split("x")) == 3 for k in missed) and run.extra["captured_prefill_buckets"] == []
+
+
 @pytest.mark.skipif(serving.hf_online_missing() is not None, reason=str(serving.hf_online_missing()))
 def test_a_peer_past_its_time_limit_or_failing_still_gets_its_row(monkeypatch):
     """transformers' manager out of time (a limit of 0 s) gets a row with a note, and so does one

@@ -57,6 +57,15 @@ MIN_CONTEXT_BUCKET = 64
 # warm-up. Measured on an H200 (docs/benchmarks.md, 2026-12-01): 8B, 32 x 7K -> 1K with 8192-token
 # prefill steps took 21.9 s with prefill graphs and 21.6 s without, and 29.0 s of warm-up against 21.9.
 PREFILL_GRAPH_MAX_TOKENS = 2048
+# A prefill/mixed bucket's context (keys per request: its block table's width) grows by this many
+# powers of two from MIN_CONTEXT_BUCKET (64, 256, 1024, 4096, ... with 2). The Triton prefill and
+# mixed attention reads each request's own length and launches by token and request counts only, so
+# a wider table costs an upload of a few more page numbers, while every context bucket of a (batch,
+# tokens) pair took a capture of its own, and a serving load's steps (new prompts beside decodes of
+# every length) spread over so many of them that the buckets captured in a warm-up missed many
+# later steps, which ran eagerly (docs/benchmarks.md). Decode buckets keep powers of two: their
+# split count depends on the context.
+PREFILL_CONTEXT_STEP = 2
 # A step whose own bucket is not captured (all prefill buckets taken) may replay a captured bucket of
 # up to this many tokens (or twice its own): at that size a small model's padded replay still costs
 # less GPU time than an eager step's launches cost the host.
@@ -102,6 +111,14 @@ def _pow2(n: int) -> int:
 
 def _pow4(n: int) -> int:
     return 1 << 2 * -(-max(0, n - 1).bit_length() // 2)
+
+
+def prefill_context_bucket(context: int, step: int | None = None) -> int:
+    """The context bucket of a prefill/mixed step whose longest request holds `context` keys."""
+    step = PREFILL_CONTEXT_STEP if step is None else step
+    doublings = max(0, context - 1) // MIN_CONTEXT_BUCKET
+    doublings = doublings.bit_length()  # MIN_CONTEXT_BUCKET << doublings holds it
+    return MIN_CONTEXT_BUCKET << step * -(-doublings // step)
 
 
 def _token_bucket(n: int) -> int:
@@ -329,6 +346,7 @@ class DecodeGraphs:
         # draws), too_large (over the graphs' rows or tokens), no_prefill_graphs, prefill_cap (every prefill
         # bucket taken and none captured holds the step), capture_failed.
         self.eager: collections.Counter[str] = collections.Counter()
+        self.eager_buckets: collections.Counter[GraphKey] = collections.Counter()  # prefill_cap steps' own buckets
         self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_DECODE_STEPS)
         self._lent_larger: dict[GraphKey, int] = {}
 
@@ -390,11 +408,13 @@ class DecodeGraphs:
             tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
             if self.max_tokens is not None and bucket > self.max_tokens:
                 return self._eager("too_large")
-            key = GraphKey(batch, max(MIN_CONTEXT_BUCKET, _pow2(context)), bucket, sampled, penalty,
+            key = GraphKey(batch, prefill_context_bucket(context), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 padded = self._padded_into_captured(key, plan)
                 self.num_padded_up += padded is not None
+                if padded is None:
+                    self.eager_buckets[key] += 1
                 return padded or self._eager("prefill_cap")
         if not key.sampled and key not in self._graphs:
             key = self._lent_sampled(key)

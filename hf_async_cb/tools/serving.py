@@ -165,6 +165,10 @@ def run_path(path: str, model, workload: Workload, config=None, sample: bool = F
                 extra["first_token_steps"] = first_token_step_stats(traces)
                 extra.update({k: after[k] - before.get(k, 0) for k in after
                               if k.startswith(("late_", "eager_")) or k == "lent_larger"})
+                missed = {k[len("bucket "):]: after[k] - before.get(k, 0) for k in after if k.startswith("bucket ")}
+                if any(missed.values()):  # the buckets of the eager prefill steps, and those captured
+                    extra["missed_buckets"] = {k: n for k, n in sorted(missed.items(), key=lambda kv: -kv[1]) if n}
+                    extra["captured_prefill_buckets"] = server.captured_prefill_buckets()
             unfinished = sum(not t.finished for t in traces)
             if unfinished:
                 note = f"{unfinished}/{len(traces)} requests not finished within the {limit_s:g} s limit"

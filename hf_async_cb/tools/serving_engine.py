@@ -14,6 +14,13 @@ from hf_async_cb.tools.serving_warmup import decode_grid, fresh_prompts
 from hf_async_cb.tools.serving_workload import Workload
 
 
+def _bucket(key) -> str:
+    """A graph bucket as text: batch x context x tokens, and what else sets it apart."""
+    marks = [name for name in ("sampled", "tall", "shared") if getattr(key, name)]
+    marks += ["penalty"] * (key.penalty is not None) + ["blocked"] * bool(key.blocked)
+    return f"{key.batch}x{key.context}x{key.tokens}" + "".join(f" {m}" for m in marks)
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
@@ -41,11 +48,18 @@ class OurServer:
                   "graph_steps": graphs.num_replays if graphs is not None else 0}
         if graphs is not None:  # why steps ran eagerly (DecodeGraphs.eager), and decode steps lent a larger graph
             counts.update({f"eager_{why}": n for why, n in graphs.eager.items()}, lent_larger=graphs.num_lent_larger)
+            # The buckets of the steps that ran eagerly for want of a captured one (keys as text: JSON).
+            counts.update({f"bucket {_bucket(k)}": n for k, n in graphs.eager_buckets.items()})
         loop = self.engine._background
         worker = getattr(loop, "_worker", None)
         if worker is not None and worker.cadence is not None:  # late admission: why steps were (not) put off
             counts.update({f"late_{k}": getattr(worker, f"late_{k}") for k in ("waits", "queued", "unknown", "idled")})
         return counts
+
+    def captured_prefill_buckets(self) -> list[str]:
+        """The prefill/mixed buckets captured so far (what a timed run's eager steps missed)."""
+        graphs = self.engine.graphs
+        return [] if graphs is None else sorted(_bucket(k) for k in graphs._graphs if k.tokens)
 
     def warm_up(self, workload: Workload, timeout: float | None = None, deadline: float | None = None) -> bool:
         """The replay warm-up (tools/serving.py's docstring); whether it finished before `deadline`."""
