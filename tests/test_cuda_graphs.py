@@ -99,17 +99,20 @@ def test_mixed_steps_of_a_drifting_request_count_share_buckets():
         chunks = [ScheduledChunk(Request([3] * 300, SamplingParams()), 200, 1, True) for _ in range(decodes)]
         return StepPlan(chunks + [ScheduledChunk(Request([3] * 300, SamplingParams()), 0, prefill, True)], [])
 
-    assert {graphs.key_for(mixed(n, 40)) for n in (16, 30, 62)} == {GraphKey(64, 256, 128)}
+    # (context: 300 + 20 new tokens at most, within 1024: PREFILL_CONTEXT_REACH)
+    assert {graphs.key_for(mixed(n, 40)) for n in (16, 30, 62)} == {GraphKey(64, 1024, 128)}
     assert graphs.key_for(mixed(3, 40)).batch == 16  # 4 requests and 44 tokens: the padding needs a request
-    assert graphs.key_for(mixed(100, 40)) == GraphKey(128, 256, 256)  # 4**4 is over 2 x 64 rows: a power of 2
+    assert graphs.key_for(mixed(100, 40)) == GraphKey(128, 1024, 256)  # 4**4 is over 2 x 64 rows: a power of 2
     decode = StepPlan([ScheduledChunk(Request([3] * 300, SamplingParams()), 200, 1, True) for _ in range(17)], [])
     assert graphs.key_for(decode) == GraphKey(32, 256)
 
 
 def test_prefill_buckets_share_contexts_within_a_power_of_four():
     """A prefill/mixed bucket's context grows by powers of 4 from 64 (its block table is only read as
-    far as each request's own length), so steps over contexts of 257 to 1024 keys share one bucket;
-    decode buckets keep powers of two (their split count depends on the context)."""
+    far as each request's own length), so steps over contexts of 257 to 1024 keys share one bucket,
+    and it holds what the step's requests may yet reach (prompt and new tokens, up to
+    PREFILL_CONTEXT_REACH keys); decode buckets keep powers of two (their split count depends on the
+    context)."""
     from hf_async_cb.engine.cuda_graphs import prefill_context_bucket
 
     assert [prefill_context_bucket(n) for n in (1, 64, 65, 256, 257, 1024, 1025, 4096, 4097)] == [
@@ -122,6 +125,11 @@ def test_prefill_buckets_share_contexts_within_a_power_of_four():
         return StepPlan(decodes + [ScheduledChunk(Request([3] * 40, SamplingParams()), 0, 40, True)], [])
 
     assert {graphs.key_for(mixed(n)) for n in (300, 600, 1000)} == {GraphKey(16, 1024, 64)}
+
+    def prefill(new_tokens):  # 40 prompt tokens, and room for this many new ones
+        return StepPlan([ScheduledChunk(Request([3] * 40, SamplingParams(max_new_tokens=new_tokens)), 0, 40, True)], [])
+
+    assert [graphs.key_for(prefill(n)).context for n in (10, 200, 2000, 50_000)] == [64, 256, 4096, 4096]
     decodes = [graphs.key_for(StepPlan([ScheduledChunk(Request([3] * n, SamplingParams()), n - 1, 1, True)], []))
                for n in (300, 600)]
     assert decodes == [GraphKey(1, 512), GraphKey(1, 1024)]

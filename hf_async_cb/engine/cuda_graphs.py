@@ -66,6 +66,13 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 # later steps, which ran eagerly (docs/benchmarks.md). Decode buckets keep powers of two: their
 # split count depends on the context.
 PREFILL_CONTEXT_STEP = 2
+# ... and holds, up to this many keys, the most that any of the step's requests may yet reach (its
+# prompt and new tokens), not only what it holds now: requests grow into longer contexts while they
+# decode, and a bucket captured for a step of short contexts was missed by the same (batch, tokens)
+# steps of that load later on (8B serving, 32-64 req/s on an H100: most eager steps were of a bucket
+# captured at context 1024 needing 4096). Past this, a row of the table costs more to gather and upload
+# than a later capture saves.
+PREFILL_CONTEXT_REACH = 4096
 # A step whose own bucket is not captured (all prefill buckets taken) may replay a captured bucket of
 # up to this many tokens (or twice its own): at that size a small model's padded replay still costs
 # less GPU time than an eager step's launches cost the host.
@@ -405,10 +412,11 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
+            reach = min(PREFILL_CONTEXT_REACH, max(c.request.max_total_tokens for c in chunks))
             tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
             if self.max_tokens is not None and bucket > self.max_tokens:
                 return self._eager("too_large")
-            key = GraphKey(batch, prefill_context_bucket(context), bucket, sampled, penalty,
+            key = GraphKey(batch, prefill_context_bucket(max(context, reach)), bucket, sampled, penalty,
                            blocked and block_bucket(blocked), tall)
             if key not in self._graphs and self.num_prefill_graphs >= self.max_prefill_graphs:
                 padded = self._padded_into_captured(key, plan)
