@@ -393,18 +393,6 @@ def test_a_hybrid_model_is_refused_naming_only_its_other_layers():
         Engine(model)
 
 
-def test_llama4_temperature_tuning_is_refused():
-    """Llama 4's temperature tuning counts positions from the cache's length and the token's index in
-    the forward, not from position_ids: on a packed step of several requests they are wrong."""
-    config = transformers.Llama4TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=None, num_local_experts=2,
-        layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match="attention temperature tuning"):
-        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, batching="sync")
-
-
 def test_cross_attention_layers_in_the_middle_are_refused_as_such():
     """Llama 3.2 Vision's text model: its cross-attention layers write no K/V without an image."""
     config = transformers.MllamaTextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

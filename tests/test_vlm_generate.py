@@ -28,7 +28,6 @@ NEW = 6
 REFUSED = {
     "paligemma": r"cannot run on hf_async_cb",
     "mllama": r"cannot run on hf_async_cb: only layers",
-    "llama4": r"chunked_attention",  # (where stock runs it: transformers other than 5.24)
 }
 
 

@@ -797,7 +797,7 @@ def _llama4_model():
     ids = tok.convert_tokens_to_ids
     text = _text("llama4_text", tok, intermediate_size=64, intermediate_size_mlp=128, num_local_experts=2,
                  num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layer_interval=2,
-                 attention_chunk_size=16, floor_scale=16, rope_parameters={"rope_type": "default",
+                 attention_chunk_size=256, floor_scale=256, rope_parameters={"rope_type": "default",
                                                                           "rope_theta": 500000.0})
     vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                   patch_size=7, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
@@ -816,8 +816,6 @@ register(VLMFamily("llama4", "llama4", _llama4_model, _llama4_processor, "<|imag
                    head_path="language_model.lm_head",
                    notes="image processor is a stand-in (the real one needs torchvision); language_model is "
                          "a Llama4ForCausalLM, its own lm_head included",
-                   expected_refusal="the text model has chunked-attention layers, which hf_async_cb refuses "
-                                    "for Llama4ForCausalLM already",
                    stock_broken=("Llama4ForConditionalGeneration.forward reads outputs.image_outputs from the "
                                  "language model's MoeCausalLMOutputWithPast (AttributeError) in transformers 5.24, "
                                  "so every forward, and generate, fails (5.25 fixed it)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -45,7 +46,7 @@ from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import note_first_use, precompile
 from hf_async_cb.kernels.shared_prefix_attention import prefix_tiles_hold
 from hf_async_cb.model import attention
-from hf_async_cb.model.checks import model_dtype, text_config_of
+from hf_async_cb.model.checks import model_dtype, step_token_cap, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
 from hf_async_cb.engine.distributed import TensorParallel
@@ -142,9 +143,13 @@ class Engine(ServingAPI):
         resolved = self.config.for_device(self.device)
         if resolved is not self.config:
             log_device_defaults(self.config, resolved, self.device)
+        text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
+        cap = step_token_cap(text_config)  # (Llama 4's temperature tuning counts a step's tokens)
+        if cap is not None and resolved.max_batch_tokens > cap:
+            resolved = dataclasses.replace(resolved, max_batch_tokens=cap, mixed_prefill_tokens=None if (
+                resolved.mixed_prefill_tokens or 0) > cap else resolved.mixed_prefill_tokens)
         self.config = resolved
         self.dtype = model_dtype(model)
-        text_config = text_config_of(model.config)  # a composite config's (Gemma 3's) language part
         self.layout = measured_layout(model, self.dtype, self.device)  # raises ValueError with the reason
         self._model_config = text_config
         self.prompt_limits = PromptLimits.of(model, text_config)

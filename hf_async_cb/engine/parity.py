@@ -173,7 +173,8 @@ def _probe(engine, model: torch.nn.Module, hooks_raise: bool = False) -> tuple[s
     if room < 1:  # this engine's pool, not the family: no verdict to keep
         raise ValueError(f"{type(model).__name__}: the KV pool ({room + PROBE_NEW_TOKENS} tokens) is too small for "
                          f"the parity check's {PROBE_NEW_TOKENS + 1} tokens; raise BatchingConfig.num_pages.")
-    limits = [engine.max_positions, engine.rope_switch and engine.rope_switch[0]]
+    reach = engine.prompt_limits.reach  # (Llama 4: positions within which its attention is plain causal)
+    limits = [engine.max_positions, engine.rope_switch and engine.rope_switch[0], reach and reach[0]]
     lengths = _lengths(min((n for n in limits if n), default=None))
     whole = max(lengths) <= room  # else shortened to what the pool holds beside the new tokens
     prompts = _prompts(engine.vocab_size, [min(n, room) for n in lengths])

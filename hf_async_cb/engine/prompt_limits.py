@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hf_async_cb.model.embeddings_path import input_vocab_size
-from hf_async_cb.model.checks import has_learned_positions, max_positions, rope_switch_length
+from hf_async_cb.model.checks import full_attention_reach, has_learned_positions, max_positions, rope_switch_length
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,25 @@ class PromptLimits:
     max_positions: int | None
     learned_positions: bool
     rope_switch: tuple[int, str] | None  # (length, rope type) past which the frequencies switch
+    reach: tuple[int, str] | None = None  # (positions, what) within which attention is plain causal
 
     @classmethod
     def of(cls, model: torch.nn.Module, text_config) -> "PromptLimits":
         return cls(input_vocab_size(model), max_positions(text_config),
-                   has_learned_positions(model), rope_switch_length(model))
+                   has_learned_positions(model), rope_switch_length(model), full_attention_reach(text_config))
+
+
+def check_reach(fed_positions: int, limits: PromptLimits, padded: str = "") -> None:
+    """A ValueError when `fed_positions` (the positions a row feeds, counted as stock counts them)
+    run past the model's full-attention reach (model/checks.full_attention_reach). `padded`: how
+    the count was made, for the message."""
+    if limits.reach is not None and fed_positions > limits.reach[0]:
+        reach, what = limits.reach
+        raise ValueError(
+            f"{padded or 'prompt + max_new_tokens - 1'} = {fed_positions} positions run past {reach}, the reach of "
+            f"{what}: the engine runs this model's attention as plain causal attention, which it is within "
+            f"that reach only. Keep the prompt (with its padding) + max_new_tokens within {reach + 1}, or run "
+            "stock generate (batching='off').")
 
 
 def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: bool = False) -> None:
@@ -52,6 +66,7 @@ def check_prompt(ids: list[int], params, limits: PromptLimits, tokens_in_vocab: 
             "it stock generate's tokens depend on which sequences share a forward and on when the cache was "
             "filled, which the engine's batches cannot reproduce. Keep prompt + max_new_tokens within "
             f"{length + 1}, or run stock generate (batching='off').")
+    check_reach(fed_positions, limits)
     if limits.max_positions is not None:
         if len(ids) > limits.max_positions:
             raise ValueError(

@@ -17,7 +17,7 @@ import torch
 
 from hf_async_cb.config import BatchingConfig
 from hf_async_cb.engine.engine import Engine
-from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt
+from hf_async_cb.engine.prompt_limits import PromptLimits, check_prompt, check_reach
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import Request
 from hf_async_cb.generate.arguments import GenerateCall, parse_call
@@ -67,6 +67,9 @@ def _engine_generate(model, mode: str, batching_config, generation_config, argum
                          f"included: {outside[:5].tolist()}")
     for prompt in call.prompts:
         check_prompt(prompt, options.params, limits, tokens_in_vocab=True)
+    if limits.reach is not None:  # stock counts those positions over its padded rows
+        width = max([call.input_ids.shape[1], *map(len, call.prompts)]) + extra
+        check_reach(width + max_new - 1, limits, padded="the padded prompt width + max_new_tokens - 1")
     # The KV tokens the longest row can hold, counted as the engine counts them (Request.max_total_tokens:
     # the last sampled token is never fed). Counting prompt + max_new_tokens here refused, from the second
     # call on, a row that fits the pool exactly and that the first call (checked by the engine) had run.

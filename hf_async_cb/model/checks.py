@@ -10,9 +10,6 @@ from hf_async_cb.model.batch_invariance import check_rows_computed_apart
 # Config attributes that change attention or logits in ways the engine does not implement.
 _UNSUPPORTED_CONFIG = {
     "alibi": "ALiBi position biases",
-    # Llama 4's NoPE layers scale queries by positions counted from the cache's length plus the
-    # token's index in the forward, which a packed step of several requests does not give.
-    "attn_temperature_tuning": "attention temperature tuning (its positions are counted from the cache's length)",
 }
 
 
@@ -45,7 +42,7 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
                          "tp_plan='auto') under torchrun); load it on one device, or with a tp_plan.")
     config = text_config_of(config)
     layer_types = getattr(config, "layer_types", None)
-    other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention")})
+    other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention", "chunked_attention")})
     if other:
         raise ValueError(f"{name} has layers of a kind other than full or sliding-window attention ({other}); "
                          "hf_async_cb does not support them.")
@@ -61,6 +58,38 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
                          "keeps no past token there and its tokens differ from its uncached forward's, so the "
                          "engine has no stock tokens to give; use batching='off', or a window of 2 or more.")
     check_rows_computed_apart(model)  # per-tensor activation quantization (model/batch_invariance.py)
+
+
+def full_attention_reach(config) -> tuple[int, str] | None:
+    """(positions, what) within which a model's position-dependent attention is plain causal
+    attention, or None where it always is. Llama 4: its chunked-attention layers see only the keys of
+    their own chunk of `attention_chunk_size` positions, and its NoPE layers' temperature tuning scales
+    queries by log1p(floor((i + 1) / floor_scale)), with i counted from the start of stock's cache
+    (left padding included) and, in a packed step, from the step's first token. Below one chunk
+    every key is in the query's chunk, and below floor_scale - 1 the scale is exactly 1: the engine
+    runs such a model as full causal attention while every position fed stays within the reach (the
+    prompt checks), and a step holds fewer tokens than floor_scale - 1 (step_token_cap)."""
+    config = text_config_of(config)
+    found = []
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()) and isinstance(chunk, int):
+        found.append((chunk, f"its chunked-attention layers' chunk of {chunk} positions (attention_chunk_size)"))
+    scale = getattr(config, "floor_scale", None)
+    nope = 0 in (getattr(config, "no_rope_layers", None) or ())  # (a 0: a layer without RoPE)
+    if getattr(config, "attn_temperature_tuning", False) and nope and isinstance(scale, (int, float)):
+        found.append((max(1, int(scale) - 1), f"its NoPE layers' attention temperature tuning, which scales "
+                      f"queries from position {int(scale) - 1} on (floor_scale={scale})"))
+    return min(found) if found else None
+
+
+def step_token_cap(config) -> int | None:
+    """The most tokens an engine step may hold for the model (full_attention_reach), or None."""
+    config = text_config_of(config)
+    scale = getattr(config, "floor_scale", None)
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ()) \
+            and isinstance(scale, (int, float)):
+        return max(1, int(scale) - 1)
+    return None
 
 
 def _offloaded(model: torch.nn.Module) -> bool:
