@@ -44,19 +44,21 @@ def _eager(extra: dict) -> str:
 
 def summary_lines(reports: list[dict]) -> list[str]:
     lines = ["| req/s offered | path | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ITL mean | E2E p50 s | req/s | "
-             "captures | eager steps | 1st-token steps p50/p99 | note |", "|---" * 13 + "|"]
+             "captures | eager steps | 1st-token steps p50/p99 | TTFT to build / after, p50 | note |", "|---" * 14 + "|"]
     for report in reports:
         for r in report["results"]:
             extra = r.get("extra", {})
             steps = extra.get("first_token_steps") or {}
             first = "-" if not steps else f"{steps['p50']:.0f}/{steps['p99']:.0f}"
+            split = extra.get("ttft_split_ms")
+            split = "-" if not split else f"{split['to_build']['p50']:.1f} / {split['after_build']['p50']:.1f}"
             e2e = r["e2e_s"]["p50"]
             lines.append(" | ".join([
                 f"| {report['rate']:g}", r["path"], _ms(r["ttft_ms"]["p50"]), _ms(r["ttft_ms"]["p99"]),
                 _ms(r["itl_ms"]["p50"]), _ms(r["itl_ms"]["p99"]), _ms(r["itl_ms"]["mean"]),
                 "-" if e2e is None else f"{e2e:.3f}",
                 "-" if r["request_throughput"] is None else f"{r['request_throughput']:.1f}",
-                str(extra.get("graphs_captured_in_run", "-")), _eager(extra), first,
+                str(extra.get("graphs_captured_in_run", "-")), _eager(extra), first, split,
                 (r.get("note") or "") + " |"]))
     return lines
 

@@ -176,6 +176,10 @@ def test_a_replay_warmed_run_captures_no_graph(tiny, mode):
     assert run.extra["steps_in_run"] > 0 and 0 <= run.extra["eager_steps_in_run"] <= run.extra["steps_in_run"]
     assert run.extra["first_token_steps"]["p50"] >= 1
     assert [len(t.output_token_ids) for t in run.traces] == workload.new
+    # Each TTFT split where the step of its first token was built: after the submission, before the token.
+    assert all(t.arrival <= t.first_build <= t.token_times[0] for t in run.traces)
+    split = run.extra["ttft_split_ms"]
+    assert 0 <= split["to_build"]["p50"] and 0 < split["after_build"]["p50"]
 
 
 def test_a_run_names_the_buckets_its_eager_prefill_steps_missed(tiny, monkeypatch):

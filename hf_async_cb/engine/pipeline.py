@@ -95,6 +95,7 @@ class Pipeline:
         self.num_steps = 0
         self.num_discarded = 0
         self.record_step_times = False  # CUDA events around each step's compute (benchmarks)
+        self.stamp_first_builds = False  # Request.first_build_s (the serving benchmark)
         self.step_times: list[tuple[bool, object, object]] = []
         self.profile: StepProfile | None = None  # BatchingConfig(profile=True)
         self.faults: list[Request] = []  # requests failed by their own code since the last step() returned
@@ -189,8 +190,12 @@ class Pipeline:
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
         first_tokens = False
+        built = time.perf_counter() if self.stamp_first_builds else None
         for req in inputs.sample_requests:
-            first_tokens = first_tokens or not (req.num_pending or req.output_token_ids)
+            first = not (req.num_pending or req.output_token_ids)
+            first_tokens = first_tokens or first
+            if first and built is not None:
+                req.first_build_s = built
             req.num_pending += 1
         return plan, slot, previous, key, inputs, first_tokens
 

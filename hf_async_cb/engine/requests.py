@@ -260,6 +260,9 @@ class Request:
     # What this request's own logits processor, stopping criterion or token callback raised (it
     # then ended ABORTED); None otherwise.
     error: BaseException | None = None
+    # When the step that samples its first token was built (time.perf_counter()), where the pipeline
+    # stamps them (Pipeline.stamp_first_builds: the serving benchmark's split of TTFT); else None.
+    first_build_s: float | None = None
     # history() as an int64 tensor, extended as tokens arrive (history_tensor), and how much of it is filled.
     _history: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _history_filled: int = field(default=0, init=False, repr=False, compare=False)

@@ -56,7 +56,7 @@ from hf_async_cb.tools import bench, timing
 from hf_async_cb.tools.serving_engine import OurServer
 from hf_async_cb.tools.serving_hf_cb import HFServer, hf_online_missing
 from hf_async_cb.tools.serving_metrics import (COLUMNS, Trace, empty_summary, first_token_step_stats, format_table,
-                                               summarize)
+                                               summarize, ttft_split)
 from hf_async_cb.tools.serving_warmup import (SHORT_WARMUP, WARMUPS, decode_buckets, decode_grid, fresh_prompts,
                                               short_warmup)
 from hf_async_cb.tools.serving_workload import (DEFAULT_LENGTHS, LENGTHS, SHAREGPT, Workload, arrival_times,
@@ -163,6 +163,7 @@ def run_path(path: str, model, workload: Workload, config=None, sample: bool = F
                 extra["steps_in_run"] = after["steps"] - before["steps"]
                 extra["eager_steps_in_run"] = extra["steps_in_run"] - (after["graph_steps"] - before["graph_steps"])
                 extra["first_token_steps"] = first_token_step_stats(traces)
+                extra["ttft_split_ms"] = ttft_split(traces)
                 extra.update({k: after[k] - before.get(k, 0) for k in after
                               if k.startswith(("late_", "eager_")) or k == "lent_larger"})
                 missed = {k[len("bucket "):]: after[k] - before.get(k, 0) for k in after if k.startswith("bucket ")}

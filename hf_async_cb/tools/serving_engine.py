@@ -39,6 +39,7 @@ class OurServer:
         self.sample = sample
         self.engine = Engine(model, replace(config, mode=mode, progress=False, **changes))
         self.pipeline = self.engine.pipeline(mode)
+        self.pipeline.stamp_first_builds = True  # TTFT split at the build of the step of the first token
         self.engine.start(mode)
 
     def counters(self) -> dict[str, int]:
@@ -93,6 +94,7 @@ class OurServer:
             def on_token(request, token) -> None:
                 if trace.first_token_steps is None:
                     trace.first_token_steps = pipeline.num_steps - submitted
+                    trace.first_build = request.first_build_s
                 stamp(time.perf_counter())
 
             handles[i] = engine.add_request(workload.prompts[i],

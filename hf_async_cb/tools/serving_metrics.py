@@ -22,6 +22,7 @@ class Trace:
     output_token_ids: list[int] = field(default_factory=list)
     finished: bool = True  # False: it had not finished when its run's time limit came
     first_token_steps: int | None = None  # ours: steps launched from its submission to its first token
+    first_build: float | None = None  # ours: when the step that sampled its first token was built
 
     @property
     def finish(self) -> float:
@@ -97,6 +98,18 @@ def first_token_step_stats(traces: list[Trace]) -> dict | None:
     max); None when no trace counted them (transformers' manager)."""
     steps = [t.first_token_steps for t in traces if t.first_token_steps is not None]
     return None if not steps else {**_stats(steps, 1.0, ("mean", "p50", "p99")), "max": max(steps)}
+
+
+def ttft_split(traces: list[Trace]) -> dict | None:
+    """Ours: each TTFT split where the step that sampled the first token was built, in ms (p50, p99):
+    `to_build` from the submission (the wait for admission: the step running, the loop's schedule),
+    `after_build` to the token seen (that step's launch and run, and the delivery); None when no
+    trace has it (transformers' manager)."""
+    split = [(t.first_build - t.arrival, t.token_times[0] - t.first_build) for t in traces
+             if t.first_build is not None and t.token_times]
+    if not split:
+        return None
+    return {name: _stats([s[i] for s in split], 1e3, ("p50", "p99")) for i, name in enumerate(("to_build", "after_build"))}
 
 
 # -- the table ---------------------------------------------------------------------------------------
