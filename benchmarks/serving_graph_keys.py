@@ -25,6 +25,25 @@ from hf_async_cb.tools import serving
 from hf_async_cb.tools.bench import SHAPES
 
 
+def _capped_run(steps, evict_after: int) -> tuple[int, int, int]:
+    """(eager steps, steps padded up, places changed) of `steps` with 16 prefill buckets captured as they
+    come (as DecodeGraphs.step does), and a place changing hands after `evict_after` eager steps (0: never)."""
+    graphs = DecodeGraphs(runner=None, max_batch=256, is_cuda=False, prefill=True, tall_query_len=64,
+                          max_prefill_graphs=16)
+    graphs.evict_after = evict_after
+    eager = 0
+    for plan in steps:
+        key = graphs.key_for(plan)
+        if key is None:
+            eager += 1
+        elif key not in graphs:
+            graphs._graphs[key] = None
+            graphs.num_prefill_graphs += key.tokens > 0
+        elif key.tokens:
+            graphs._replays[key] += 1
+    return eager, graphs.num_padded_up, graphs.num_evicted
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=96)
@@ -50,19 +69,13 @@ def main(argv=None) -> int:
         uncapped = DecodeGraphs(runner=None, max_batch=256, is_cuda=False, prefill=True, tall_query_len=64,
                                 max_prefill_graphs=10**9)
         keys = [k for k in map(uncapped.key_for, steps) if k is not None]
-        capped = DecodeGraphs(runner=None, max_batch=256, is_cuda=False, prefill=True, tall_query_len=64,
-                              max_prefill_graphs=16)
-        eager = 0
-        for plan in steps:  # the first 16 buckets captured as they come, as DecodeGraphs.step does
-            key = capped.key_for(plan)
-            if key is None:
-                eager += 1
-            elif key not in capped:
-                capped._graphs[key] = None
-                capped.num_prefill_graphs += 1
+        eager, padded, evicted = {}, {}, {}
+        for evict_after in (0, 8):
+            eager[evict_after], padded[evict_after], evicted[evict_after] = _capped_run(steps, evict_after)
         print(f"{path}: {len(steps)} prefill/mixed steps, {len(steps) - len(keys)} over the graphs' token limit, "
-              f"{len(collections.Counter(keys))} buckets; capped at 16: {capped.num_padded_up} steps padded up "
-              f"into a captured bucket, {eager} eager", flush=True)
+              f"{len(collections.Counter(keys))} buckets; capped at 16: {padded[0]} steps padded up "
+              f"into a captured bucket, {eager[0]} eager; with places changing hands after 8 eager steps "
+              f"(PREFILL_EVICT_AFTER_MISSES): {evicted[8]} changes, {padded[8]} padded up, {eager[8]} eager", flush=True)
     return 0
 
 

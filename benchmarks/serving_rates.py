@@ -82,6 +82,9 @@ def main(argv=None) -> int:
                    "bench's path names)")
     p.add_argument("--prefill-context-steps", default=None,
                    help="A/B of cuda_graphs.PREFILL_CONTEXT_STEP: our paths run once per value, e.g. 2,1")
+    p.add_argument("--evict-after", default=None,
+                   help="A/B of cuda_graphs.PREFILL_EVICT_AFTER_MISSES: our paths run once per value, e.g. 8,0 "
+                        "(with --prefill-context-steps: every pair)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     bench.check_paths(args.paths.split(","))
@@ -91,27 +94,32 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = bench.build_model(args.shape, device, dtype)
     steps = [int(s) for s in args.prefill_context_steps.split(",")] if args.prefill_context_steps else [None]
-    runs = [(float(r), tuple(args.paths.split(",")), s) for r in args.rates.split(",") for s in steps]
+    evictions = [int(e) for e in args.evict_after.split(",")] if args.evict_after else [None]
+    runs = [(float(r), tuple(args.paths.split(",")), (s, e)) for r in args.rates.split(",") for s in steps
+            for e in evictions]
     if args.peer_rate:  # last: ours come first within the budget
         paths, notes = serving.runnable_paths(("hf-cb-sync",), device)
         print(*notes, sep="\n")
-        runs += [(args.peer_rate, paths, None)] if paths else []
+        runs += [(args.peer_rate, paths, (None, None))] if paths else []
     reports, skipped = [], []
-    default_step = cuda_graphs.PREFILL_CONTEXT_STEP
-    for rate, paths, step in runs:
+    default_step, default_evict = cuda_graphs.PREFILL_CONTEXT_STEP, cuda_graphs.PREFILL_EVICT_AFTER_MISSES
+    for rate, paths, (step, evict) in runs:
         if time.perf_counter() - started > args.budget:
             skipped.append(f"{'/'.join(paths)} at {rate:g} req/s")
             continue
         requests = max(args.min_requests, math.ceil(rate * args.seconds))
         config = BatchingConfig(max_running_requests=requests, cuda_graphs=args.cuda_graphs)
         cuda_graphs.PREFILL_CONTEXT_STEP = default_step if step is None else step
+        cuda_graphs.PREFILL_EVICT_AFTER_MISSES = default_evict if evict is None else evict
         report = serving.run(args.shape, requests, rate, args.lengths, args.prompt, args.new, paths, device, dtype,
                              config, model=model, peer_limit_s=args.peer_limit)
         report["elapsed_s"] = time.perf_counter() - started
-        if step is not None:
-            report["prefill_context_step"] = step
+        setting = "; ".join(f"{name} {value}" for name, value in (("prefill context step", step), ("evict after", evict))
+                            if value is not None)
+        if setting:
+            report["setting"] = setting
             for r in report["results"]:
-                r["note"] = f"prefill context step {step}" + (f"; {r['note']}" if r.get("note") else "")
+                r["note"] = setting + (f"; {r['note']}" if r.get("note") else "")
         reports.append(report)
         print(serving.format_table(report))
         for r in report["results"]:  # the buckets its eager prefill steps missed, and those it had

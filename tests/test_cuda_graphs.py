@@ -78,6 +78,55 @@ def test_plain_plans_skip_the_row_checks_and_any_other_row_still_counts():
     assert graphs.key_for(plan(*plain, request(do_sample=True, seed=3))) == GraphKey(4, 64, sampled=True)
 
 
+def test_a_bucket_that_keeps_missing_takes_the_place_of_the_least_replayed_one():
+    """At the cap, a prefill bucket whose steps ran eagerly `evict_after` times takes the place of the
+    captured prefill bucket replayed least (where that one was replayed fewer times); a place changes
+    hands at most once per `evict_after` eager steps; decode buckets keep theirs; 0 turns it off."""
+    def prefill(tokens):
+        return StepPlan([ScheduledChunk(Request([3] * tokens, SamplingParams()), 0, tokens, True)], [])
+
+    graphs = DecodeGraphs(None, 64, is_cuda=False, prefill=True, max_prefill_graphs=2)
+    graphs.evict_after = 3
+    a, b, c = (graphs.key_for(prefill(n)) for n in (10, 40, 400))
+    decode = GraphKey(4, 64)
+    for key in (a, b, decode):
+        graphs._graphs[key] = None
+    graphs.num_prefill_graphs = 2
+    graphs._replays.update({a: 10, b: 2})
+    assert [graphs.key_for(prefill(400)) for _ in range(2)] == [None, None]  # two eager steps
+    assert graphs.key_for(prefill(400)) == c and graphs.num_evicted == 1  # the third: b's place
+    assert set(graphs._graphs) == {a, decode} and graphs.num_prefill_graphs == 1
+    graphs._graphs[c] = None
+    graphs.num_prefill_graphs = 2
+    # b comes back (too large a step for a's bucket, too small for c's): c, replayed least, gives its place
+    assert [graphs.key_for(prefill(40)) for _ in range(3)] == [None, None, b] and c not in graphs._graphs
+    graphs.evict_after = 0
+    graphs._graphs[b] = None
+    graphs.num_prefill_graphs = 2
+    assert all(graphs.key_for(prefill(400)) is None for _ in range(10)) and graphs.num_evicted == 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_places_changing_hands_keep_stock_tokens(mode):
+    """A call of short prompts takes the only prefill place; the next call's longer prompts (another
+    context bucket) miss it until their bucket takes the place: a graph dropped and another captured
+    mid-call (on CUDA, real captures), every token stock's."""
+    model = tiny_model("llama")
+    calls = [(random_prompts(4, 3, 8, seed=11), 4), (random_prompts(10, 50, 60, seed=12), 10)]
+    expected = [expected_rows(model, prompts, new) for prompts, new in calls]
+    if torch.cuda.is_available():
+        model = copy.deepcopy(model).cuda()
+    engine = Engine(model, BatchingConfig(mode=mode, cuda_graphs=True, page_size=4, max_batch_tokens=48,
+                                          max_running_requests=4))
+    engine.graphs.max_prefill_graphs = 1
+    engine.graphs.evict_after = 1
+    got = [[o.output_token_ids for o in engine.generate(prompts, max_new_tokens=new, eos_token_ids=(2,))]
+           for prompts, new in calls]
+    assert got == expected
+    assert engine.graphs.num_evicted > 0 and engine.graphs.num_prefill_graphs == 1
+    engine.close()
+
+
 def test_prefill_graphs_are_capped():
     model = tiny_model("llama")
     prompts = random_prompts(9, 3, 70, seed=2)

@@ -73,6 +73,14 @@ PREFILL_CONTEXT_STEP = 2
 # captured at context 1024 needing 4096). Past this, a row of the table costs more to gather and upload
 # than a later capture saves.
 PREFILL_CONTEXT_REACH = 4096
+# At the cap, a prefill/mixed bucket whose steps ran eagerly this many times (since it last took a place)
+# takes the place of the captured prefill bucket replayed least since its capture, where that one was
+# replayed fewer times: its graph is dropped once the device has finished its queued work, and the new
+# one is captured. The first buckets of a serving load (a few short requests, small batches) then no
+# longer keep its later, larger ones eager for good (8B serving on an H100: all 60 eager steps of one
+# run fell into four 256-request buckets, none of them among the 16 captured). A place changes hands
+# at most once per this many eager steps. 0 (the default until measured on a GPU): never.
+PREFILL_EVICT_AFTER_MISSES = 0
 # A step whose own bucket is not captured (all prefill buckets taken) may replay a captured bucket of
 # up to this many tokens (or twice its own): at that size a small model's padded replay still costs
 # less GPU time than an eager step's launches cost the host.
@@ -354,6 +362,10 @@ class DecodeGraphs:
         # bucket taken and none captured holds the step), capture_failed.
         self.eager: collections.Counter[str] = collections.Counter()
         self.eager_buckets: collections.Counter[GraphKey] = collections.Counter()  # prefill_cap steps' own buckets
+        self.evict_after = PREFILL_EVICT_AFTER_MISSES  # (0: a captured prefill bucket keeps its place)
+        self.num_evicted = 0
+        self._misses: collections.Counter[GraphKey] = collections.Counter()  # eager steps since a bucket's last place
+        self._replays: collections.Counter[GraphKey] = collections.Counter()  # replays of each captured prefill bucket
         self.num_lent_larger = 0  # decode steps that replayed a larger captured bucket (LEND_LARGER_DECODE_STEPS)
         self._lent_larger: dict[GraphKey, int] = {}
 
@@ -423,12 +435,36 @@ class DecodeGraphs:
                 self.num_padded_up += padded is not None
                 if padded is None:
                     self.eager_buckets[key] += 1
+                    if self._took_a_place(key):
+                        return key
                 return padded or self._eager("prefill_cap")
         if not key.sampled and key not in self._graphs:
             key = self._lent_sampled(key)
         if key not in self._graphs and not key.tokens:
             key = self._lent_larger_decode(key)
         return self._eager("capture_failed") if key in self.failed else key
+
+    def _took_a_place(self, key: GraphKey) -> bool:
+        """Whether prefill bucket `key`, not captured and with every place taken, now takes the place of
+        the captured prefill bucket replayed least (PREFILL_EVICT_AFTER_MISSES): that one is dropped."""
+        if not self.evict_after or self.max_prefill_graphs == 0:
+            return False
+        self._misses[key] += 1
+        misses = self._misses[key]
+        if misses < self.evict_after:
+            return False
+        victim = min((k for k in self._graphs if k.tokens), key=lambda k: self._replays[k], default=None)
+        if victim is None or self._replays[victim] >= misses:
+            return False
+        if self.pool is not None:  # its queued replays done before its graph and memory go
+            torch.cuda.synchronize()
+        del self._graphs[victim]
+        del self._replays[victim]
+        self._misses[key] = 0
+        self.num_prefill_graphs -= 1
+        self.num_evicted += 1
+        logger.info("hf_async_cb: prefill graph bucket %s gives its place to %s (%d eager steps)", victim, key, misses)
+        return True
 
     def _eager(self, why: str) -> None:
         """Count a step that runs eagerly, by why (the serving benchmark reports them)."""
@@ -536,6 +572,8 @@ class DecodeGraphs:
         else:
             graph.load(inputs, previous_tokens)
         self.num_replays += 1
+        if key.tokens:
+            self._replays[key] += 1
         return graph.replay()
 
     def _capture(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> _Graph:
@@ -597,6 +635,8 @@ class DecodeGraphs:
         self._graphs.clear()
         self.failed.clear()
         self.num_prefill_graphs = 0
+        self._replays.clear()
+        self._misses.clear()
 
     def __len__(self) -> int:
         return len(self._graphs)

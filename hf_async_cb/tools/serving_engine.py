@@ -69,6 +69,7 @@ class OurServer:
         graphs = self.engine.graphs
         if graphs is not None:
             graphs.max_prefill_graphs = graphs.num_prefill_graphs  # the rest run eagerly: no capture in the run
+            graphs.evict_after = 0  # (and no place changes hands)
             config = self.engine.config
             for group in decode_grid(workload, config.max_running_requests, config.max_batch_tokens, vocab):
                 traces += self.serve(group, timeout, deadline)[0]
