@@ -6,6 +6,10 @@
 #  ab        the 8B serving load at RATES (default 32 req/s), sync and async, prefill context buckets by
 #            powers of 4 (step 2, the default now) and of 2 (step 1, before): TTFT, eager steps and the
 #            buckets they missed (issue 30: async TTFT p50 within 2 ms of sync);
+#  evict     the same load at RATES (default 32,64), sync and async, with prefill graph places changing hands
+#            after 8 eager steps and without (cuda_graphs.PREFILL_EVICT_AFTER_MISSES: 8 against 0, the default);
+#            prediction: async's eager steps at 32 req/s 60 -> <= 10, TTFT p50 within 2 ms of sync's. Run
+#            `tests` first: test_cuda_graphs.py's places test drops and captures graphs mid-call on CUDA;
 #  guidance  classifier-free guidance through generate, stock against both loops (8B, 32 x 128 -> 128);
 #  vlm       Qwen2.5-VL-7B through generate beside stock (issue 31);
 #  lending   a 7-row call lent the 64-row decode graphs against its own (benchmarks/decode_lending_ab.py).
@@ -28,6 +32,10 @@ for step in $STEPS; do
       timeout ${AB_TIMEOUT:-330} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-32} \
         --paths sync,async --prefill-context-steps 2,1 --peer-rate 0 --budget ${AB_BUDGET:-290} \
         --json "$OUT/rates_ab.json" 2>&1 | grep -v -i warn | grep -E "^\||eager steps' buckets|skipped" | tail -20 ;;
+    evict)
+      timeout ${AB_TIMEOUT:-400} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-32,64} \
+        --paths sync,async --evict-after 8,0 --peer-rate 0 --budget ${AB_BUDGET:-330} \
+        --json "$OUT/rates_evict.json" 2>&1 | grep -v -i warn | grep -E "^\| [0-9]|eager steps' buckets|skipped" | tail -24 ;;
     guidance)
       timeout 240 python3 benchmarks/guidance_bench.py --shape llama3-8b --rows 32 --prompt 128 --new 128 2>&1 \
         | grep -v -i warn | tail -8 | tee "$OUT/guidance.txt" ;;
