@@ -29,6 +29,16 @@ REFUSED = {
     "paligemma": r"cannot run on hf_async_cb",
     "mllama": r"cannot run on hf_async_cb: only layers",
 }
+if V.TRANSFORMERS_MINOR < (5, 24):
+    # (seen on 5.17) the parity check refuses PaliGemma 2 there: the engine's logits differ from its text
+    # forward's, where stock's own cached and uncached generate disagree too (docs/models.md)
+    REFUSED["paligemma2"] = r"paligemma.*cannot run on hf_async_cb: its logits on the engine differ from its own forward"
+
+
+def _running(names):
+    """The families of `names` the engine runs with the installed transformers (the tests of how it
+    runs them; test_family_matches_stock_or_is_refused_by_name asserts the others' refusal)."""
+    return [n for n in names if (n[0] if isinstance(n, tuple) else n) not in REFUSED]
 
 
 def _families():
@@ -107,7 +117,7 @@ def _repeat_first_image(name, inputs):
     return torch.cat([pixels, pixels[:1]]), {}
 
 
-@pytest.mark.parametrize("name", ["llava_next", "qwen2_5_vl", "qwen3_vl", "gemma3", "paligemma2"])
+@pytest.mark.parametrize("name", _running(["llava_next", "qwen2_5_vl", "qwen3_vl", "gemma3", "paligemma2"]))
 @pytest.mark.parametrize("mode", MODES)
 def test_image_tokens_split_across_chunks_and_preempted(name, mode):
     """A step budget smaller than an image: chunks end inside its tokens, except where the image's
@@ -157,13 +167,13 @@ def _one_image_prompts(name, texts, seed=1):
     return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
 
 
-@pytest.mark.parametrize("name, calls", [
+@pytest.mark.parametrize("name, calls", _running([
     ("paligemma2", [["{img}w1 w2 w3 w4 w5"], ["{img}w1 w2 w3 w4 w6"]]),  # the whole prompt one block
     ("paligemma2", [["{img}w1 w2 w3 w4 w5", "{img}w1 w2 w3 w4 w6"]]),
     ("paligemma2", [["{img}w1 w2 w3 w4"], ["{img}w1 w2 w3 w4"]]),
     ("gemma3", [["w1 w2 {img}"], ["w1 w2 {img}"]]),  # the image's block ends the prompt
     ("gemma3", [["w1 {img} w2 w3", "w1 {img} w2 w4"], ["w1 {img} w2 w3"]]),
-])
+]))
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_a_cached_prefix_never_ends_inside_a_bidirectional_block(name, calls, page_size):
     """A token of a bidirectional block sees the block's later tokens, so a page's K/V there depend on
@@ -179,6 +189,7 @@ def test_a_cached_prefix_never_ends_inside_a_bidirectional_block(name, calls, pa
     hf_async_cb.release(model)
 
 
+@pytest.mark.skipif("paligemma2" in REFUSED, reason="PaliGemma 2 is refused with this transformers (asserted above)")
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_copies_never_share_a_page_inside_a_bidirectional_block(prefix_caching):
     """num_return_sequences copies take their leader's prompt pages: not where the page ends inside a
@@ -219,8 +230,8 @@ def _images_in(forward, self, args, kwargs) -> int:
 
 # Towers that encode each distinct image once during the merge, and one that still encodes every copy
 # (Pixtral packs its images into one sequence: its output is not per image).
-ONCE = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v",
-        "gemma3", "paligemma2", "idefics3", "smolvlm", "internvl", "aya_vision")
+ONCE = tuple(_running(("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                       "glm4v", "gemma3", "paligemma2", "idefics3", "smolvlm", "internvl", "aya_vision")))
 EVERY_COPY = ("mistral3",)
 
 
@@ -544,7 +555,7 @@ def test_the_merge_cost_benchmark_runs_on_the_cpu(tmp_path):
     assert serving_api.media_embeds is real
 
 
-@pytest.mark.parametrize("name", ["gemma3", "paligemma2", "llava"])
+@pytest.mark.parametrize("name", _running(["gemma3", "paligemma2", "llava"]))
 def test_inputs_embeds_run_where_stock_takes_them_and_are_refused_where_it_does_not(name):
     """Gemma 3's and PaliGemma's generate take no inputs_embeds (their masks come from the ids):
     stock refuses them, and so does the engine, by name; LLaVA's run, with stock's tokens."""

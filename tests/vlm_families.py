@@ -859,6 +859,8 @@ def _mllama_post_build(model):
 
 register(VLMFamily("mllama", "mllama", _mllama_model, _mllama_processor, "<|image|>", "model.language_model",
                    nested_images=True, post_build=_mllama_post_build,
+                   # (transformers 5.17's processor refuses a batch with rows without an image)
+                   text_only_rows=TRANSFORMERS_MINOR >= (5, 24),
                    expected_refusal="cross-attention to the image (cross_attention_states / cross_attention_mask); "
                                     "image features are not merged into the input embeddings"))
 
