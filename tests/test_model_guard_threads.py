@@ -223,3 +223,33 @@ def test_a_held_engine_follows_another_engines_fusion_and_its_undoing_but_not_a_
             engine.generate(PROMPTS, max_new_tokens=5, eos_token_ids=())
     finally:
         engine.close()
+
+
+def test_a_storage_at_the_address_of_the_one_it_replaced_is_still_a_change():
+    """A weight's storage is told by identity, not by its address alone: a `p.data = ...` whose new
+    storage sits where the old one was (an allocator reusing a freed block; here two storages over one
+    buffer) is refused by a held Engine and a serving loop's admission alike, as any other."""
+    model = fresh()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    buffer = bytearray(q_proj.weight.detach().numpy().tobytes())
+
+    def over_buffer():
+        return torch.frombuffer(buffer, dtype=q_proj.weight.dtype).view(q_proj.weight.shape)
+
+    q_proj.weight.data = over_buffer()
+    engine = hf_async_cb.Engine(model, BatchingConfig(fuse_projections=False))
+    try:
+        engine.generate(PROMPTS, max_new_tokens=2, eos_token_ids=())
+        before = q_proj.weight.data_ptr()
+        q_proj.weight.data = over_buffer()  # another storage, the same address
+        assert q_proj.weight.data_ptr() == before
+        with pytest.raises(RuntimeError, match="the model changed since this Engine was built"):
+            engine.generate(PROMPTS, max_new_tokens=2, eos_token_ids=())
+    finally:
+        engine.close()
+    from hf_async_cb.model.kv_fingerprint import WeightVersions
+
+    weights = WeightVersions(model)  # (what a serving loop reads at each admission)
+    assert not weights.restructured()
+    q_proj.weight.data = over_buffer()
+    assert weights.restructured()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from hf_async_cb.model.weight_kinds import is_plain_floating, storage_key
+from hf_async_cb.model.weight_kinds import is_plain_floating, storage_key, storage_ref
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 logger = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ _LIVE: "weakref.WeakSet[FusedProjections]" = weakref.WeakSet()  # every fusion n
 
 # The weights our fusions gave new storage (fusing: a view of the fused tensor; restore(): a copy of
 # their own), each with the storage it had before the first such move: per id(weight), (a reference
-# to it, the data pointer given, its storage key before). A held Engine built before another
+# to it, a weak reference to the storage given, its storage key before). A held Engine built before another
 # preparation of the same model fused (or gave back) its weights reads them as unchanged (moved_from),
 # where a `p.data = ...` of the user's still counts as a change.
-_MOVED: dict[int, tuple[weakref.ref, int, tuple]] = {}
+_MOVED: dict[int, tuple[weakref.ref, object, tuple]] = {}
 _MOVED_LOCK = threading.Lock()
 _MOVED_SWEEP = [4096]  # the record's size above which entries of collected weights are dropped
 
@@ -48,7 +48,8 @@ def moved_from(t: torch.Tensor) -> tuple:
     """t's storage key (weight_kinds.storage_key); while t holds the storage one of our fusions gave
     it, the key it had before the package first moved it."""
     entry = _MOVED.get(id(t))
-    if entry is not None and entry[0]() is t and t.data_ptr() == entry[1]:
+    if entry is not None and entry[0]() is t and entry[1] is not None and entry[1]() is not None \
+            and entry[1] == storage_ref(t):  # (the storage given, alive: not one at its address since)
         return entry[2]
     return storage_key(t)
 
@@ -58,7 +59,7 @@ def _move(t: torch.Tensor, data: torch.Tensor) -> None:
     before = moved_from(t)
     t.data = data
     with _MOVED_LOCK:
-        _MOVED[id(t)] = (weakref.ref(t), t.data_ptr(), before)
+        _MOVED[id(t)] = (weakref.ref(t), storage_ref(t), before)
         if len(_MOVED) > _MOVED_SWEEP[0]:
             for key in [k for k, (ref, _, _) in _MOVED.items() if ref() is None]:
                 del _MOVED[key]

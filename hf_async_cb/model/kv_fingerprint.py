@@ -38,7 +38,7 @@ from hf_async_cb.model.config_snapshot import config_snapshot
 from hf_async_cb.model.fusion import global_hooks, moved_from, user_hooks
 from hf_async_cb.model.numeric_context import numeric_context
 from hf_async_cb.model.numerics_key import numerics_key
-from hf_async_cb.model.weight_kinds import content_sums, held_tensors, is_plain, storage_key, versions
+from hf_async_cb.model.weight_kinds import content_sums, held_tensors, is_plain, storage_key, storage_ref, versions
 
 
 def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | None:
@@ -192,7 +192,9 @@ class WeightVersions:
         self._holders = [m for m in modules if not type(m).__module__.startswith("transformers.")
                          and attribute_tensors(model, [m])]
         self._held = self._held_ids()
-        self._storages = [(t, t.data_ptr() if is_plain(t) else None, moved_from(t)) for t in self._tensors]
+        # (a data pointer with a weak reference to its storage: another storage can take a freed one's address)
+        self._storages = [(t, t.data_ptr() if is_plain(t) else None, storage_ref(t) if is_plain(t) else None,
+                           moved_from(t)) for t in self._tensors]
         self._children = [(m._modules, name, child) for m in modules for name, child in m._modules.items()]
         self._hook_tables = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         self._hooks = self._hook_keys()
@@ -212,7 +214,8 @@ class WeightVersions:
         return (self._hook_keys() != self._hooks
                 or any(table.get(name) is not t for table, name, t in self._slots)
                 or self._held_ids() != self._held
-                or any((ptr is None or t.data_ptr() != ptr) and moved_from(t) != key for t, ptr, key in self._storages)
+                or any((ptr is None or t.data_ptr() != ptr or ref is None or ref() is None) and moved_from(t) != key
+                       for t, ptr, ref, key in self._storages)
                 or any(table.get(name) is not child for table, name, child in self._children)
                 or config_snapshot(self._config) != self._settings
                 or code_identity([], self._owners) != self._code)

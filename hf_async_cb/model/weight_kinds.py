@@ -12,6 +12,7 @@ everything else runs through its own module's forward, as in stock.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -48,12 +49,23 @@ def versions(tensors) -> list[int] | None:
         return None
 
 
+def storage_ref(t: torch.Tensor):
+    """A weak reference to `t`'s storage (torch keeps one Python object per live storage), or None:
+    equal to a later one while that storage lives, and never to one taken after it died. A data
+    pointer alone is not an identity: a storage made after another was freed can take its address
+    (a `p.data = ...` landing where the weight's first storage was), which read as no change."""
+    try:
+        return weakref.ref(t.untyped_storage())
+    except (RuntimeError, TypeError, NotImplementedError):  # (no storage of its own)
+        return None
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Where `t`'s data live, without touching a storage a wrapper subclass does not have: a plain
     tensor's data pointer, else its inner tensors' (`__tensor_flatten__`), else nothing beyond the
     object itself (which the caller identifies by id)."""
     if is_plain(t):
-        return (t.data_ptr(),)
+        return (t.data_ptr(), storage_ref(t))
     flatten = getattr(t, "__tensor_flatten__", None)
     if callable(flatten):
         try:
