@@ -10,6 +10,10 @@
 #            after 8 eager steps and without (cuda_graphs.PREFILL_EVICT_AFTER_MISSES: 8 against 0, the default);
 #            prediction: async's eager steps at 32 req/s 60 -> <= 10, TTFT p50 within 2 ms of sync's. Run
 #            `tests` first: test_cuda_graphs.py's places test drops and captures graphs mid-call on CUDA;
+#  hold      the same load at RATES (default 64,32,16,4), sync and async, the async loop holding its build while
+#            arrivals are taken in (the default now) and cutting its wait at an arrival (the earlier rule:
+#            --arrivals-end-wait 0,1); prediction: at 8B 64 req/s async's TTFT p50 +11.7 -> within 3 ms of
+#            sync's, the split's to-build half shorter; no worse at 4-32;
 #  guidance  classifier-free guidance through generate, stock against both loops (8B, 32 x 128 -> 128);
 #  vlm       Qwen2.5-VL-7B through generate beside stock (issue 31);
 #  lending   a 7-row call lent the 64-row decode graphs against its own (benchmarks/decode_lending_ab.py).
@@ -36,6 +40,10 @@ for step in $STEPS; do
       timeout ${AB_TIMEOUT:-400} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-32,64} \
         --paths sync,async --evict-after 8,0 --peer-rate 0 --budget ${AB_BUDGET:-330} \
         --json "$OUT/rates_evict.json" 2>&1 | grep -v -i warn | grep -E "^\| [0-9]|eager steps' buckets|skipped" | tail -24 ;;
+    hold)
+      timeout ${AB_TIMEOUT:-560} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-64,32,16,4} \
+        --paths sync,async --arrivals-end-wait 0,1 --peer-rate 0 --budget ${AB_BUDGET:-480} \
+        --json "$OUT/rates_hold.json" 2>&1 | grep -v -i warn | grep -E "^\| [0-9]|skipped" | tail -24 ;;
     guidance)
       timeout 240 python3 benchmarks/guidance_bench.py --shape llama3-8b --rows 32 --prompt 128 --new 128 2>&1 \
         | grep -v -i warn | tail -8 | tee "$OUT/guidance.txt" ;;

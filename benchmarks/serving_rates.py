@@ -24,7 +24,7 @@ import time
 import torch
 
 from hf_async_cb.config import BatchingConfig
-from hf_async_cb.engine import cuda_graphs
+from hf_async_cb.engine import cuda_graphs, late_admission
 from hf_async_cb.tools import bench, serving
 
 
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--evict-after", default=None,
                    help="A/B of cuda_graphs.PREFILL_EVICT_AFTER_MISSES: our paths run once per value, e.g. 8,0 "
                         "(with --prefill-context-steps: every pair)")
+    p.add_argument("--arrivals-end-wait", default=None,
+                   help="A/B of late_admission.ARRIVALS_END_THE_WAIT (1: an arrival ends the async loop's wait and "
+                        "the step is built at once, the earlier rule; 0: the build is held, the default), e.g. 0,1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     bench.check_paths(args.paths.split(","))
@@ -95,15 +98,17 @@ def main(argv=None) -> int:
     model = bench.build_model(args.shape, device, dtype)
     steps = [int(s) for s in args.prefill_context_steps.split(",")] if args.prefill_context_steps else [None]
     evictions = [int(e) for e in args.evict_after.split(",")] if args.evict_after else [None]
-    runs = [(float(r), tuple(args.paths.split(",")), (s, e)) for r in args.rates.split(",") for s in steps
-            for e in evictions]
+    cuts = [bool(int(c)) for c in args.arrivals_end_wait.split(",")] if args.arrivals_end_wait else [None]
+    runs = [(float(r), tuple(args.paths.split(",")), (s, e, c)) for r in args.rates.split(",") for s in steps
+            for e in evictions for c in cuts]
     if args.peer_rate:  # last: ours come first within the budget
         paths, notes = serving.runnable_paths(("hf-cb-sync",), device)
         print(*notes, sep="\n")
-        runs += [(args.peer_rate, paths, (None, None))] if paths else []
+        runs += [(args.peer_rate, paths, (None, None, None))] if paths else []
     reports, skipped = [], []
     default_step, default_evict = cuda_graphs.PREFILL_CONTEXT_STEP, cuda_graphs.PREFILL_EVICT_AFTER_MISSES
-    for rate, paths, (step, evict) in runs:
+    default_cut = late_admission.ARRIVALS_END_THE_WAIT
+    for rate, paths, (step, evict, cut) in runs:
         if time.perf_counter() - started > args.budget:
             skipped.append(f"{'/'.join(paths)} at {rate:g} req/s")
             continue
@@ -111,11 +116,12 @@ def main(argv=None) -> int:
         config = BatchingConfig(max_running_requests=requests, cuda_graphs=args.cuda_graphs)
         cuda_graphs.PREFILL_CONTEXT_STEP = default_step if step is None else step
         cuda_graphs.PREFILL_EVICT_AFTER_MISSES = default_evict if evict is None else evict
+        late_admission.ARRIVALS_END_THE_WAIT = default_cut if cut is None else cut
         report = serving.run(args.shape, requests, rate, args.lengths, args.prompt, args.new, paths, device, dtype,
                              config, model=model, peer_limit_s=args.peer_limit)
         report["elapsed_s"] = time.perf_counter() - started
-        setting = "; ".join(f"{name} {value}" for name, value in (("prefill context step", step), ("evict after", evict))
-                            if value is not None)
+        setting = "; ".join(f"{name} {value}" for name, value in (
+            ("prefill context step", step), ("evict after", evict), ("arrivals end the wait", cut)) if value is not None)
         if setting:
             report["setting"] = setting
             for r in report["results"]:

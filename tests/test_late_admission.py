@@ -1,6 +1,6 @@
 """Late admission (BatchingConfig(late_admission=True)): the async serving loop waits, after a step,
-until a margin before the running step's expected end, or until a request arrives, then builds the
-next; the wait never changes the tokens nor loses a request, and an arrival cuts it short."""
+until a margin before the running step's expected end, then builds the next, taking in the requests
+that arrive meanwhile at once; the wait never changes the tokens nor loses a request."""
 
 import copy
 import threading
@@ -107,7 +107,7 @@ def _stock_rows(prompts, new):
 
 def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(monkeypatch):
     # Every step waited for (the CPU's steps are shorter than the GPU's the defaults are for), and a
-    # margin of none: the loop sleeps a whole step's time after each step unless a request arrives.
+    # margin of none: the loop holds each build a whole step's time, taking arrivals in meanwhile.
     original, observe = StepCadence.__init__, StepCadence.observe
     monkeypatch.setattr(late_admission.StepCadence, "__init__",
                         lambda self: original(self, min_step_s=0.0, margin_s=0.0, margin_share=0.0))
@@ -138,13 +138,10 @@ def test_served_requests_give_stock_tokens_with_the_loop_waiting_between_steps(m
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
-def test_an_arrival_cuts_the_wait_short(monkeypatch):
-    """A loop waiting out a long step (a 5 s one, as the cadence reads it) takes a new request in at once.
-    The cadence reads no step after that wait began, so the loop waits no more once it has been woken:
-    what the bound below measures is the cut wait, not the waits that follow (each would hold the new
-    request's token, one step later in the async loop, for most of a 5 s step)."""
+def _long_steps_engine(monkeypatch, long_steps):
+    """An async serving engine whose cadence reads every step as 5 s long while long_steps[0] (a hold
+    of ~3.75 s after each step), and one request keeping a step in flight; (engine, worker, request)."""
     observe = StepCadence.observe
-    long_steps = [True]
 
     def read_steps(self, now, steady, idled=False, kind=0, build_s=None):
         observe(self, now, steady, False, kind, build_s)
@@ -156,20 +153,54 @@ def test_an_arrival_cuts_the_wait_short(monkeypatch):
     monkeypatch.setattr(late_admission.StepCadence, "observe", read_steps)
     engine = Engine(copy.deepcopy(tiny_model("llama")), BatchingConfig(mode="async", late_admission=True))
     engine.start()
+    worker = engine._background._worker
+    first = engine.add_request([5, 6, 7], max_new_tokens=200, eos_token_ids=())  # keeps a step in flight
+    for _ in range(500):  # until a step returned with one in flight: the loop then waits ~3.75 s
+        if worker.late_waits or first.done:
+            break
+        time.sleep(0.002)
+    assert not first.done and worker.late_waits
+    return engine, worker, first
+
+
+def test_an_arrival_during_the_hold_is_taken_in_at_once_and_joins_the_step_built_at_its_end(monkeypatch):
+    """The step after the running one cannot start before it ends: building it at an arrival gains that
+    arrival nothing and shuts out the later ones. So the request is taken in at once (out of the
+    intake, into the scheduler) while the build waits for the hold's end; a shutdown ends the hold."""
+    long_steps = [True]
+    engine, worker, first = _long_steps_engine(monkeypatch, long_steps)
     try:
-        worker = engine._background._worker
-        first = engine.add_request([5, 6, 7], max_new_tokens=200, eos_token_ids=())  # keeps a step in flight
-        for _ in range(500):  # until a step returned with one in flight: the loop then waits ~3.75 s
-            if worker.cadence._last is not None or first.done:
+        time.sleep(0.2)  # (well inside the hold)
+        long_steps[0] = False  # the hold under way was set at 5 s; none after it
+        hold = worker._hold_until
+        assert hold is not None
+        second = engine.add_request([8, 9], max_new_tokens=1, eos_token_ids=())
+        for _ in range(250):
+            if worker.intake.empty():
                 break
             time.sleep(0.002)
-        assert not first.done  # (a wake left from the request's arrival may end a first wait at once)
-        time.sleep(0.2)  # (well inside that wait)
-        long_steps[0] = False  # the wait under way was set at 5 s; none after it
-        started = time.perf_counter()
-        second = engine.add_request([8, 9], max_new_tokens=1, eos_token_ids=())
+        assert worker.intake.empty() and second.request in worker.scheduler.waiting  # taken in, not built
+        assert second.request.num_computed == 0 and time.perf_counter() < hold
         second.result(timeout=30)
-        assert time.perf_counter() - started < 2.0  # not the rest of a 5 s wait
+        assert time.perf_counter() >= hold  # built once the hold ended
+    finally:
+        started = time.perf_counter()
+        engine.shutdown(cancel=True, timeout=30)
+    assert time.perf_counter() - started < 2.0
+
+
+def test_with_the_earlier_rule_an_arrival_cuts_the_wait_short(monkeypatch):
+    """late_admission.ARRIVALS_END_THE_WAIT (the A/B's other arm): an arrival ends the wait and is built
+    at once; what the bound measures is the cut wait, not a 3.75 s one."""
+    monkeypatch.setattr(late_admission, "ARRIVALS_END_THE_WAIT", True)
+    long_steps = [True]
+    engine, worker, first = _long_steps_engine(monkeypatch, long_steps)
+    try:
+        time.sleep(0.2)
+        long_steps[0] = False
+        started = time.perf_counter()
+        engine.add_request([8, 9], max_new_tokens=1, eos_token_ids=()).result(timeout=30)
+        assert time.perf_counter() - started < 2.0
     finally:
         engine.shutdown(cancel=True, timeout=30)
 

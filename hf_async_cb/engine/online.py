@@ -29,6 +29,7 @@ import time
 import weakref
 
 from hf_async_cb.config import BatchingConfig
+from hf_async_cb.engine import late_admission
 from hf_async_cb.engine.late_admission import StepCadence
 from hf_async_cb.engine.pipeline import Pipeline
 from hf_async_cb.engine.request_handle import RequestHandle, recorder
@@ -73,6 +74,7 @@ class _Worker:
         # Late admission's record: builds put off, and those not put off because requests queued, because
         # no duration of the running step's kind was known, or after a step the device had run dry at.
         self.late_waits = self.late_queued = self.late_unknown = self.late_idled = 0
+        self._hold_until: float | None = None  # late admission: no step built before this time.perf_counter()
         # The model's guard, found now: a stop request may come from the collector's finalizer of a
         # dropped engine, on a thread in the middle of a guard lookup of its own.
         self.guard = model_guard(runner.model)
@@ -144,6 +146,13 @@ class _Worker:
                     self._admit()
                 self._apply_aborts(cancel_all=self.cancel)
                 self._apply_clears()
+                if self._hold_until is not None:  # late admission: requests taken in as they come, the build held
+                    left = self._hold_until - time.perf_counter()
+                    if left > 0 and not self.stopping:
+                        self.wake.wait(left)
+                        self.wake.clear()
+                        continue
+                    self._hold_until = None
                 self.runner.prepared_model.reclaim_attention()  # (a few config reads per pass)
                 busy = scheduler.has_work or bool(pipeline.in_flight)
                 if not busy:
@@ -168,22 +177,28 @@ class _Worker:
                     self._wait_for_late_admission(returned, steady and bool(pipeline.in_flight), pipeline.found_idle)
 
     def _wait_for_late_admission(self, returned: float, steady: bool, idled: bool) -> None:
-        """Wait until the step running is about to end, or a request arrives, before building the next.
+        """Hold the next build until the step running is about to end; requests that arrive meanwhile
+        are taken in at once (their images merged) and join it (the loop's top: `_hold_until`).
         `returned`: when the step that ended returned (its callers' callbacks since are not a step's time)."""
         pipeline = self.pipeline
         self.cadence.observe(returned, steady, idled, pipeline.completed_kind, pipeline.build_s)
         now = time.perf_counter()
         running = pipeline.in_flight[-1].kind if pipeline.in_flight else 0
         # Requests waiting for room: an arrival would queue behind them, so a wait would gain it nothing.
-        waits = steady and self.intake.empty() and not self.stopping and not self.scheduler.waiting
+        waits = steady and not self.stopping and not self.scheduler.waiting
+        if late_admission.ARRIVALS_END_THE_WAIT:
+            waits = waits and self.intake.empty()
         delay = self.cadence.delay(now, running) if waits else 0.0
         self.late_idled += idled
         self.late_queued += steady and not waits
         self.late_unknown += waits and self.cadence.expected_s(running) is None
         if delay > 0:
-            self.wake.wait(delay)
-            self.wake.clear()
             self.late_waits += 1
+            if late_admission.ARRIVALS_END_THE_WAIT:  # (the earlier rule: an arrival ends the wait)
+                self.wake.wait(delay)
+                self.wake.clear()
+            else:
+                self._hold_until = now + delay
 
     def _admit(self) -> None:
         """Take the submitted requests in."""
