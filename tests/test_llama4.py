@@ -86,3 +86,14 @@ def test_a_step_holds_fewer_tokens_than_the_temperature_tunings_floor():
     assert_as_stock(model, ids, mask, 10)
     with pytest.raises(ValueError, match=r"reach of its NoPE layers' attention temperature tuning"):
         model.generate(ids, attention_mask=mask, max_new_tokens=13, batching="async", pad_token_id=0)
+
+
+def test_chunked_layers_without_a_chunk_size_are_refused_by_name():
+    """The reach needs the chunk: chunked-attention layers whose size the config does not give (edited
+    to None) are refused as before, never run as full attention."""
+    import hf_async_cb  # noqa: F401 (generate's batching= hook)
+
+    model = llama4(chunk=64, floor_scale=200)
+    model.config.attention_chunk_size = None
+    with pytest.raises(ValueError, match=r"other than full or sliding-window attention \(\['chunked_attention'\]\)"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, batching="sync")

@@ -456,8 +456,8 @@ class DecodeGraphs:
         victim = min((k for k in self._graphs if k.tokens), key=lambda k: self._replays[k], default=None)
         if victim is None or self._replays[victim] >= misses:
             return False
-        if self.pool is not None:  # its queued replays done before its graph and memory go
-            torch.cuda.synchronize()
+        if self.stream is not None:  # its queued replays done (on the engine's device) before its graph and memory go
+            torch.cuda.synchronize(self.stream.device)
         del self._graphs[victim]
         del self._replays[victim]
         self._misses[key] = 0

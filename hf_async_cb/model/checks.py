@@ -42,10 +42,17 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
                          "tp_plan='auto') under torchrun); load it on one device, or with a tp_plan.")
     config = text_config_of(config)
     layer_types = getattr(config, "layer_types", None)
-    other = sorted({t for t in layer_types or () if t not in ("full_attention", "sliding_attention", "chunked_attention")})
+    # (chunked attention only where its chunk is known: full_attention_reach bounds the rows by it)
+    known = ("full_attention", "sliding_attention") + (
+        ("chunked_attention",) if isinstance(getattr(config, "attention_chunk_size", None), int) else ())
+    other = sorted({t for t in layer_types or () if t not in known})
     if other:
         raise ValueError(f"{name} has layers of a kind other than full or sliding-window attention ({other}); "
                          "hf_async_cb does not support them.")
+    if (getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ())
+            and not isinstance(getattr(config, "floor_scale", None), (int, float))):
+        raise ValueError(f"{name} uses attention temperature tuning without a floor_scale, which hf_async_cb cannot "
+                         "bound: it does not support it.")
     for attr, what in _UNSUPPORTED_CONFIG.items():
         if getattr(config, attr, None):
             raise ValueError(f"{name} uses {what} ({attr}={getattr(config, attr)!r}), which hf_async_cb does not support.")
