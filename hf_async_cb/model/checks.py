@@ -49,8 +49,7 @@ def check_model_supported(model: torch.nn.Module, trust_untested_model: bool = F
     if other:
         raise ValueError(f"{name} has layers of a kind other than full or sliding-window attention ({other}); "
                          "hf_async_cb does not support them.")
-    if (getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ())
-            and not isinstance(getattr(config, "floor_scale", None), (int, float))):
+    if _tunes_temperature(config) and not isinstance(getattr(config, "floor_scale", None), (int, float)):
         raise ValueError(f"{name} uses attention temperature tuning without a floor_scale, which hf_async_cb cannot "
                          "bound: it does not support it.")
     for attr, what in _UNSUPPORTED_CONFIG.items():
@@ -81,22 +80,24 @@ def full_attention_reach(config) -> tuple[int, str] | None:
     chunk = getattr(config, "attention_chunk_size", None)
     if "chunked_attention" in (getattr(config, "layer_types", None) or ()) and isinstance(chunk, int):
         found.append((chunk, f"its chunked-attention layers' chunk of {chunk} positions (attention_chunk_size)"))
-    scale = getattr(config, "floor_scale", None)
-    nope = 0 in (getattr(config, "no_rope_layers", None) or ())  # (a 0: a layer without RoPE)
-    if getattr(config, "attn_temperature_tuning", False) and nope and isinstance(scale, (int, float)):
-        found.append((max(1, int(scale) - 1), f"its NoPE layers' attention temperature tuning, which scales "
-                      f"queries from position {int(scale) - 1} on (floor_scale={scale})"))
+    floor = step_token_cap(config)
+    if floor is not None:
+        found.append((floor, f"its NoPE layers' attention temperature tuning, which scales queries from position "
+                      f"{floor} on (floor_scale={config.floor_scale})"))
     return min(found) if found else None
 
 
+def _tunes_temperature(config) -> bool:
+    """Whether the config's NoPE layers (a 0 in `no_rope_layers`) scale their queries by position (Llama 4)."""
+    return bool(getattr(config, "attn_temperature_tuning", False)) and 0 in (getattr(config, "no_rope_layers", None) or ())
+
+
 def step_token_cap(config) -> int | None:
-    """The most tokens an engine step may hold for the model (full_attention_reach), or None."""
+    """The most tokens an engine step may hold for the model (full_attention_reach): floor_scale - 1
+    where its NoPE layers tune their temperature, else None."""
     config = text_config_of(config)
     scale = getattr(config, "floor_scale", None)
-    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ()) \
-            and isinstance(scale, (int, float)):
-        return max(1, int(scale) - 1)
-    return None
+    return max(1, int(scale) - 1) if _tunes_temperature(config) and isinstance(scale, (int, float)) else None
 
 
 def _offloaded(model: torch.nn.Module) -> bool:
