@@ -10,6 +10,11 @@
 #  serve8b the serving benchmark with a shared 1,024-token system prompt on the 8B shape: TTFT with
 #          caching on and off (issue 28's 3x TTFT target; the 1B shape's remainder prefill is near a
 #          step's floor, 1.9x), async with late admission (the default) and without (async-early);
+#  table1b the 1B shape's group, few-shot and none workloads through generate, every path of issue 28's table in
+#          one process: stock, transformers' continuous batching (block sharing on), ours caching off and on;
+#  table8b the same on the 8B shape without transformers' batching (its group run alone took 140 s);
+#  serve8b16 the 8B serving benchmark with a shared 1,024-token system prompt at 16 req/s: async caching on
+#          and off, sync (issue 28's TTFT target; H100: 3.57x);
 #  calls   per-call times of five generate calls on unseen prompts, Python's collector on and off
 #          (benchmarks/generate_call_sequence.py: why a runtime's second call trails a held Engine).
 # The next session's first check: STEPS="tests e2e1b calls" (about 4 minutes).
@@ -40,6 +45,15 @@ for step in $STEPS; do
     serve8b)
       timeout 300 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 64 --rate 4 --lengths sharegpt \
         --system-prompt 1024 --compare async,async-early,async-nocache,sync --json "$OUT/serve8b.json" 2>&1 | grep -v -i warn | tail -9 ;;
+    table1b)
+      timeout ${TABLE_TIMEOUT:-330} python3 -m hf_async_cb.tools.shared_prefix --shape llama3.2-1b --workloads group,few-shot,none \
+        --paths stock,hf-cb-sync,cache-off,cache-on --json "$OUT/table_1b.json" 2>&1 | grep "shared-prefix" ;;
+    table8b)
+      timeout ${TABLE_TIMEOUT:-330} python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads group,few-shot,none \
+        --paths stock,cache-off,cache-on --json "$OUT/table_8b.json" 2>&1 | grep "shared-prefix" ;;
+    serve8b16)
+      timeout 300 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 96 --rate 16 --lengths sharegpt \
+        --system-prompt 1024 --compare async,async-nocache,sync --json "$OUT/serve8b16.json" 2>&1 | grep -v -i warn | tail -7 ;;
     calls)
       timeout 150 python3 benchmarks/generate_call_sequence.py 2>&1 | grep "^collector" | tee "$OUT/calls.txt" ;;
   esac
