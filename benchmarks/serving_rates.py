@@ -24,7 +24,7 @@ import time
 import torch
 
 from hf_async_cb.config import BatchingConfig
-from hf_async_cb.engine import cuda_graphs, late_admission
+from hf_async_cb.engine import cuda_graphs, graph_keys, late_admission
 from hf_async_cb.tools import bench, serving
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default="sync,async", help="our loops at every rate (e.g. sync,async,async-early: "
                    "bench's path names)")
     p.add_argument("--prefill-context-steps", default=None,
-                   help="A/B of cuda_graphs.PREFILL_CONTEXT_STEP: our paths run once per value, e.g. 2,1")
+                   help="A/B of graph_keys.PREFILL_CONTEXT_STEP: our paths run once per value, e.g. 2,1")
     p.add_argument("--evict-after", default=None,
                    help="A/B of cuda_graphs.PREFILL_EVICT_AFTER_MISSES: our paths run once per value, e.g. 8,0 "
                         "(with --prefill-context-steps: every pair)")
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         print(*notes, sep="\n")
         runs += [(args.peer_rate, paths, (None, None, None))] if paths else []
     reports, skipped = [], []
-    default_step, default_evict = cuda_graphs.PREFILL_CONTEXT_STEP, cuda_graphs.PREFILL_EVICT_AFTER_MISSES
+    default_step, default_evict = graph_keys.PREFILL_CONTEXT_STEP, cuda_graphs.PREFILL_EVICT_AFTER_MISSES
     default_cut = late_admission.ARRIVALS_END_THE_WAIT
     for rate, paths, (step, evict, cut) in runs:
         if time.perf_counter() - started > args.budget:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             continue
         requests = max(args.min_requests, math.ceil(rate * args.seconds))
         config = BatchingConfig(max_running_requests=requests, cuda_graphs=args.cuda_graphs)
-        cuda_graphs.PREFILL_CONTEXT_STEP = default_step if step is None else step
+        graph_keys.PREFILL_CONTEXT_STEP = default_step if step is None else step
         cuda_graphs.PREFILL_EVICT_AFTER_MISSES = default_evict if evict is None else evict
         late_admission.ARRIVALS_END_THE_WAIT = default_cut if cut is None else cut
         report = serving.run(args.shape, requests, rate, args.lengths, args.prompt, args.new, paths, device, dtype,

@@ -27,7 +27,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "batch": ("engine.batch",),
     "pipeline": ("engine.pipeline",),
     "slots": ("engine.io_slots",),
-    "cuda_graphs": ("engine.cuda_graphs",),
+    "cuda_graphs": ("engine.cuda_graphs", "engine.graph_keys", "engine.captured_graph"),
     "runner": ("engine.runner",),
     "online": ("engine.online",),
     "profiling": ("engine.profiling",),

@@ -9,7 +9,8 @@ from models import generated_rows, random_prompts, stock_generate, tiny_model
 from transformers import LogitsProcessorList
 
 from hf_async_cb import BatchingConfig, Engine
-from hf_async_cb.engine.cuda_graphs import DecodeGraphs, GraphKey
+from hf_async_cb.engine.cuda_graphs import DecodeGraphs
+from hf_async_cb.engine.graph_keys import GraphKey
 from hf_async_cb.engine.requests import Request, SamplingParams
 from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
 
@@ -162,7 +163,7 @@ def test_prefill_buckets_share_contexts_within_a_power_of_four():
     and it holds what the step's requests may yet reach (prompt and new tokens, up to
     PREFILL_CONTEXT_REACH keys); decode buckets keep powers of two (their split count depends on the
     context)."""
-    from hf_async_cb.engine.cuda_graphs import prefill_context_bucket
+    from hf_async_cb.engine.graph_keys import prefill_context_bucket
 
     assert [prefill_context_bucket(n) for n in (1, 64, 65, 256, 257, 1024, 1025, 4096, 4097)] == [
         64, 64, 256, 256, 1024, 1024, 4096, 4096, 16384]
@@ -228,7 +229,7 @@ def test_steps_padded_up_into_captured_buckets_replay_stock_tokens(mode):
 def test_large_prefill_steps_run_eagerly():
     """A prefill step of more than PREFILL_GRAPH_MAX_TOKENS tokens gets no graph (its GPU time
     dwarfs the launches a graph saves); one at the limit still does."""
-    from hf_async_cb.engine.cuda_graphs import PREFILL_GRAPH_MAX_TOKENS
+    from hf_async_cb.engine.graph_keys import PREFILL_GRAPH_MAX_TOKENS
 
     graphs = DecodeGraphs(None, 8, is_cuda=False, prefill=True)
 
@@ -412,12 +413,12 @@ def test_key_list_steps_replay_graphs_with_stock_tokens(mode):
 
 def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     """A model op that cannot be captured must cost speed, never the generation."""
-    from hf_async_cb.engine import cuda_graphs
+    from hf_async_cb.engine import captured_graph
 
     def failing_capture(self, *args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(cuda_graphs._Graph, "__init__", failing_capture)
+    monkeypatch.setattr(captured_graph._Graph, "__init__", failing_capture)
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 40, seed=4)
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
@@ -432,10 +433,10 @@ def test_only_a_threads_first_capture_warms_up_and_a_failure_without_it_retries_
     """The eager warm-up before a capture runs once per thread (its cuBLAS workspace on the capture
     stream); a later capture without it that fails (a kernel loading lazily inside the capture) is
     captured again with it, not given up."""
-    from hf_async_cb.engine import cuda_graphs
+    from hf_async_cb.engine import captured_graph, cuda_graphs
 
     calls = []
-    original = cuda_graphs._Graph.__init__
+    original = captured_graph._Graph.__init__
 
     def recording(self, *args, warm_up=True, **kwargs):
         calls.append(warm_up)
@@ -443,7 +444,7 @@ def test_only_a_threads_first_capture_warms_up_and_a_failure_without_it_retries_
             raise RuntimeError("operation not permitted when stream is capturing")
         original(self, *args, warm_up=warm_up, **kwargs)
 
-    monkeypatch.setattr(cuda_graphs._Graph, "__init__", recording)
+    monkeypatch.setattr(captured_graph._Graph, "__init__", recording)
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 40, seed=4)
     engine = Engine(model, BatchingConfig(mode="sync", cuda_graphs=True, max_batch_tokens=64))
@@ -465,7 +466,7 @@ def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
     """A capture that raises midway (here: a host read inside it, as bitsandbytes' LLM.int8() does)
     must leave the process as it was: torch's CUDA generators otherwise stay marked as capturing and
     every later random draw raises, a model's init included."""
-    from hf_async_cb.engine import cuda_graphs
+    from hf_async_cb.engine import captured_graph
 
     def host_read_inside(self, pool, stream):
         graph = torch.cuda.CUDAGraph()
@@ -473,7 +474,7 @@ def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
             torch.rand(1, device="cuda")  # the generator is registered with the capture
             torch.zeros(1, device="cuda").item()  # not allowed while capturing
 
-    monkeypatch.setattr(cuda_graphs._Graph, "_capture", host_read_inside)
+    monkeypatch.setattr(captured_graph._Graph, "_capture", host_read_inside)
     model = copy.deepcopy(tiny_model("llama"))  # (moved below: never the model other tests share)
     prompts = random_prompts(4, 3, 20, seed=6)
     expected = expected_rows(model, prompts, 6)
@@ -498,9 +499,9 @@ def test_a_capture_whose_end_fails_leaves_later_captures_working(monkeypatch):
     engine failed ("beginAllocateToPool: already recording to mempool_id") and its steps ran eagerly
     for good. The first decode capture here reads the host; a later call's batch size (another bucket)
     must be captured, and every token be stock's."""
-    from hf_async_cb.engine import cuda_graphs
+    from hf_async_cb.engine import captured_graph
 
-    real = cuda_graphs._Graph._record
+    real = captured_graph._Graph._record
     spoiled = []
 
     def first_reads_the_host(self, pool, stream):
@@ -510,7 +511,7 @@ def test_a_capture_whose_end_fails_leaves_later_captures_working(monkeypatch):
             self._fn = lambda: (step(), torch.zeros(1, device="cuda").item())[0]
         return real(self, pool, stream)
 
-    monkeypatch.setattr(cuda_graphs._Graph, "_record", first_reads_the_host)
+    monkeypatch.setattr(captured_graph._Graph, "_record", first_reads_the_host)
     model = copy.deepcopy(tiny_model("llama"))
     calls = [random_prompts(4, 3, 20, seed=6), random_prompts(2, 3, 20, seed=7)]
     expected = [expected_rows(model, prompts, 6) for prompts in calls]

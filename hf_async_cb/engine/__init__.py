@@ -11,6 +11,8 @@
     pipeline.py        the loop, sync or async (CPU prepares step N+1 while the GPU runs step N)
     runner.py          the device work of one step: carry-over, forward, processors, draw
     cuda_graphs.py     steps replayed from CUDA graphs, one per bucket
+    graph_keys.py      the buckets steps are padded to, and their graphs' keys
+    captured_graph.py  one bucket's graph: static copies of its inputs, capture, replay
     online.py          the background loop and request handles
     profiling.py       per-step CPU/GPU spans and the timeline picture
 """

@@ -1,78 +1,34 @@
 """CUDA graphs for steps: one per bucket, captured on first use.
 
-A decode step is padded to a bucket: the batch to a power of two (padding rows write to a trash
-slot outside the page pool and are never read back), the context to a power of two >= 64. With
-the Triton attention, whose launch depends only on token and request counts, prefill and mixed
-steps get graphs too (bucketed by their token count as well): on a slow host an eager prefill
-step of a small model costs more CPU time than its GPU work. Sampled rows share graphs with greedy
-ones: every request the engine samples for has a seed, and a seeded draw is a pure function of
-device tensors (sampling/sampler.py), so it replays like the forward; padding rows sample greedily. So
-do the engine's logits processors (sampling/device_processors.py): each logits row gets an entry, neutral where no
-option applies; the history prefix a power-of-two width; key lists (bad words, sequence biases)
-are padded to powers of two with keys no history reaches, blocked (row, token) pairs with pairs
-that change nothing; all those shapes are part of the bucket. User processors (the slow path)
-and kept scores run eagerly.
-
-Each graph owns static copies of every input tensor of the step; a step copies its freshly
-uploaded inputs (and the previous step's tokens, for carry-over) into them on the device, replays
-the graph, and clones the sampled tokens out, so that the next replay cannot overwrite tokens
-still on their way to the host. The graphs do not depend on the I/O slot, so the sync and async
-loops share them, and all of them share one memory pool (they never run at the same time).
-
-On the CPU there is nothing to capture: a "graph" runs the same function eagerly on its static
-tensors, which lets CI test the padding, the static buffers and the carry-over through them.
+DecodeGraphs holds an engine's graphs: it picks each step's bucket (engine/graph_keys.py), captures
+a bucket's graph on its first step (engine/captured_graph.py), lends captured graphs to steps whose
+own bucket is not, and at the cap on prefill graphs may give a captured bucket's place to one that
+keeps missing (PREFILL_EVICT_AFTER_MISSES).
+The graphs do not depend on the I/O slot, so the sync and async loops share them, and all of them
+share one memory pool (they never run at the same time).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from operator import add
 
 import torch
 
+from hf_async_cb.engine import graph_keys
 from hf_async_cb.engine.batch import StepInputs
+from hf_async_cb.engine.captured_graph import _Graph, release_generators_after_failed_capture
+from hf_async_cb.engine.graph_keys import GraphKey, _pow2, _pow4, _token_bucket, prefill_context_bucket
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import StepPlan
-from hf_async_cb.model.step_metadata import StepMetadata
-from hf_async_cb.sampling.device_processors import (
-    SequenceBias,
-    TokenBlock,
-    block_bucket,
-    prefix_bucket,
-    sequence_shapes,
-)
-from hf_async_cb.sampling.sampler import SamplingTensors
+from hf_async_cb.sampling.device_processors import block_bucket, prefix_bucket, sequence_shapes
 
 logger = logging.getLogger(__name__)
 
-MIN_CONTEXT_BUCKET = 64
-# Prefill and mixed steps of more tokens than this run eagerly: their GPU time dwarfs the launch
-# cost a graph saves, while each capture holds its activations in the graph pool and costs its
-# warm-up. Measured on an H200 (docs/benchmarks.md, 2026-12-01): 8B, 32 x 7K -> 1K with 8192-token
-# prefill steps took 21.9 s with prefill graphs and 21.6 s without, and 29.0 s of warm-up against 21.9.
-PREFILL_GRAPH_MAX_TOKENS = 2048
-# A prefill/mixed bucket's context (keys per request: its block table's width) grows by this many
-# powers of two from MIN_CONTEXT_BUCKET (64, 256, 1024, 4096, ... with 2). The Triton prefill and
-# mixed attention reads each request's own length and launches by token and request counts only, so
-# a wider table costs an upload of a few more page numbers, while every context bucket of a (batch,
-# tokens) pair took a capture of its own, and a serving load's steps (new prompts beside decodes of
-# every length) spread over so many of them that the buckets captured in a warm-up missed many
-# later steps, which ran eagerly (docs/benchmarks.md). Decode buckets keep powers of two: their
-# split count depends on the context.
-PREFILL_CONTEXT_STEP = 2
-# ... and holds, up to this many keys, the most that any of the step's requests may yet reach (its
-# prompt and new tokens), not only what it holds now: requests grow into longer contexts while they
-# decode, and a bucket captured for a step of short contexts was missed by the same (batch, tokens)
-# steps of that load later on (8B serving, 32-64 req/s on an H100: most eager steps were of a bucket
-# captured at context 1024 needing 4096). Past this, a row of the table costs more to gather and upload
-# than a later capture saves.
-PREFILL_CONTEXT_REACH = 4096
 # At the cap, a prefill/mixed bucket whose steps ran eagerly this many times (since it last took a place)
 # takes the place of the captured prefill bucket replayed least since its capture, where that one was
 # replayed fewer times: its graph is dropped once the device has finished its queued work, and the new
@@ -81,10 +37,6 @@ PREFILL_CONTEXT_REACH = 4096
 # run fell into four 256-request buckets, none of them among the 16 captured). A place changes hands
 # at most once per this many eager steps. 0 (the default until measured on a GPU): never.
 PREFILL_EVICT_AFTER_MISSES = 0
-# A step whose own bucket is not captured (all prefill buckets taken) may replay a captured bucket of
-# up to this many tokens (or twice its own): at that size a small model's padded replay still costs
-# less GPU time than an eager step's launches cost the host.
-PADDED_BUCKET_MAX_TOKENS = 256
 # Whether every capture runs its step eagerly first. The first capture of a thread does (it creates the
 # thread's cuBLAS handle and its workspace on the capture stream, which a capture must not allocate);
 # later ones skip it and retry with it where the capture fails (a kernel loading lazily, say). The
@@ -108,221 +60,6 @@ LEND_LARGER_DECODE_STEPS = 1024
 # The largest batch a decode step is lent: up to it a step's GEMMs stay bound by reading the weights
 # (at 16 bits, and 4-bit weights near the limit), so the padding rows cost little beyond the launch.
 LEND_LARGER_MAX_BATCH = 64
-
-_STATIC = ("input_ids", "carry_src", "position_ids", "logits_indices")
-_STATIC_META = ("slot_mapping", "block_table", "query_start", "context_lens")
-_SHARED_META = ("group_start", "group_rows", "shared_len")  # a decode step's shared-prefix groups, when it has them
-_SAMPLING_INTS = ("top_k", "seed", "token_index")  # uploaded after the tensors above, in the same buffer
-_SAMPLING_FLOATS = ("do_sample", "temperature", "top_p", "min_p")  # the slot's float buffer
-# A repetition penalty's tensors (penalties.HistoryProcessors), uploaded after the sampling ones.
-_PENALTY_INTS = ("sample_rows", "batch_rows", "prefix", "prefix_len", "penalty_start", "ngram")
-_PENALTY_FLOATS = ("penalty",)
-_BLOCK_INTS = ("rows", "tokens")  # penalties.TokenBlock, uploaded last
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _pow4(n: int) -> int:
-    return 1 << 2 * -(-max(0, n - 1).bit_length() // 2)
-
-
-def prefill_context_bucket(context: int, step: int | None = None) -> int:
-    """The context bucket of a prefill/mixed step whose longest request holds `context` keys."""
-    step = PREFILL_CONTEXT_STEP if step is None else step
-    doublings = max(0, context - 1) // MIN_CONTEXT_BUCKET
-    doublings = doublings.bit_length()  # MIN_CONTEXT_BUCKET << doublings holds it
-    return MIN_CONTEXT_BUCKET << step * -(-doublings // step)
-
-
-def _token_bucket(n: int) -> int:
-    """Token count of a prefill/mixed bucket: a power of two up to 512, then a multiple of 512."""
-    return _pow2(n) if n <= 512 else -(-n // 512) * 512
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """A step's shape, as far as its graph depends on it: batch: requests (padding rows included);
-    context: keys per request; tokens: the token stream, 0 for a decode step (one per request)."""
-
-    batch: int
-    context: int
-    tokens: int = 0
-    sampled: bool = False  # some row samples (the graph takes the sampling parameters)
-    # Some row reads its history: (a penalty above 1, one below 1, prefix width, largest n-gram size,
-    # the padded shapes of the sequence-bias and bad-words key lists or None).
-    penalty: tuple | None = None
-    blocked: int = 0  # (row, token) pairs the step blocks, padded (penalties.block_bucket); 0 = none
-    tall: bool = False  # a prefill/mixed step whose longest query takes the attention's tall tiles
-    shared: bool = False  # a decode step whose rows share prefixes (StepMetadata.group_start): other kernels
-
-
-def _step_tensors(inputs: StepInputs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The step's uploaded tensors by name, in upload order: (the int64 buffer's, the float32 one's)."""
-    ints = {name: getattr(inputs, name) for name in _STATIC}
-    ints.update((name, getattr(inputs.meta, name)) for name in _STATIC_META)
-    if inputs.meta.group_start is not None:
-        ints.update((name, getattr(inputs.meta, name)) for name in _SHARED_META)
-    floats = {}
-    if inputs.sampling is not None:
-        ints.update((name, getattr(inputs.sampling, name)) for name in _SAMPLING_INTS)
-        floats.update((name, getattr(inputs.sampling, name)) for name in _SAMPLING_FLOATS)
-    if inputs.processors is not None:
-        ints.update((name, getattr(inputs.processors, name)) for name in _PENALTY_INTS)
-        floats.update((name, getattr(inputs.processors, name)) for name in _PENALTY_FLOATS)
-        for kind in ("bias", "bad_words"):
-            keys = getattr(inputs.processors, kind)
-            if keys is not None:
-                ints.update((f"{kind}_{name}", getattr(keys, name)) for name in SequenceBias.FIELDS[:-1])
-                floats[f"{kind}_value"] = keys.value
-    if inputs.token_block is not None:
-        ints.update(("block_" + name, getattr(inputs.token_block, name)) for name in _BLOCK_INTS)
-    return ints, floats
-
-
-class _Static:
-    """Static copies of a step's tensors as views of one buffer laid out like the step's packed
-    upload (StepInputs.packed), so that loading a step into its graph is one copy."""
-
-    def __init__(self, sources: list[torch.Tensor], packed: torch.Tensor | None) -> None:
-        self.flat = None if packed is None else torch.empty_like(packed)
-        base = 0 if packed is None else packed.storage_offset()
-        self.views = [self.flat[t.storage_offset() - base:][: t.numel()].view(t.shape) for t in sources]
-
-    def load(self, packed: torch.Tensor | None) -> None:
-        if self.flat is None:
-            return
-        if packed.shape != self.flat.shape:
-            raise RuntimeError(f"a step's inputs ({packed.numel()} values) do not fit its graph ({self.flat.numel()})")
-        self.flat.copy_(packed)
-
-
-class _Graph:
-    def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
-                 max_previous: int, pool, stream, decode: bool = True, warm_up: bool = True) -> None:
-        """Static tensors start as this step's inputs, so the warm-up and the capture run on real data.
-        warm_up: run the step eagerly on the capture stream before recording it.
-
-        The step's inputs arrive packed in one device buffer (slots.IOSlot), and the static tensors
-        are views of one buffer laid out the same way, so loading a step is one copy, not eight."""
-        device = inputs.input_ids.device
-        ints, floats = _step_tensors(inputs)
-        self.ints = _Static(list(ints.values()), inputs.packed[0])
-        self.floats = _Static(list(floats.values()), inputs.packed[1])
-        t = self.tensors = dict(zip(ints, self.ints.views))
-        t.update(zip(floats, self.floats.views))
-        self.previous = torch.zeros(max_previous, dtype=torch.long, device=device)
-        sampling = processors = token_block = None
-        if inputs.sampling is not None:  # every sampled row seeded (key_for): no generator draw
-            sampling = SamplingTensors(**{name: t[name] for name in _SAMPLING_INTS + _SAMPLING_FLOATS},
-                                       unseeded=False)
-        if inputs.processors is not None:  # every row and key list padded (penalties.HostProcessors)
-            lists = {kind: SequenceBias(**{name: t[f"{kind}_{name}"] for name in SequenceBias.FIELDS})
-                     for kind in ("bias", "bad_words") if getattr(inputs.processors, kind) is not None}
-            processors = dataclasses.replace(inputs.processors, **lists,
-                                             **{name: t[name] for name in _PENALTY_INTS + _PENALTY_FLOATS})
-        if inputs.token_block is not None:  # padded to the bucket's pair count
-            token_block = TokenBlock(*(t["block_" + name] for name in _BLOCK_INTS))
-        meta = StepMetadata(
-            **{name: t[name] for name in _STATIC_META + _SHARED_META if name in t}, page_size=inputs.meta.page_size,
-            # > 1 for a prefill bucket, whatever its first step: the attention picks decode splits by it.
-            max_query_len=inputs.meta.max_query_len if decode else max(2, inputs.meta.max_query_len),
-            max_context=inputs.meta.max_context,
-            backend=inputs.meta.backend, pool_slots=inputs.meta.pool_slots,
-        )
-        self.meta = meta
-        static = StepInputs(
-            input_ids=t["input_ids"], carry_src=t["carry_src"], position_ids=t["position_ids"],
-            logits_indices=t["logits_indices"], meta=meta, sampling=sampling, sample_requests=[], processor_rows=[],
-            processors=processors, token_block=token_block,
-        )
-        # No reference back to self (a lambda over self would make a cycle that keeps the runner, and
-        # with it the KV pool, alive after Engine.close() until the garbage collector runs).
-        self._fn = functools.partial(runner.step, static, self.previous)
-        self.out: torch.Tensor | None = None
-        self.graph = None
-        self.warmed_up = warm_up
-        self.load(inputs, previous_tokens)
-        if device.type == "cuda":
-            self._capture(pool, stream)
-
-    def _capture(self, pool, stream) -> None:
-        if self.warmed_up:
-            self._warm_up(stream)
-        self._record(pool, stream)
-
-    def _warm_up(self, stream) -> None:
-        """One eager run on the capture stream itself, so that per-stream state (cuBLAS workspaces, a
-        kernel's first load into the process) exists before the capture begins; it writes the same
-        K/V as the step itself will, at the same slots, so it changes nothing."""
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            self._fn()
-        current.wait_stream(stream)
-
-    def _record(self, pool, stream) -> None:
-        """The capture, begun and ended on the graph itself rather than through `torch.cuda.graph`,
-        whose entry synchronizes the device and empties the caching allocator (and, in older torch,
-        collects garbage) to free memory for the graph: in the middle of a call that drains the
-        pipeline and makes the next eager steps allocate their memory from the driver again, for
-        nothing, since every graph of the engine shares one pool. Its exit only ends the capture."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
-            try:
-                out = self._fn()
-            except BaseException:
-                try:  # leave the stream out of capture mode; the step's own error is the one to see
-                    graph.capture_end()
-                except RuntimeError:
-                    _end_allocating_to(pool)
-                raise
-            graph.capture_end()
-        self.graph, self.out = graph, out
-
-    def load(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> None:
-        self.ints.load(inputs.packed[0])
-        self.floats.load(inputs.packed[1])
-        if previous_tokens is not None:
-            self.previous[: previous_tokens.numel()].copy_(previous_tokens)
-        # Read only when the step runs eagerly (the CPU stand-in): the reference attention's padded view.
-        if self.graph is None:
-            self.meta.max_query_len = inputs.meta.max_query_len
-
-    def replay(self) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.out = self._fn()
-        return self.out.clone()
-
-
-def _end_allocating_to(pool) -> None:
-    """After a capture whose end failed (an invalidated capture: torch raises at the stream's end of
-    capture, before it tells the caching allocator the capture is over), end the allocator's routing
-    to the graphs' pool, which would otherwise refuse every later capture ("beginAllocateToPool:
-    already recording to mempool_id"). On the H100 with torch 2.11 this did not suffice: the engine
-    also captures into a fresh pool after a failure (DecodeGraphs._after_failed_capture)."""
-    try:
-        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
-    except (AttributeError, RuntimeError):  # (ended already; or a torch without the binding)
-        pass
-
-
-def release_generators_after_failed_capture() -> None:
-    """A capture that raised never reached its end, where torch tells each CUDA generator that the
-    capture is over: they stay marked as capturing, and every later random draw of the process
-    (a model's init, dropout, sampling) raises "Offset increment outside graph capture". Each
-    default generator gets a fresh copy of its own state (same seed and offset, not capturing)."""
-    if not torch.cuda.is_available():
-        return
-    for generator in torch.cuda.default_generators:
-        try:
-            generator.graphsafe_set_state(generator.clone_state())
-        except (AttributeError, RuntimeError) as e:  # an older torch: nothing to repair with
-            logger.debug("could not reset a CUDA generator after a failed capture: %s", e)
 
 
 class DecodeGraphs:
@@ -411,10 +148,10 @@ class DecodeGraphs:
         if decode:
             if len(chunks) > self.max_batch or (self.max_tokens is not None and _pow2(len(chunks)) > self.max_tokens):
                 return self._eager("too_large")
-            key = GraphKey(_pow2(len(chunks)), max(MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
+            key = GraphKey(_pow2(len(chunks)), max(graph_keys.MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
-            if not self.prefill or plan.num_tokens > PREFILL_GRAPH_MAX_TOKENS:
+            if not self.prefill or plan.num_tokens > graph_keys.PREFILL_GRAPH_MAX_TOKENS:
                 return self._eager("too_large" if self.prefill else "no_prefill_graphs")
             size, tokens = len(chunks), plan.num_tokens
             batch = self._prefill_batch(size)
@@ -424,7 +161,7 @@ class DecodeGraphs:
             bucket = _token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
-            reach = min(PREFILL_CONTEXT_REACH, max(c.request.max_total_tokens for c in chunks))
+            reach = min(graph_keys.PREFILL_CONTEXT_REACH, max(c.request.max_total_tokens for c in chunks))
             tall = self.tall_query_len is not None and max(plan.sizes) >= self.tall_query_len
             if self.max_tokens is not None and bucket > self.max_tokens:
                 return self._eager("too_large")
@@ -529,7 +266,7 @@ class DecodeGraphs:
         where no greedy one is as small. None when no captured bucket fits."""
         size, tokens = len(plan.chunks), plan.num_tokens
         context = max(map(add, plan.starts, plan.sizes))
-        limit = max(PADDED_BUCKET_MAX_TOKENS, 2 * key.tokens)
+        limit = max(graph_keys.PADDED_BUCKET_MAX_TOKENS, 2 * key.tokens)
         best = None
         for k in self._graphs:
             if (not k.tokens or k.tokens > limit or k.batch < size or k.tall != key.tall

@@ -11,7 +11,7 @@ engine runs such a model without CUDA graphs, and says so.
 bitsandbytes' LLM.int8() linears with an outlier threshold (its default) cannot be captured at all:
 each call sizes its outlier tensors on the host. On the H200 an 8B model's first decode capture
 failed, and the failed capture left torch's CUDA generator marked as capturing, so that every later
-random draw of the process raised (engine/cuda_graphs.py now also repairs that). Where the engine
+random draw of the process raised (engine/captured_graph.py now also repairs that). Where the engine
 routes such linears through kernels/llm_int8.py (their steps of up to 256 rows: model/decode_gemm.py),
 those steps are captured and larger ones run eagerly (`graph_token_cap`); other such models run
 without CUDA graphs from the start.
