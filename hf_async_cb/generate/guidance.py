@@ -46,7 +46,12 @@ class RowGuidance(LogitsProcessor):
 
 class _Group:
     def __init__(self, rows: list[RowGuidance], mask: torch.Tensor, cache) -> None:
-        self.rows, self.mask, self.cache = rows, mask, cache
+        self.mask, self.cache = mask, cache
+        self.keep(rows)
+
+    def keep(self, rows: list[RowGuidance]) -> None:
+        self.rows = rows
+        self.places = {id(row): i for i, row in enumerate(rows)}  # (a step of 256 rows looks each up)
 
 
 class GuidedRows:
@@ -65,7 +70,7 @@ class GuidedRows:
         starting = []
         for row, history in entries:
             group = row.group
-            if group is not None and row.calls and row in group.rows:
+            if group is not None and row.calls and id(row) in group.places:
                 by_group.setdefault(id(group), (group, []))[1].append((row, history))
             else:
                 starting.append((row, history))
@@ -103,9 +108,10 @@ class GuidedRows:
         """One step of a group's rows present in this step; the others leave it."""
         rows = [row for row, _ in present]
         if rows != group.rows:
-            keep = torch.tensor([group.rows.index(row) for row in rows], device=group.mask.device)
+            keep = torch.tensor([group.places[id(row)] for row in rows], device=group.mask.device)
             group.cache.batch_select_indices(keep)
-            group.mask, group.rows = group.mask[keep], rows
+            group.mask = group.mask[keep]
+            group.keep(rows)
         ids = torch.cat([history[:, -1:] for _, history in present])
         group.mask = torch.cat([group.mask, torch.ones_like(ids)], dim=1)
         out = self._forward(ids, group.mask, group.cache)
