@@ -60,3 +60,19 @@ def test_a_towers_layers_read_their_windows_from_the_device_once(lengths, monkey
     whole, _ = varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     assert len(reads) == 2
     assert torch.allclose(whole, F.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(1, 2), atol=1e-6)
+
+
+def test_windows_of_tensors_made_under_inference_mode():
+    # Inference tensors keep no version counter: their layouts are read (and kept within a tower call) all
+    # the same. A generate under torch.inference_mode() reaches here with such a cu_seqlens.
+    lengths = [16, 16, 7, 3, 7]
+    with torch.inference_mode():
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 2, sum(lengths), 8, generator=g) for _ in range(3))
+        out, _ = varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        again, _ = varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    want = torch.cat([F.scaled_dot_product_attention(*(t[:, :, s:s + n] for t in (q, k, v)), scale=0.3)
+                      for s, n in zip(starts, lengths)], dim=2).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-6) and torch.equal(again, out)

@@ -291,6 +291,20 @@ def test_a_group_of_one_prompt_and_image_gives_stock_tokens(name, mode):
     hf_async_cb.release(model)
 
 
+@pytest.mark.parametrize("name, mode", [(name, MODES[(i + 1) % 2]) for i, name in enumerate(EVERY_COPY + ONCE)])
+def test_a_call_under_inference_mode_gives_stock_tokens(name, mode):
+    """Users often generate under torch.inference_mode(): the merge, the pool and the caches the engine keeps
+    are made outside it (they outlive the call), and the later call reads them."""
+    model = _model(name)
+    inputs = V.build_inputs(name)
+    with torch.inference_mode():
+        expected = _stock(model, inputs)
+        hf_async_cb.release(model)
+        for _ in range(2):  # (the second call: its tower outputs and pages from the engine's caches)
+            assert torch.equal(_stock(model, inputs, batching=mode), expected)
+    hf_async_cb.release(model)
+
+
 @pytest.mark.parametrize("name, mode", [(name, MODES[i % 2]) for i, name in enumerate(ONCE)])
 def test_images_an_earlier_call_sent_are_not_encoded_again(name, mode, monkeypatch):
     """A later call that sends the same images again (an RL epoch, an evaluation rerun) takes the

@@ -71,14 +71,21 @@ def _layout(cu_seqlens: torch.Tensor) -> _Layout:
     """The layout of `cu_seqlens`, read once per tensor (and again if it is written in place): a tower passes
     the same tensor to every layer of a kind (32 in Qwen2.5-VL-7B), and reading it is a device sync and a
     pass over every window (2,304 for 64 images), during which the GPU has nothing queued."""
+    version = _version(cu_seqlens)
     found = _LAYOUTS.get(id(cu_seqlens))
-    if found is not None and found[0]() is cu_seqlens and found[1] == cu_seqlens._version:
+    if found is not None and found[0]() is cu_seqlens and found[1] == version:
         return found[2]
     layout = _read_layout(cu_seqlens)
     if len(_LAYOUTS) >= _LAYOUTS_KEPT:
         _LAYOUTS.clear()
-    _LAYOUTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, layout)
+    _LAYOUTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), version, layout)
     return layout
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """`t`'s version counter; None for a tensor made under torch.inference_mode, which keeps none (the
+    layouts are dropped at the start and end of each tower call: packed_vision_attention)."""
+    return None if t.is_inference() else t._version
 
 
 def _read_layout(cu_seqlens: torch.Tensor) -> _Layout:
@@ -131,10 +138,14 @@ def packed_vision_attention(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     register()
-    with contextlib.ExitStack() as stack:
-        for config in configs:
-            stack.enter_context(attention.implementation(config, NAME))
-        yield
+    _LAYOUTS.clear()
+    try:
+        with contextlib.ExitStack() as stack:
+            for config in configs:
+                stack.enter_context(attention.implementation(config, NAME))
+            yield
+    finally:
+        _LAYOUTS.clear()
 
 
 def register() -> None:
