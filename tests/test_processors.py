@@ -70,6 +70,10 @@ SLOW_OPTIONS = {
     "typical_p": dict(do_sample=True, typical_p=0.9, top_k=1),  # top_k=1 leaves no choice: stock's tokens
     "with_device_options": dict(forced_eos_token_id=3, repetition_penalty=1.3, no_repeat_ngram_size=2,
                                 bad_words_ids=[[5], [7, 8]], sequence_bias={(9,): 5.0}),
+    # Read each row's padded prompt (stock hands a decoder-only model's prompts to them as the "encoder" ids).
+    "encoder_repetition_penalty": dict(encoder_repetition_penalty=3.0),
+    "encoder_hallucination_penalty": dict(encoder_repetition_penalty=0.2),
+    "encoder_no_repeat_ngram_size": dict(encoder_no_repeat_ngram_size=1),
 }
 
 
@@ -81,6 +85,34 @@ def test_slow_path_options_match_stock(option, mode):
     kwargs = {"max_new_tokens": 12, **SLOW_OPTIONS[option]}
     got, expected = both(model, prompts, mode, **kwargs)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_reading_processors_of_the_callers_own_read_each_rows_prompt(mode):
+    # Built by the caller for the whole batch (one prompt row each), as stock builds them: each request
+    # reads its own row's prompt, greedy as stock; sampled copies read their prompt's row.
+    from transformers.generation.logits_process import (
+        EncoderNoRepeatNGramLogitsProcessor,
+        EncoderRepetitionPenaltyLogitsProcessor,
+    )
+
+    model = tiny_model("llama")
+    prompts = random_prompts(5, 3, 20, seed=37)
+    ids, mask = left_pad(prompts)
+
+    def processors():
+        return LogitsProcessorList([EncoderRepetitionPenaltyLogitsProcessor(2.5, ids),
+                                    EncoderNoRepeatNGramLogitsProcessor(2, ids)])
+
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, logits_processor=processors())
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=10, logits_processor=processors(), batching=mode)
+    assert torch.equal(got, expected)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, num_return_sequences=2,
+                         encoder_no_repeat_ngram_size=1, batching=mode)
+    width = ids.shape[1]
+    for row in range(out.shape[0]):  # no generated token appears in the row's own prompt
+        prompt = set(ids[row // 2][mask[row // 2].bool()].tolist())
+        assert not prompt & set(out[row, width:].tolist()), row
 
 
 @pytest.mark.parametrize("mode", MODES)

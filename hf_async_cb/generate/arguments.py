@@ -31,9 +31,7 @@ _IGNORED_MODEL_KWARGS = {"output_attentions": False, "output_hidden_states": Fal
 _UNSUPPORTED_GENERATION_OPTIONS = (
     ("num_beams", (None, 1)), ("num_beam_groups", (None, 1)), ("penalty_alpha", (None, 0, 0.0)),
     ("constraints", (None,)), ("force_words_ids", (None,)),  # (diversity_penalty: group beams' alone)
-    ("dola_layers", (None,)), ("encoder_repetition_penalty", (None, 1.0)),
-    ("encoder_no_repeat_ngram_size", (None, 0)),
-    ("output_attentions", (None, False)),
+    ("dola_layers", (None,)), ("output_attentions", (None, False)),
     ("output_hidden_states", (None, False)), ("prompt_lookup_num_tokens", (None,)),
     ("assistant_early_exit", (None,)), ("token_healing", (None, False)), ("use_mtp", (None, False)),
 )

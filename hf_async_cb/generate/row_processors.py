@@ -24,12 +24,15 @@ own (stock's other rows of that group would draw from all -inf scores and fail).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
 import torch
 from transformers import LogitsProcessor
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
@@ -83,7 +86,19 @@ def negative_prompt(arguments: dict, prompt: int, prompts: int) -> dict:
 def for_row(processor: LogitsProcessor, row: int, copies: int = 1, prompts: int = 1) -> LogitsProcessor:
     """`processor` for the call's `row` (of `prompts` prompts, `copies` rows each): stock's prefix
     constraint bound to the row's batch id, a guidance processor of the caller's own made anew with
-    the row's unconditional context, any other processor as it is."""
+    the row's unconditional context, the prompt-reading processors (`encoder_repetition_penalty`,
+    `encoder_no_repeat_ngram_size`: for a decoder-only model stock hands them the padded prompts)
+    given the row's prompt, any other processor as it is."""
+    if isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+        made = copy.copy(processor)
+        at = _prompt_row(processor.encoder_input_ids.shape[0], row, copies, prompts)
+        made.encoder_input_ids = processor.encoder_input_ids[at : at + 1]
+        return made
+    if isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+        made = copy.copy(processor)
+        made.generated_ngrams = [processor.generated_ngrams[_prompt_row(processor.batch_size, row, copies, prompts)]]
+        made.batch_size = 1
+        return made
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
         return RowPrefixConstraint(processor._prefix_allowed_tokens_fn, row // max(1, processor._num_beams))
     if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
@@ -104,6 +119,18 @@ def for_row(processor: LogitsProcessor, row: int, copies: int = 1, prompts: int 
     return processor
 
 
+def _prompt_row(rows: int, row: int, copies: int, prompts: int) -> int:
+    """Which of a processor's `rows` prompt rows the call's `row` reads: one per row, one per prompt (its
+    copies share it, as stock repeats them), or one for all."""
+    at = {prompts * copies: row, prompts: row // copies, 1: 0}.get(rows)
+    if at is None:
+        raise ValueError(f"a logits processor holds {rows} prompt rows for a call of {prompts} prompts x {copies} "
+                         "copies: give one per row, one per prompt, or one.")
+    return at
+
+
 # Stock's processors of the caller's that for_row makes per row (the row checks' probe would call a
-# batch-wide one on copies of one row: a guidance processor keeps state, a constraint numbers rows).
-ROW_BUILT = (PrefixConstrainedLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
+# batch-wide one on copies of one row: a guidance processor keeps state, a constraint numbers rows,
+# the prompt-reading ones hold every prompt).
+ROW_BUILT = (PrefixConstrainedLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor,
+             EncoderRepetitionPenaltyLogitsProcessor, EncoderNoRepeatNGramLogitsProcessor)
