@@ -47,9 +47,9 @@ class RowGuidance(LogitsProcessor):
 class _Group:
     def __init__(self, rows: list[RowGuidance], mask: torch.Tensor, cache) -> None:
         self.mask, self.cache = mask, cache
-        self.keep(rows)
+        self.set_rows(rows)
 
-    def keep(self, rows: list[RowGuidance]) -> None:
+    def set_rows(self, rows: list[RowGuidance]) -> None:
         self.rows = rows
         self.places = {id(row): i for i, row in enumerate(rows)}  # (a step of 256 rows looks each up)
 
@@ -111,7 +111,7 @@ class GuidedRows:
             keep = torch.tensor([group.places[id(row)] for row in rows], device=group.mask.device)
             group.cache.batch_select_indices(keep)
             group.mask = group.mask[keep]
-            group.keep(rows)
+            group.set_rows(rows)
         ids = torch.cat([history[:, -1:] for _, history in present])
         group.mask = torch.cat([group.mask, torch.ones_like(ids)], dim=1)
         out = self._forward(ids, group.mask, group.cache)

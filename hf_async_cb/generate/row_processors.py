@@ -91,12 +91,13 @@ def for_row(processor: LogitsProcessor, row: int, copies: int = 1, prompts: int 
     given the row's prompt, any other processor as it is."""
     if isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
         made = copy.copy(processor)
-        at = _prompt_row(processor.encoder_input_ids.shape[0], row, copies, prompts)
+        at = _prompt_row(processor.encoder_input_ids.shape[0], row, copies, prompts, "an encoder processor's prompts")
         made.encoder_input_ids = processor.encoder_input_ids[at : at + 1]
         return made
     if isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
         made = copy.copy(processor)
-        made.generated_ngrams = [processor.generated_ngrams[_prompt_row(processor.batch_size, row, copies, prompts)]]
+        at = _prompt_row(processor.batch_size, row, copies, prompts, "an encoder processor's prompts")
+        made.generated_ngrams = [processor.generated_ngrams[at]]
         made.batch_size = 1
         return made
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
@@ -108,24 +109,20 @@ def for_row(processor: LogitsProcessor, row: int, copies: int = 1, prompts: int 
                              "unconditional cache: pass a new one (or guidance_scale=... and negative_prompt_ids=...).")
         ids, mask = context["input_ids"], context["attention_mask"]
         if ids is not None:
-            n = ids.shape[0]
-            at = {prompts * copies: row, prompts: row // copies, 1: 0}.get(n)
-            if at is None:
-                raise ValueError(f"a guidance processor's unconditional_ids have {n} rows for a call of {prompts} "
-                                 f"prompts x {copies} copies: give one per row, one per prompt, or one.")
+            at = _prompt_row(ids.shape[0], row, copies, prompts, "a guidance processor's unconditional_ids")
             ids, mask = ids[at : at + 1], None if mask is None else mask[at : at + 1]
         return UnbatchedClassifierFreeGuidanceLogitsProcessor(processor.guidance_scale, processor.model, ids, mask,
                                                               context["use_cache"])
     return processor
 
 
-def _prompt_row(rows: int, row: int, copies: int, prompts: int) -> int:
-    """Which of a processor's `rows` prompt rows the call's `row` reads: one per row, one per prompt (its
-    copies share it, as stock repeats them), or one for all."""
+def _prompt_row(rows: int, row: int, copies: int, prompts: int, what: str) -> int:
+    """Which of a processor's `rows` rows (`what` they are) the call's `row` reads: one per row, one per
+    prompt (its copies share it, as stock repeats them), or one for all."""
     at = {prompts * copies: row, prompts: row // copies, 1: 0}.get(rows)
     if at is None:
-        raise ValueError(f"a logits processor holds {rows} prompt rows for a call of {prompts} prompts x {copies} "
-                         "copies: give one per row, one per prompt, or one.")
+        raise ValueError(f"{what} have {rows} rows for a call of {prompts} prompts x {copies} copies: give one "
+                         "per row, one per prompt, or one.")
     return at
 
 
