@@ -15,6 +15,8 @@
 #  table8b the same on the 8B shape without transformers' batching (its group run alone took 140 s);
 #  serve8b16 the 8B serving benchmark with a shared 1,024-token system prompt at 16 req/s: async caching on
 #          and off, sync (issue 28's TTFT target; H100: 3.57x);
+#  cachetests  prefix caching's engine and property tests with the CUDA ones (copied last pages on the
+#          device: K/V and token history, before the step's forward, graphs replaying it);
 #  calls   per-call times of five generate calls on unseen prompts, Python's collector on and off
 #          (benchmarks/generate_call_sequence.py: why a runtime's second call trails a held Engine).
 # The next session's first check: STEPS="tests e2e1b calls" (about 4 minutes).
@@ -28,6 +30,10 @@ for step in $STEPS; do
     tests)
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q tests/test_shared_prefix_attention.py tests/test_triton_attention.py \
         -p no:cacheprovider --tb=short -W ignore 2>&1 | tee "$OUT/tests.txt" | grep -E "^E |FAILED|passed|failed" \
+        | cut -c1-300 | tail -20 ;;
+    cachetests)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q tests/test_prefix_caching.py tests/test_prefix_cache_properties.py \
+        -p no:cacheprovider --tb=short -W ignore 2>&1 | tee "$OUT/cachetests.txt" | grep -E "^E |FAILED|passed|failed" \
         | cut -c1-300 | tail -20 ;;
     micro)
       for shape in 8b 1b; do

@@ -36,6 +36,7 @@ class CachedSim(Sim):
         self.forks = dict(zip(map(id, specs_), forks))
         self.slots: dict[tuple[int, int], tuple] = {}  # (page, offset) -> the tokens its K/V stands for
         self.reads = 0
+        self.plans = []
 
     def _add(self, spec: Spec) -> None:
         fork, variant = self.forks[id(spec)]
@@ -56,7 +57,11 @@ class CachedSim(Sim):
         """Model the pool: reads first (positions before each chunk hold its own tokens' K/V), then
         this step's writes."""
         super().on_plan(plan)
+        self.plans.append(plan)
         size = self.cfg.page_size
+        for source, destination in plan.page_copies:  # before the forward, as Pipeline._enqueue does
+            for offset in range(size):
+                self.slots[(destination, offset)] = self.slots.get((source, offset))
         for c in plan.chunks:
             tokens = self._tokens(c.request, c.start)
             for pos in range(c.start):
@@ -94,6 +99,8 @@ class CachedSim(Sim):
             assert len(set(req.pages)) == len(req.pages)
             for p in req.pages:
                 holders[p] = holders.get(p, 0) + 1
+        for p in sched.held_for_copies():  # a cached page kept for a copy until its step is queued
+            holders[p] = holders.get(p, 0) + 1
         for p, n in holders.items():
             assert alloc.ref_count(p) == n, "a page's reference count is not its holders"
         assert len(holders) + alloc.num_free == cfg.num_pages, "pages leaked or freed twice"
@@ -102,7 +109,7 @@ class CachedSim(Sim):
 
     def check_final(self) -> None:
         super().check_final()
-        assert not self.scheduler._chains and not self.scheduler._claims
+        assert not self.scheduler._chains and not self.scheduler._claims and not self.scheduler.held_for_copies()
 
 
 def forks_for(data, reqs):
@@ -141,17 +148,31 @@ def test_cached_prefixes_under_preemption(overlap, page_size, extra_pages, max_b
 
 
 @modes
-def test_repeated_prompt_is_prefilled_once(overlap):
-    """Eight rows of one 40-token prompt arriving together: the first prefills it, the others wait
-    a step for its pages and prefill only their last partial page."""
+@pytest.mark.parametrize("prompt_len, own", [(40, 1), (38, 2)], ids=["whole-pages", "partial-page"])
+def test_repeated_prompt_is_prefilled_once(overlap, prompt_len, own):
+    """Eight rows of one prompt arriving together: the first prefills it, the others wait a step for
+    its pages; then each feeds only its last token when the prompt fills whole pages (its last page
+    a copy of the first row's), or else its last partial page."""
     cfg = Config(num_pages=64, page_size=4, max_batch_tokens=400, max_running_requests=8)
-    reqs = [Spec(40, 3, [5, 6, 7], use_eos=False, arrival=0) for _ in range(8)]
-    sim = CachedSim(cfg, reqs, [(40, 0)] * 8, overlap)
+    reqs = [Spec(prompt_len, 3, [5, 6, 7], use_eos=False, arrival=0) for _ in range(8)]
+    sim = CachedSim(cfg, reqs, [(prompt_len, 0)] * 8, overlap)
     sim.run()
     stats = sim.cache.stats
-    assert stats.hit_tokens == 7 * 36  # (40 - 1) // 4 pages of 4 tokens each, for each of the 7 others
-    assert stats.prefilled_tokens == 40 + 7 * 4
+    assert stats.hit_tokens == 7 * (prompt_len - own)
+    assert stats.prefilled_tokens == prompt_len + 7 * own
     assert stats.deferrals == 7
+    copies = [plan.page_copies for plan in sim.plans if plan.page_copies]
+    assert sum(map(len, copies)) == (7 if own == 1 else 0)
+
+
+def test_a_copy_needs_a_page_to_spare():
+    """A pool that holds one row and no more: the repeated row cannot keep the cached last page and
+    take another to copy it into, so it computes that page again (and still finishes)."""
+    cfg = Config(num_pages=3, page_size=4, max_batch_tokens=64, max_running_requests=1)
+    reqs = [Spec(12, 1, [5], use_eos=False, arrival=0) for _ in range(2)]
+    sim = CachedSim(cfg, reqs, [(12, 0)] * 2, False)
+    sim.run()
+    assert sim.cache.stats.hit_tokens == 8 and not any(plan.page_copies for plan in sim.plans)
 
 
 def test_freed_cached_pages_are_evicted_least_recent_first_and_only_when_needed():

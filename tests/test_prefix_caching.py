@@ -62,14 +62,35 @@ def test_rows_sharing_a_prefix_match_stock_and_reuse_it(family, mode):
 
 @modes
 def test_identical_rows_and_full_page_prompts(mode):
-    """Rows repeating one prompt whose length is a whole number of pages: each row still feeds its
-    last token itself (the page holding it is not taken from the cache)."""
+    """Rows repeating one prompt whose length is a whole number of pages: each later row takes every
+    page, its last one as a copy of its own (it writes its last token's K/V there), and feeds only
+    its last token."""
     model = tiny_model("qwen2")
     prompt = random_prompts(1, 32, 32, seed=3)[0]
     prompts = [prompt] * 5 + [prompt[:16]] * 2
     engine = Engine(model, BatchingConfig(mode=mode, page_size=8, max_batch_tokens=64))
     assert engine_rows(engine, prompts, 6, mode) == expected(model, prompts, 6)
-    assert engine.prefix_cache_stats()["hit_tokens"] == 4 * 24 + 2 * 8
+    stats = engine.prefix_cache_stats()
+    assert stats["hit_tokens"] == 4 * 31 + 2 * 15 and stats["copied_pages"] == 6
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+@modes
+def test_copied_last_pages_carry_their_tokens_for_history_processors(mode):
+    """A repetition penalty reads each row's history through its pages: a row whose last page is a
+    copy reads the copied tokens (strong enough a penalty that a missed prompt token changes the
+    next one), as stock generate reads its prompt."""
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 24, 24, seed=11)[0]
+    prompts = [prompt] * 4
+    ids, mask = left_pad(prompts)
+    options = dict(max_new_tokens=8, do_sample=False, repetition_penalty=1e4)
+    want = generated_rows(model.generate(ids, attention_mask=mask, **options), ids.shape[1], pad=0, eos=(2,))
+    config = BatchingConfig(page_size=8, max_batch_tokens=64)
+    got = generated_rows(model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, **options),
+                         ids.shape[1], pad=0, eos=(2,))
+    assert got == want
+    assert hf_async_cb.prefix_cache_stats(model)["copied_pages"] >= 3
 
 
 @modes
@@ -444,6 +465,27 @@ def test_cuda_default_path_with_cached_prefixes_matches_stock(family):
         assert torch.equal(got, want), (call, mode)
     stats = hf_async_cb.prefix_cache_stats(model)
     assert stats["clears"] == 0 and stats["hit_tokens"] >= 3 * 3 * 32 + 2 * 12 * 32  # pages of 16
+    hf_async_cb.release(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_copied_last_pages_match_stock(mode):
+    """Rows repeating prompts of whole pages on the default CUDA path: the later rows' last pages are
+    copied on the device before their step (graphs replaying it), K/V and tokens alike."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama")).to("cuda", torch.float32)
+    prompts = [random_prompts(1, 32, 32, seed=31)[0]] * 4 + [random_prompts(1, 48, 48, seed=32)[0]] * 4
+    ids, mask = (t.cuda() for t in left_pad(prompts))
+    for options in (dict(do_sample=False), dict(do_sample=False, repetition_penalty=1e4)):
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, batching="off", **options)
+        hf_async_cb.clear_prefix_cache(model)
+        before = (hf_async_cb.prefix_cache_stats(model) or {}).get("copied_pages", 0)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, batching=mode, **options)
+        assert torch.equal(got, want), options
+        assert hf_async_cb.prefix_cache_stats(model)["copied_pages"] - before == 6
     hf_async_cb.release(model)
 
 

@@ -204,6 +204,8 @@ class Pipeline:
         timing = self.record_step_times or self.profile is not None
         with self.streams.on(self.streams.compute):
             slot.uploaded.wait()
+            if plan.page_copies:
+                self.runner.copy_pages(plan.page_copies)
             if timing:
                 began = self.streams.event(timing=True)
                 began.record()

@@ -48,6 +48,7 @@ class PrefixCacheStats:
     prefilled_tokens: int = 0  # prompt (and recomputed) tokens fed to the model
     evictions: int = 0  # cached pages handed out again
     deferrals: int = 0  # admissions put off a step to take a page another request was computing
+    copied_pages: int = 0  # cached last pages taken as copies (their request fed one token, not a page)
     clears: int = 0  # the cache emptied (the model changed, a step failed, or asked for)
 
     @property
@@ -57,7 +58,8 @@ class PrefixCacheStats:
 
     def as_dict(self) -> dict:
         return dict(hit_tokens=self.hit_tokens, prefilled_tokens=self.prefilled_tokens, evictions=self.evictions,
-                    deferrals=self.deferrals, clears=self.clears, hit_rate=round(self.hit_rate, 4))
+                    deferrals=self.deferrals, copied_pages=self.copied_pages, clears=self.clears,
+                    hit_rate=round(self.hit_rate, 4))
 
 
 @dataclass

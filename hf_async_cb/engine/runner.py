@@ -83,6 +83,20 @@ class ModelRunner:
             graphs.keep_over(weight_storages(model))
 
     @torch.no_grad()
+    def copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy whole pages' K/V and tokens (source, destination), on the current stream, before the
+        step that reads them (a request taking its last cached page as its own: engine/scheduler.py)."""
+        size = self.cache.page_size
+        pages = torch.tensor(copies, dtype=torch.int64)  # [C, 2]
+        slots = (pages.T[:, :, None] * size + torch.arange(size)).reshape(2, -1)
+        device = self.history.tokens.device
+        if device.type == "cuda":  # pinned, so the upload does not wait for the queued steps
+            slots = slots.pin_memory().to(device, non_blocking=True)
+        source, destination = slots[0], slots[1]
+        self.cache.copy_slots(source, destination)
+        self.history.copy_slots(source, destination)
+
+    @torch.no_grad()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Run the forward; return the logits at the sampled rows [S, V], in the model's dtype."""
         meta = inputs.meta

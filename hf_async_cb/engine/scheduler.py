@@ -48,6 +48,9 @@ class StepPlan:
     chunks: list[ScheduledChunk]
     preempted: list[Request]
     with_embeds: bool = True  # some request may feed prompt embeddings (False: none does, skip the look)
+    # (source page, destination page) pairs whose K/V (and token history) the step copies before its
+    # forward: a request whose whole known sequence is cached takes its last page as a copy (below).
+    page_copies: tuple[tuple[int, int], ...] = ()
 
     @cached_property
     def requests(self) -> list[Request]:
@@ -115,6 +118,10 @@ class Scheduler:
         # (None: the cache was cleared under it, it registers nothing more), and the key it claims.
         self._chains: dict[Request, list[int] | None] = {}
         self._claims: dict[Request, tuple] = {}
+        # A request whose last page is copied from a cached one: that page, held (a reference in the
+        # allocator) from its admission until its copy is queued, so no allocation hands it out first.
+        self._tail_sources: dict[Request, int] = {}
+        self._copy_holds: dict[Request, int] = {}  # held for copies of the step queued last
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.mixed_prefill_tokens = mixed_prefill_tokens
@@ -171,8 +178,12 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         cache = self.prefix_cache
+        copies: list[tuple[int, int]] = []
         if cache is not None:
             cache.begin_step()
+            if self._copy_holds:  # the step that copies them is queued: later writes run after it
+                self.allocator.free(list(self._copy_holds.values()))
+                self._copy_holds.clear()
         # One pass over the running requests schedules the decodes as it meets them (oldest first,
         # one token each) and sets the prefills aside for after them. A request whose last sampled
         # tokens are all still in flight has nothing left to run. (Request.wants_more_tokens and
@@ -257,9 +268,14 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
             if cache is not None:
+                source = self._tail_sources.pop(req, None)
+                if source is not None:
+                    copies.append((source, req.pages[req.num_computed // self.page_size]))
+                    self._copy_holds[req] = source
+                    cache.stats.copied_pages += 1
                 self._prefilled(req, req.num_computed + n)
         self.waiting.extendleft(reversed(deferred))
-        return StepPlan(chunks, preempted, self.num_with_embeds > 0)
+        return StepPlan(chunks, preempted, self.num_with_embeds > 0, tuple(copies))
 
     @staticmethod
     def _drop(victims: list[Request], preempted: list[Request], budget: int,
@@ -305,38 +321,57 @@ class Scheduler:
         if self.prefix_cache is not None:
             self._release_cache_state(req)
             self.prefix_cache.stats.hit_tokens -= req.num_computed
-        if req.pages:
+        if req.num_computed:
             self.num_shared_tokens -= req.num_computed
+            req.num_computed = 0
+        if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
             self.page_table.release(req)
-            req.num_computed = 0
 
     # -- prefix cache ----------------------------------------------------------------------------------
     def _attach_cached_prefix(self, req: Request) -> bool:
         """Start `req` from the cached pages of its longest cached prefix (at least one known token
-        is left to feed: it samples after it). False when the page after them is being computed by
-        another request: `req` then waits a step and takes it from the cache."""
-        cache = self.prefix_cache
-        tokens = req.token_ids(0, req.num_known_tokens)
-        max_pages = (req.num_known_tokens - 1) // self.page_size
-        found = cache.match(tokens, max_pages, req.embeds)
+        is left to feed: it samples after it). When every page of its known tokens is cached, the
+        last one included (a repeated prompt filling whole pages), it shares all but that one and
+        takes that one as a copy (its own: it writes its last token's K/V there), so it feeds one token
+        instead of a page. False when the page after the cached ones is being computed by another
+        request: `req` then waits a step and takes it from the cache."""
+        cache, size = self.prefix_cache, self.page_size
+        known = req.num_known_tokens
+        tokens = req.token_ids(0, known)
+        shareable = (known - 1) // size  # pages wholly before the last known token
+        full = known // size
+        if full > shareable and req.embeds is not None and not req.embeds.ends_cleanly(known - 1):
+            full = shareable  # the last token is inside a bidirectional block: it cannot be fed alone
+        found = cache.match(tokens, full, req.embeds)
         found = found[:self._whole_blocks(req, len(found))]
         chain = [e.id for e in found]
         index = len(found)
-        if index < max_pages:
+        if index < full:
             key = cache.page_key(chain[-1] if chain else ROOT, tokens, index, req.embeds)
             if cache.busy(key, req):
                 cache.stats.deferrals += 1
                 return False
         self._chains[req] = chain
+        tail = found.pop() if index > shareable else None  # the last page too: copied at admission
         if found:
             req.pages = [e.page for e in found]
             self.allocator.share(req.pages)
             self.page_table.sync(req, req.pages)
-            req.num_computed = len(found) * self.page_size
-            self.num_shared_tokens += req.num_computed
-            cache.stats.hit_tokens += req.num_computed
+        taken = len(found) * size
+        if tail is not None:
+            self.allocator.share([tail.page])
+            if self.allocator.num_free:
+                self._tail_sources[req] = tail.page
+                taken += size - 1
+            else:  # no page left to copy it into: compute it instead (a page of its own either way)
+                self.allocator.free([tail.page])
+                chain.pop()
+        if taken:
+            req.num_computed = taken
+            self.num_shared_tokens += taken
+            cache.stats.hit_tokens += taken
         return True
 
     def _prefilled(self, req: Request, end: int) -> None:
@@ -375,9 +410,17 @@ class Scheduler:
         if key is not None:
             self.prefix_cache.unclaim(key, req)
 
+    def held_for_copies(self) -> list[int]:
+        """Pages held for copies not yet queued, or queued in the last step (one entry per hold)."""
+        return [*self._tail_sources.values(), *self._copy_holds.values()]
+
     def _release_cache_state(self, req: Request) -> None:
         self._unclaim(req)
         self._chains.pop(req, None)
+        for held in (self._tail_sources, self._copy_holds):
+            page = held.pop(req, None)
+            if page is not None:
+                self.allocator.free([page])
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page (the model changed, or a step failed): requests still running

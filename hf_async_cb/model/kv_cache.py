@@ -120,6 +120,11 @@ class PagedKVCache(Cache):
             return k_pool[index].transpose(0, 1)[None], v_pool[index].transpose(0, 1)[None]
         return k_pool.transpose(0, 1)[None], v_pool.transpose(0, 1)[None]
 
+    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Every layer's K/V at slots `source` [N] written again at `destination` [N]."""
+        for pool in self.keys + self.values:
+            pool.index_copy_(0, destination, pool.index_select(0, source))
+
     def store_pending(self) -> None:
         """Store the new K/V that no attention call took from the step (a safety net: each layer's
         attention takes its own)."""

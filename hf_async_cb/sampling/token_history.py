@@ -44,6 +44,10 @@ class TokenHistory:
         """Write a step's input ids [T] at their cache slots [T] (on the step's stream, before it reads)."""
         self.tokens.index_copy_(0, slot_mapping, input_ids)
 
+    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """The tokens at slots `source` [N] written again at `destination` [N] (a copied page's)."""
+        self.tokens.index_copy_(0, destination, self.tokens.index_select(0, source))
+
     def rows(self, meta: StepMetadata, batch_rows: torch.Tensor, prefix: torch.Tensor,
              prefix_len: torch.Tensor) -> RowHistories:
         """Histories of the step's requests `batch_rows` [R]: `prefix` [R, P] (first prefix_len[r]
