@@ -26,6 +26,10 @@ from hf_async_cb.engine.page_table import PageTable
 from hf_async_cb.engine.prefix_cache import ROOT, PrefixCache
 from hf_async_cb.engine.requests import Request, RequestStatus
 
+# A request whose whole known sequence is cached takes its last page as a copy and feeds one token
+# (False: it computes that page again, as before; for A/B runs: tools/shared_prefix.py's cache-on-recompute).
+COPY_CACHED_LAST_PAGE = True
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -342,7 +346,8 @@ class Scheduler:
         tokens = req.token_ids(0, known)
         shareable = (known - 1) // size  # pages wholly before the last known token
         full = known // size
-        if full > shareable and req.embeds is not None and not req.embeds.ends_cleanly(known - 1):
+        if full > shareable and (not COPY_CACHED_LAST_PAGE
+                                 or req.embeds is not None and not req.embeds.ends_cleanly(known - 1)):
             full = shareable  # the last token is inside a bidirectional block: it cannot be fed alone
         found = cache.match(tokens, full, req.embeds)
         found = found[:self._whole_blocks(req, len(found))]

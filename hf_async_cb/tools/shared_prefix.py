@@ -8,8 +8,9 @@ Workloads (rows are separate requests, as an RL trainer or an eval harness sends
     none      256 distinct prompts of 512 tokens -> 256 new: the cost of caching when nothing hits
 Paths, in one process on one model: stock generate, transformers' continuous batching (its block
 sharing on, as it ships), and ours through model.generate(batching="async") with prefix caching off
-and on (`cache-on-per-row`, not in the defaults: on, with every decode row reading its shared prefix
-itself, the attention before prefix groups were read once). Ours first runs the same workload on other tokens (kernels, graphs: the first-call cost,
+and on (not in the defaults: `cache-on-per-row`, on with every decode row reading its shared prefix
+itself, the attention before prefix groups were read once; `cache-on-recompute`, on with a row whose
+whole prompt is cached computing its last page again instead of copying it). Ours first runs the same workload on other tokens (kernels, graphs: the first-call cost,
 reported beside), so the timed call reuses only what it shares within itself; `second_call_s` is
 the same call again, which also reuses what the first one cached.
 """
@@ -33,6 +34,7 @@ PATHS = ("stock", "hf-cb-sync", "cache-off", "cache-on")
 # Not in the defaults: caching on, each decode row reading its shared prefix itself (the attention
 # before kernels/shared_prefix_attention.py): an A/B of reading a group's prefix once.
 PER_ROW = "cache-on-per-row"
+RECOMPUTE = "cache-on-recompute"  # on, a row whose whole prompt is cached computing its last page again
 
 
 def workload_prompts(kind: str, vocab: int, seed: int = 1, scale: float = 1.0) -> tuple[list[list[int]], int]:
@@ -100,6 +102,14 @@ def run(shape: str, kinds, paths=PATHS, device=None, scale: float = 1.0) -> dict
                     result = run_ours(model, prompts, warm, new, caching=True)
                 finally:
                     shared_prefix_groups.MIN_SAVED_FRACTION = saved
+            elif path == RECOMPUTE:
+                from hf_async_cb.engine import scheduler
+
+                scheduler.COPY_CACHED_LAST_PAGE = False
+                try:
+                    result = run_ours(model, prompts, warm, new, caching=True)
+                finally:
+                    scheduler.COPY_CACHED_LAST_PAGE = True
             elif path.startswith("cache-"):
                 result = run_ours(model, prompts, warm, new, caching=path == "cache-on")
             else:
