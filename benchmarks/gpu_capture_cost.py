@@ -45,8 +45,8 @@ def _call(model, n, prompt, new, sample):
     return out.cpu(), dict(seconds=round(seconds, 4), captured=graphs.num_captured - before if graphs else 0,
                            failed=len(graphs.failed) if graphs else 0,
                            retried=graphs.num_warm_up_retries if graphs else 0,
-                           warm_up_s=round(PHASE_SECONDS.get("_Graph._warm_up", 0.0), 4),
-                           record_s=round(PHASE_SECONDS.get("_Graph._record", 0.0), 4))
+                           warm_up_s=round(PHASE_SECONDS.get("CapturedGraph._warm_up", 0.0), 4),
+                           record_s=round(PHASE_SECONDS.get("CapturedGraph._record", 0.0), 4))
 
 
 def main() -> None:

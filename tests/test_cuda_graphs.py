@@ -418,7 +418,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     def failing_capture(self, *args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(captured_graph._Graph, "__init__", failing_capture)
+    monkeypatch.setattr(captured_graph.CapturedGraph, "__init__", failing_capture)
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 40, seed=4)
     engine = Engine(model, BatchingConfig(mode="async", cuda_graphs=True, max_batch_tokens=64))
@@ -436,7 +436,7 @@ def test_only_a_threads_first_capture_warms_up_and_a_failure_without_it_retries_
     from hf_async_cb.engine import captured_graph, cuda_graphs
 
     calls = []
-    original = captured_graph._Graph.__init__
+    original = captured_graph.CapturedGraph.__init__
 
     def recording(self, *args, warm_up=True, **kwargs):
         calls.append(warm_up)
@@ -444,7 +444,7 @@ def test_only_a_threads_first_capture_warms_up_and_a_failure_without_it_retries_
             raise RuntimeError("operation not permitted when stream is capturing")
         original(self, *args, warm_up=warm_up, **kwargs)
 
-    monkeypatch.setattr(captured_graph._Graph, "__init__", recording)
+    monkeypatch.setattr(captured_graph.CapturedGraph, "__init__", recording)
     model = tiny_model("llama")
     prompts = random_prompts(6, 3, 40, seed=4)
     engine = Engine(model, BatchingConfig(mode="sync", cuda_graphs=True, max_batch_tokens=64))
@@ -474,7 +474,7 @@ def test_a_real_failed_capture_leaves_random_draws_working(monkeypatch):
             torch.rand(1, device="cuda")  # the generator is registered with the capture
             torch.zeros(1, device="cuda").item()  # not allowed while capturing
 
-    monkeypatch.setattr(captured_graph._Graph, "_capture", host_read_inside)
+    monkeypatch.setattr(captured_graph.CapturedGraph, "_capture", host_read_inside)
     model = copy.deepcopy(tiny_model("llama"))  # (moved below: never the model other tests share)
     prompts = random_prompts(4, 3, 20, seed=6)
     expected = expected_rows(model, prompts, 6)
@@ -501,7 +501,7 @@ def test_a_capture_whose_end_fails_leaves_later_captures_working(monkeypatch):
     must be captured, and every token be stock's."""
     from hf_async_cb.engine import captured_graph
 
-    real = captured_graph._Graph._record
+    real = captured_graph.CapturedGraph._record
     spoiled = []
 
     def first_reads_the_host(self, pool, stream):
@@ -511,7 +511,7 @@ def test_a_capture_whose_end_fails_leaves_later_captures_working(monkeypatch):
             self._fn = lambda: (step(), torch.zeros(1, device="cuda").item())[0]
         return real(self, pool, stream)
 
-    monkeypatch.setattr(captured_graph._Graph, "_record", first_reads_the_host)
+    monkeypatch.setattr(captured_graph.CapturedGraph, "_record", first_reads_the_host)
     model = copy.deepcopy(tiny_model("llama"))
     calls = [random_prompts(4, 3, 20, seed=6), random_prompts(2, 3, 20, seed=7)]
     expected = [expected_rows(model, prompts, 6) for prompts in calls]

@@ -78,7 +78,7 @@ class _Static:
         self.flat.copy_(packed)
 
 
-class _Graph:
+class CapturedGraph:
     def __init__(self, runner: ModelRunner, inputs: StepInputs, previous_tokens: torch.Tensor | None,
                  max_previous: int, pool, stream, decode: bool = True, warm_up: bool = True) -> None:
         """Static tensors start as this step's inputs, so the warm-up and the capture run on real data.

@@ -21,8 +21,8 @@ import torch
 
 from hf_async_cb.engine import graph_keys
 from hf_async_cb.engine.batch import StepInputs
-from hf_async_cb.engine.captured_graph import _Graph, release_generators_after_failed_capture
-from hf_async_cb.engine.graph_keys import GraphKey, _pow2, _pow4, _token_bucket, prefill_context_bucket
+from hf_async_cb.engine.captured_graph import CapturedGraph, release_generators_after_failed_capture
+from hf_async_cb.engine.graph_keys import GraphKey, pow2, pow4, token_bucket, prefill_context_bucket
 from hf_async_cb.engine.runner import ModelRunner
 from hf_async_cb.engine.scheduler import StepPlan
 from hf_async_cb.sampling.device_processors import block_bucket, prefix_bucket, sequence_shapes
@@ -75,7 +75,7 @@ class DecodeGraphs:
         step it was captured on: without the split, a bucket first captured on short chunks would
         replay its long ones at half speed, and one first captured on long chunks its decodes."""
         self.runner = runner
-        self.max_batch = _pow2(max_batch)
+        self.max_batch = pow2(max_batch)
         self.max_tokens = max_tokens
         self.prefill = prefill
         self.tall_query_len = tall_query_len
@@ -83,7 +83,7 @@ class DecodeGraphs:
         self.num_prefill_graphs = 0
         self.pool = torch.cuda.graph_pool_handle() if is_cuda else None
         self.stream = torch.cuda.Stream() if is_cuda else None  # every capture (and its warm-up) runs here
-        self._graphs: dict[GraphKey, _Graph] = {}
+        self._graphs: dict[GraphKey, CapturedGraph] = {}
         self.failed: set[GraphKey] = set()  # buckets whose capture failed: their steps run eagerly
         self.num_replays = 0
         self.num_padded_up = 0  # steps replayed in a larger captured bucket than their own (at the cap)
@@ -146,19 +146,19 @@ class DecodeGraphs:
                        any(r.params.repetition_penalty < 1 for r in penalised), prefix_bucket(penalised),
                        max(r.params.no_repeat_ngram_size for r in penalised), *sequence_shapes(penalised))
         if decode:
-            if len(chunks) > self.max_batch or (self.max_tokens is not None and _pow2(len(chunks)) > self.max_tokens):
+            if len(chunks) > self.max_batch or (self.max_tokens is not None and pow2(len(chunks)) > self.max_tokens):
                 return self._eager("too_large")
-            key = GraphKey(_pow2(len(chunks)), max(graph_keys.MIN_CONTEXT_BUCKET, _pow2(max(plan.starts) + 1)),
+            key = GraphKey(pow2(len(chunks)), max(graph_keys.MIN_CONTEXT_BUCKET, pow2(max(plan.starts) + 1)),
                            sampled=sampled, penalty=penalty, blocked=blocked and block_bucket(blocked))
         else:
             if not self.prefill or plan.num_tokens > graph_keys.PREFILL_GRAPH_MAX_TOKENS:
                 return self._eager("too_large" if self.prefill else "no_prefill_graphs")
             size, tokens = len(chunks), plan.num_tokens
             batch = self._prefill_batch(size)
-            bucket = _token_bucket(tokens)
+            bucket = token_bucket(tokens)
             if bucket > tokens and batch == size:
                 batch = self._prefill_batch(size + 1)  # the padding tokens need a padding request
-            bucket = _token_bucket(max(bucket, tokens + batch - size))
+            bucket = token_bucket(max(bucket, tokens + batch - size))
             padding = bucket - tokens - (batch - size - 1)  # tokens of the last padding request
             context = max(max(map(add, plan.starts, plan.sizes)), padding if batch > size else 0)
             reach = min(graph_keys.PREFILL_CONTEXT_REACH, max(c.request.max_total_tokens for c in chunks))
@@ -251,8 +251,8 @@ class DecodeGraphs:
         spread them over so many buckets that the capped captures missed most of them (with prefix
         caching, 24-28 buckets for 71 steps on the CPU's replay of a serving load). A padding request
         costs a token and a logits row, little beside an eager step."""
-        batch = _pow4(size)
-        return batch if batch <= 2 * self.max_batch else _pow2(size)
+        batch = pow4(size)
+        return batch if batch <= 2 * self.max_batch else pow2(size)
 
     def _padded_into_captured(self, key: GraphKey, plan: StepPlan) -> GraphKey | None:
         """Once the prefill buckets are all taken, a step of a bucket not captured replays the
@@ -313,14 +313,14 @@ class DecodeGraphs:
             self._replays[key] += 1
         return graph.replay()
 
-    def _capture(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> _Graph:
+    def _capture(self, key: GraphKey, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> CapturedGraph:
         """A new graph for `key`, warmed up first where this thread has not captured one after a
         warm-up yet (or WARM_UP_EVERY_CAPTURE); a capture without it that fails is tried once with it."""
         thread = threading.get_ident()
         warm_up = WARM_UP_EVERY_CAPTURE or thread not in self.warm_threads
         # A prefill bucket's batch may be one power of two above max_batch: so may its tokens.
-        def capture(warm_up: bool) -> _Graph:  # (into the pool of now: a failed capture renews it)
-            return _Graph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
+        def capture(warm_up: bool) -> CapturedGraph:  # (into the pool of now: a failed capture renews it)
+            return CapturedGraph(self.runner, inputs, previous_tokens, 2 * self.max_batch, self.pool, self.stream,
                           decode=key.tokens == 0, warm_up=warm_up)
 
         if not warm_up:

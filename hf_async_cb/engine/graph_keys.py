@@ -48,11 +48,11 @@ PREFILL_CONTEXT_REACH = 4096
 PADDED_BUCKET_MAX_TOKENS = 256
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _pow4(n: int) -> int:
+def pow4(n: int) -> int:
     return 1 << 2 * -(-max(0, n - 1).bit_length() // 2)
 
 
@@ -64,9 +64,9 @@ def prefill_context_bucket(context: int, step: int | None = None) -> int:
     return MIN_CONTEXT_BUCKET << step * -(-doublings // step)
 
 
-def _token_bucket(n: int) -> int:
+def token_bucket(n: int) -> int:
     """Token count of a prefill/mixed bucket: a power of two up to 512, then a multiple of 512."""
-    return _pow2(n) if n <= 512 else -(-n // 512) * 512
+    return pow2(n) if n <= 512 else -(-n // 512) * 512
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from hf_async_cb.engine.engine import Engine
 from hf_async_cb.engine.parity import probe_pages
 from hf_async_cb.model.model_guard import model_guard
 from hf_async_cb.model.prepared import PreparedModel
+from hf_async_cb.engine.graph_keys import pow2
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ _RUNTIMES_LOCK = threading.Lock()
 def _structure(config: BatchingConfig) -> BatchingConfig:
     """The config without its per-call fields: what the runtime is built from."""
     return dataclasses.replace(config, **_PER_CALL_FIELDS)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class ModelRuntime:
@@ -90,7 +87,7 @@ class ModelRuntime:
         engine = self.engine
         grow = engine is not None and engine.num_pages < pages_needed and engine.num_pages == self._page_cap
         if engine is None or grow:
-            cap = max(_pow2(max(pages_needed, probe_pages(self.structure.page_size))), 2 * self._page_cap)
+            cap = max(pow2(max(pages_needed, probe_pages(self.structure.page_size))), 2 * self._page_cap)
             if engine is not None:
                 engine.close()  # the pool and graphs go; the preparation stays
                 self.engine = None

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hf_async_cb.sampling.token_history import RowHistories, TokenHistory
+from hf_async_cb.engine.graph_keys import pow2
 
 _INF = float("inf")
 
@@ -138,11 +139,7 @@ def sequence_shape(blocks: list[SequenceBlock]) -> tuple[int, int, int]:
     keys = sum(len(b.length) for b in blocks)
     width = max(b.prefix.shape[1] for b in blocks)
     targets = sum(len(b.tokens) for b in blocks)
-    return _pow2(max(8, keys)), width and _pow2(width), _pow2(max(8, targets + 1))  # >= 1 padding target
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    return pow2(max(8, keys)), width and pow2(width), pow2(max(8, targets + 1))  # >= 1 padding target
 
 
 # Padding of a SequenceBias: a key no history reaches (bias 0), aimed at the first padding target

@@ -29,9 +29,9 @@ PHASES = [
     ("hf_async_cb.kernels.precompile", "Precompile.wait"),
     ("hf_async_cb.engine.engine", "check_parity"),
     ("hf_async_cb.engine.parity", "_reference_logits"),  # the stock forward inside the parity check
-    ("hf_async_cb.engine.captured_graph", "_Graph._capture"),  # the two below
-    ("hf_async_cb.engine.captured_graph", "_Graph._warm_up"),
-    ("hf_async_cb.engine.captured_graph", "_Graph._record"),
+    ("hf_async_cb.engine.captured_graph", "CapturedGraph._capture"),  # the two below
+    ("hf_async_cb.engine.captured_graph", "CapturedGraph._warm_up"),
+    ("hf_async_cb.engine.captured_graph", "CapturedGraph._record"),
 ]
 PHASE_SECONDS: dict[str, float] = {}
 PHASE_SPANS: list[tuple[str, float, float]] = []  # (phase, start, end) in perf_counter seconds, for a timeline

@@ -28,10 +28,10 @@ def fresh_prompts(workload: Workload, vocab: int, seed: int = 1) -> Workload:
 def decode_buckets(workload: Workload, max_running: int) -> tuple[list[int], list[int]]:
     """The batch and context buckets of the decode steps `workload` can meet (engine/graph_keys.py): batches
     of up to min(max_running, its requests) rows, contexts up to its longest prompt + output."""
-    from hf_async_cb.engine.graph_keys import MIN_CONTEXT_BUCKET, _pow2
+    from hf_async_cb.engine.graph_keys import MIN_CONTEXT_BUCKET, pow2
 
-    batches = _pow2(min(max_running, len(workload)))
-    contexts = max(MIN_CONTEXT_BUCKET, _pow2(max(len(p) + n for p, n in zip(workload.prompts, workload.new))))
+    batches = pow2(min(max_running, len(workload)))
+    contexts = max(MIN_CONTEXT_BUCKET, pow2(max(len(p) + n for p, n in zip(workload.prompts, workload.new))))
     return ([1 << i for i in range(batches.bit_length())],
             [MIN_CONTEXT_BUCKET << i for i in range((contexts // MIN_CONTEXT_BUCKET).bit_length())])
 
