@@ -14,6 +14,10 @@
 #            arrivals are taken in (the default now) and cutting its wait at an arrival (the earlier rule:
 #            --arrivals-end-wait 0,1); prediction: at 8B 64 req/s async's TTFT p50 +11.7 -> within 3 ms of
 #            sync's, the split's to-build half shorter; no worse at 4-32;
+#  share     the same load at RATES (default 64,16), sync and async, the async loop's margin floor at a quarter of
+#            a step (the default) and a tenth (HF_ASYNC_CB_LATE_MIN_SHARE; with the held build, an arrival in the
+#            margin is what async's first tokens still pay: +3.2 ms at 64 req/s on an H100); prediction: 0.1
+#            brings async within 2 ms of sync at 64 req/s, p99 no higher at 16;
 #  guidance  classifier-free guidance through generate, stock against both loops (8B, 32 x 128 -> 128);
 #  vlm       Qwen2.5-VL-7B through generate beside stock (issue 31);
 #  lending   a 7-row call lent the 64-row decode graphs against its own (benchmarks/decode_lending_ab.py).
@@ -44,6 +48,10 @@ for step in $STEPS; do
       timeout ${AB_TIMEOUT:-560} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-64,32,16,4} \
         --paths sync,async --arrivals-end-wait 0,1 --peer-rate 0 --budget ${AB_BUDGET:-480} \
         --json "$OUT/rates_hold.json" 2>&1 | grep -v -i warn | grep -E "^\| [0-9]|skipped" | tail -24 ;;
+    share)
+      timeout ${AB_TIMEOUT:-560} python3 benchmarks/serving_rates.py --shape ${SHAPE:-llama3-8b} --rates ${RATES:-64,16} \
+        --paths sync,async --late-min-share 0.25,0.1 --peer-rate 0 --budget ${AB_BUDGET:-480} \
+        --json "$OUT/rates_share.json" 2>&1 | grep -v -i warn | grep -E "^\| [0-9]|skipped" | tail -24 ;;
     guidance)
       timeout 240 python3 benchmarks/guidance_bench.py --shape llama3-8b --rows 32 --prompt 128 --new 128 2>&1 \
         | grep -v -i warn | tail -8 | tee "$OUT/guidance.txt" ;;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
     p.add_argument("--arrivals-end-wait", default=None,
                    help="A/B of late_admission.ARRIVALS_END_THE_WAIT (1: an arrival ends the async loop's wait and "
                         "the step is built at once, the earlier rule; 0: the build is held, the default), e.g. 0,1")
+    p.add_argument("--late-min-share", default=None,
+                   help="A/B of the async loop's margin floor (late_admission's HF_ASYNC_CB_LATE_MIN_SHARE: the least "
+                        "share of a step kept for its build), e.g. 0.25,0.1")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     bench.check_paths(args.paths.split(","))
@@ -99,16 +103,18 @@ def main(argv=None) -> int:
     steps = [int(s) for s in args.prefill_context_steps.split(",")] if args.prefill_context_steps else [None]
     evictions = [int(e) for e in args.evict_after.split(",")] if args.evict_after else [None]
     cuts = [bool(int(c)) for c in args.arrivals_end_wait.split(",")] if args.arrivals_end_wait else [None]
-    runs = [(float(r), tuple(args.paths.split(",")), (s, e, c)) for r in args.rates.split(",") for s in steps
-            for e in evictions for c in cuts]
+    shares = [float(m) for m in args.late_min_share.split(",")] if args.late_min_share else [None]
+    runs = [(float(r), tuple(args.paths.split(",")), (s, e, c, m)) for r in args.rates.split(",") for s in steps
+            for e in evictions for c in cuts for m in shares]
     if args.peer_rate:  # last: ours come first within the budget
         paths, notes = serving.runnable_paths(("hf-cb-sync",), device)
         print(*notes, sep="\n")
-        runs += [(args.peer_rate, paths, (None, None, None))] if paths else []
+        runs += [(args.peer_rate, paths, (None, None, None, None))] if paths else []
     reports, skipped = [], []
     default_step, default_evict = graph_keys.PREFILL_CONTEXT_STEP, cuda_graphs.PREFILL_EVICT_AFTER_MISSES
     default_cut = late_admission.ARRIVALS_END_THE_WAIT
-    for rate, paths, (step, evict, cut) in runs:
+    default_share = os.environ.get(late_admission.MIN_SHARE_VARIABLE)
+    for rate, paths, (step, evict, cut, share) in runs:
         if time.perf_counter() - started > args.budget:
             skipped.append(f"{'/'.join(paths)} at {rate:g} req/s")
             continue
@@ -117,11 +123,18 @@ def main(argv=None) -> int:
         graph_keys.PREFILL_CONTEXT_STEP = default_step if step is None else step
         cuda_graphs.PREFILL_EVICT_AFTER_MISSES = default_evict if evict is None else evict
         late_admission.ARRIVALS_END_THE_WAIT = default_cut if cut is None else cut
+        if share is not None:  # read where each loop's StepCadence is made
+            os.environ[late_admission.MIN_SHARE_VARIABLE] = str(share)
+        elif default_share is None:
+            os.environ.pop(late_admission.MIN_SHARE_VARIABLE, None)
+        else:
+            os.environ[late_admission.MIN_SHARE_VARIABLE] = default_share
         report = serving.run(args.shape, requests, rate, args.lengths, args.prompt, args.new, paths, device, dtype,
                              config, model=model, peer_limit_s=args.peer_limit)
         report["elapsed_s"] = time.perf_counter() - started
         setting = "; ".join(f"{name} {value}" for name, value in (
-            ("prefill context step", step), ("evict after", evict), ("arrivals end the wait", cut)) if value is not None)
+            ("prefill context step", step), ("evict after", evict), ("arrivals end the wait", cut),
+            ("late min share", share)) if value is not None)
         if setting:
             report["setting"] = setting
             for r in report["results"]:
