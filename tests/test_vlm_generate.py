@@ -141,10 +141,15 @@ def test_the_same_images_in_a_later_call_come_from_the_cache(name):
     inputs = V.build_inputs(name, "one_each")
     expected = _stock(model, inputs)
     assert torch.equal(_stock(model, inputs, batching="sync", batching_config=config), expected)
-    before = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
+    before = hf_async_cb.prefix_cache_stats(model)
     assert torch.equal(_stock(model, inputs, batching="async", batching_config=config), expected)
     lengths = inputs["attention_mask"].sum(1).tolist()
-    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] - before == sum((n - 1) // 4 * 4 for n in lengths)
+    after = hf_async_cb.prefix_cache_stats(model)
+    # every full page before each row's last token; a row of whole pages takes its last one as a copy
+    # too (feeding its last token alone), unless that token sits in a block seeing the tokens before it
+    copied = after["copied_pages"] - before["copied_pages"]
+    assert copied <= sum(n % 4 == 0 for n in lengths)
+    assert after["hit_tokens"] - before["hit_tokens"] == sum((n - 1) // 4 * 4 for n in lengths) + 3 * copied
     other = V.build_inputs(name, "one_each", image_seed=5)
     assert torch.equal(other["input_ids"], inputs["input_ids"])
     before = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]
