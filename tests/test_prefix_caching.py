@@ -377,14 +377,40 @@ def test_small_pool_preempts_and_evicts_and_stays_exact(mode):
 
 
 @modes
-def test_seeded_sampling_is_the_same_with_and_without_the_cache(mode):
+@pytest.mark.parametrize("whole_pages", [False, True], ids=["own-tails", "repeated-whole-pages"])
+def test_seeded_sampling_is_the_same_with_and_without_the_cache(mode, whole_pages):
+    """Seeded draws, rows sharing prefixes; with prompts of whole pages repeated (an RL group's rows),
+    the later rows' last pages are copies and their draws still those without the cache."""
     model = tiny_model("qwen2")
-    prompts = shared_prompts(groups=2, rows=3, prefix=30, own=6, seed=12)
+    if whole_pages:
+        prompts = [random_prompts(1, 24, 24, seed=14)[0]] * 3 + [random_prompts(1, 16, 16, seed=15)[0]] * 3
+    else:
+        prompts = shared_prompts(groups=2, rows=3, prefix=30, own=6, seed=12)
     params = [SamplingParams(max_new_tokens=12, do_sample=True, temperature=1.3, top_k=40, seed=100 + i)
               for i in range(len(prompts))]
-    runs = [[o.output_token_ids for o in Engine(model, BatchingConfig(mode=mode, page_size=8, prefix_caching=on))
-             .generate(prompts, params)] for on in (False, True)]
+    engines = [Engine(model, BatchingConfig(mode=mode, page_size=8, prefix_caching=on)) for on in (False, True)]
+    runs = [[o.output_token_ids for o in engine.generate(prompts, params)] for engine in engines]
     assert runs[0] == runs[1]
+    assert (engines[1].prefix_cache_stats()["copied_pages"] == 4) == whole_pages
+
+
+@modes
+def test_return_sequences_of_a_whole_page_prompt_copy_its_last_page(mode):
+    """num_return_sequences copies of prompts of whole pages, sampled: each later copy takes the
+    prompt's last page as a copy; the draws are those without the cache."""
+    model = tiny_model("llama")
+    ids, mask = left_pad(random_prompts(2, 16, 16, seed=16))
+    options = dict(max_new_tokens=8, num_return_sequences=4)
+    runs = []
+    for on in (False, True):
+        hf_async_cb.release(model)
+        config = BatchingConfig(page_size=8, seed=3, prefix_caching=on)
+        runs.append(model.generate(ids, attention_mask=mask, do_sample=True, top_k=50, batching=mode,
+                                   batching_config=config, **options))
+        if on:
+            assert hf_async_cb.prefix_cache_stats(model)["copied_pages"] == 2 * 3
+    assert torch.equal(runs[0], runs[1])
+    hf_async_cb.release(model)
 
 
 def test_switched_off_reuses_nothing():
