@@ -9,7 +9,9 @@ request needs a page and none is free, the newest running request is preempted: 
 freed and it goes back to the front of the queue, to be recomputed from its tokens later.
 
 With a prefix cache (engine/prefix_cache.py), an admitted request first takes the cached pages of
-its longest cached prefix and prefills only the rest; a request whose next page another running
+its longest cached prefix and prefills only the rest (all of them cached, the last page included: it
+takes that one as a copy, made on the device before its step, and feeds its last token alone); a
+request whose next page another running
 request is computing waits a step for it instead of computing it too. Every full page a step
 computes is registered as it is scheduled (prompt pages), or when its request finishes (pages of
 generated tokens). A preempted request's pages stay cached: they are the cheapest to get back.
@@ -346,7 +348,7 @@ class Scheduler:
         tokens = req.token_ids(0, known)
         shareable = (known - 1) // size  # pages wholly before the last known token
         full = known // size
-        if full > shareable and (not COPY_CACHED_LAST_PAGE
+        if full > shareable and (not COPY_CACHED_LAST_PAGE or size == 1  # (a page of one token: nothing to copy)
                                  or req.embeds is not None and not req.embeds.ends_cleanly(known - 1)):
             full = shareable  # the last token is inside a bidirectional block: it cannot be fed alone
         found = cache.match(tokens, full, req.embeds)
