@@ -12,7 +12,7 @@ from hf_async_cb import BatchingConfig, Engine
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
 from hf_async_cb.engine.graph_keys import GraphKey
 from hf_async_cb.engine.requests import Request, SamplingParams
-from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
+from hf_async_cb.engine.step_plan import ScheduledChunk, StepPlan
 
 
 def expected_rows(model, prompts, new):

@@ -26,7 +26,7 @@ from hf_async_cb.engine.batch import BatchBuilder
 from hf_async_cb.engine.io_slots import IOSlot
 from hf_async_cb.engine.page_table import PageTable
 from hf_async_cb.engine.requests import Request, SamplingParams
-from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
+from hf_async_cb.engine.step_plan import ScheduledChunk, StepPlan
 from hf_async_cb.sampling.token_history import TokenHistory
 
 PAGE = 4

@@ -15,7 +15,7 @@ from hf_async_cb import BatchingConfig, Engine, SamplingParams
 from hf_async_cb.engine.cuda_graphs import DecodeGraphs
 from hf_async_cb.engine.prompt_embeds import PromptEmbeds
 from hf_async_cb.engine.requests import Request
-from hf_async_cb.engine.scheduler import ScheduledChunk, StepPlan
+from hf_async_cb.engine.step_plan import ScheduledChunk, StepPlan
 
 MODES = ("sync", "async")
 

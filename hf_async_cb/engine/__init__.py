@@ -4,6 +4,7 @@
     requests.py        Request, SamplingParams, RequestOutput, FinishReason
     seeding.py         which seed each sampled request gets
     scheduler.py       which requests run in the next step (pure Python)
+    step_plan.py       a step's plan: the chunks it feeds, the requests preempted, the pages it copies
     page_allocator.py  the KV pool's free list with reference counts (pure Python)
     page_table.py      every running request's pages as one numpy row
     batch.py           a step plan -> packed host arrays, uploaded through an I/O slot

@@ -19,7 +19,7 @@ import torch
 from hf_async_cb.engine.io_slots import IOSlot
 from hf_async_cb.engine.page_table import PageTable
 from hf_async_cb.engine.requests import Request, SamplingParams
-from hf_async_cb.engine.scheduler import StepPlan
+from hf_async_cb.engine.step_plan import StepPlan
 from hf_async_cb.engine.shared_prefix_groups import shared_prefix_groups
 from hf_async_cb.model.step_metadata import StepMetadata
 from hf_async_cb.sampling.device_processors import HistoryProcessors, HostProcessors, TokenBlock

@@ -24,7 +24,7 @@ from hf_async_cb.engine.batch import StepInputs
 from hf_async_cb.engine.captured_graph import CapturedGraph, release_generators_after_failed_capture
 from hf_async_cb.engine.graph_keys import GraphKey, pow2, pow4, token_bucket, prefill_context_bucket
 from hf_async_cb.engine.runner import ModelRunner
-from hf_async_cb.engine.scheduler import StepPlan
+from hf_async_cb.engine.step_plan import StepPlan
 from hf_async_cb.sampling.device_processors import block_bucket, prefix_bucket, sequence_shapes
 
 logger = logging.getLogger(__name__)
