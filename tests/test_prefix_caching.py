@@ -367,12 +367,19 @@ def test_fused_projections_keep_the_cache_across_calls(mode):
 
 
 @modes
-def test_small_pool_preempts_and_evicts_and_stays_exact(mode):
+@pytest.mark.parametrize("whole_pages", [False, True], ids=["own-tails", "repeated-whole-pages"])
+def test_small_pool_preempts_and_evicts_and_stays_exact(mode, whole_pages):
+    """A pool of 20 pages for 9 rows: preemption and eviction all along; with repeated prompts of
+    whole pages, last pages are copied under that pressure too (held until their step is queued)."""
     model = tiny_model("llama")
-    prompts = shared_prompts(groups=3, rows=3, prefix=24, own=12, seed=10)
+    if whole_pages:
+        prompts = [p for p in random_prompts(3, 24, 24, seed=17) for _ in range(3)]
+    else:
+        prompts = shared_prompts(groups=3, rows=3, prefix=24, own=12, seed=10)
     engine = Engine(model, BatchingConfig(mode=mode, page_size=4, num_pages=20, max_batch_tokens=48))
     assert engine_rows(engine, prompts, 16, mode) == expected(model, prompts, 16)
-    assert engine.prefix_cache_stats()["evictions"] > 0
+    stats = engine.prefix_cache_stats()
+    assert stats["evictions"] > 0 and (stats["copied_pages"] > 0) == whole_pages
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 
