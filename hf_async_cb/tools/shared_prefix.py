@@ -73,11 +73,11 @@ def run_ours(model, prompts, warm_prompts, new: int, caching: bool, more_prompts
     second_s, _ = timed(lambda: call(prompts), device)
     calls = [seconds] + [timed(lambda rows=rows: call(rows), device)[0] for rows in more_prompts]
     hf_async_cb.release(model)
-    hits, prefilled, grouped, once = (stats.get(k, 0) - before.get(k, 0) for k in (
-        "hit_tokens", "prefilled_tokens", "grouped_decode_steps", "keys_read_once"))
+    hits, prefilled, copied, grouped, once = (stats.get(k, 0) - before.get(k, 0) for k in (
+        "hit_tokens", "prefilled_tokens", "copied_pages", "grouped_decode_steps", "keys_read_once"))
     return dict(seconds=statistics.median(calls), calls_s=[round(s, 4) for s in calls], first_call_s=first_s,
-                second_call_s=second_s, hit_tokens=hits,
-                prefilled_tokens=prefilled, grouped_decode_steps=grouped, keys_read_once=once,
+                second_call_s=second_s, hit_tokens=hits, prefilled_tokens=prefilled, copied_pages=copied,
+                grouped_decode_steps=grouped, keys_read_once=once,
                 tokens=out[:, len(prompts[0]):].tolist())
 
 
@@ -129,7 +129,7 @@ def run(shape: str, kinds, paths=PATHS, device=None, scale: float = 1.0, calls: 
                   f"{result['tokens_per_s']:10,.0f} tok/s" + "".join(
                       f"  {k} {result[k]:.3f}" if isinstance(result[k], float) else f"  {k} {result[k]}"
                       for k in ("calls_s", "first_call_s", "second_call_s", "hit_tokens", "prefilled_tokens",
-                                "grouped_decode_steps") if k in result),
+                                "copied_pages", "grouped_decode_steps") if k in result),
                   flush=True)
         if "cache-on" in rows and "cache-off" in rows:
             on, off = rows["cache-on"].pop("tokens"), rows["cache-off"].pop("tokens")
