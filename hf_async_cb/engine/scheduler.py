@@ -267,10 +267,10 @@ class Scheduler:
         known = req.num_known_tokens
         tokens = req.token_ids(0, known)
         shareable = (known - 1) // size  # pages wholly before the last known token
-        full = known // size
-        if full > shareable and (not COPY_CACHED_LAST_PAGE or size == 1  # (a page of one token: nothing to copy)
-                                 or req.embeds is not None and not req.embeds.ends_cleanly(known - 1)):
-            full = shareable  # the last token is inside a bidirectional block: it cannot be fed alone
+        copyable = (COPY_CACHED_LAST_PAGE and size > 1  # (a page of one token holds nothing to copy)
+                    # and the last token can be fed alone: not in a bidirectional block with those before it
+                    and (req.embeds is None or req.embeds.ends_cleanly(known - 1)))
+        full = known // size if copyable else shareable  # the pages it may take, a copied last one included
         found = cache.match(tokens, full, req.embeds)
         found = found[:self._whole_blocks(req, len(found))]
         chain = [e.id for e in found]
