@@ -76,10 +76,12 @@ class PipelineMachine(RuleBasedStateMachine):
     @invariant()
     def pages_are_accounted_for(self):
         """Each held page counts exactly its holders (requests whose prompts start alike share the
-        prefix cache's pages), and every page is either held or free (cached pages no request
-        holds count as free: they are handed out last)."""
+        prefix cache's pages, and a cached last page is held for its copy until the step that
+        copies it is queued), and every page is either held or free (cached pages no request holds
+        count as free: they are handed out last)."""
         allocator = self.engine.allocator
         holders = collections.Counter(p for r in self.engine.scheduler.running for p in r.pages)
+        holders.update(self.engine.scheduler.held_for_copies())
         for page, n in holders.items():
             assert allocator.ref_count(page) == n, f"page {page}: {allocator.ref_count(page)} references, {n} holders"
         assert allocator.num_free + len(holders) == allocator.num_pages
