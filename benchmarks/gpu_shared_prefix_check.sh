@@ -12,7 +12,9 @@
 #          step's floor, 1.9x), async with late admission (the default) and without (async-early);
 #  table1b the 1B shape's group, few-shot and none workloads through generate, every path of issue 28's table in
 #          one process: stock, transformers' continuous batching (block sharing on), ours caching off and on;
-#  table8b the same on the 8B shape without transformers' batching (its group run alone took 140 s);
+#  table8b the same on the 8B shape without transformers' batching (its group run alone took 140 s), with
+#          the copied last page's A/B (cache-on-recompute computes that page again);
+#  ab1b    the 1B group workload: caching off, on with the last page computed again, on with it copied;
 #  serve8b16 the 8B serving benchmark with a shared 1,024-token system prompt at 16 req/s: async caching on
 #          and off, sync (issue 28's TTFT target; H100: 3.57x);
 #  cachetests  prefix caching's engine and property tests with the CUDA ones (copied last pages on the
@@ -56,7 +58,11 @@ for step in $STEPS; do
         --paths stock,hf-cb-sync,cache-off,cache-on --json "$OUT/table_1b.json" 2>&1 | grep "shared-prefix" ;;
     table8b)
       timeout ${TABLE_TIMEOUT:-330} python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads group,few-shot,none \
-        --paths stock,cache-off,cache-on --json "$OUT/table_8b.json" 2>&1 | grep "shared-prefix" ;;
+        --paths stock,cache-off,cache-on-recompute,cache-on --calls ${CALLS:-2} --json "$OUT/table_8b.json" 2>&1 \
+        | grep "shared-prefix" ;;
+    ab1b)
+      timeout ${TABLE_TIMEOUT:-330} python3 -m hf_async_cb.tools.shared_prefix --shape llama3.2-1b --workloads group \
+        --paths cache-off,cache-on-recompute,cache-on --json "$OUT/ab_1b.json" 2>&1 | grep "shared-prefix" ;;
     serve8b16)
       timeout 300 python3 -m hf_async_cb bench --serve --shape llama3-8b --requests 96 --rate 16 --lengths sharegpt \
         --system-prompt 1024 --compare async,async-nocache,sync --json "$OUT/serve8b16.json" 2>&1 | grep -v -i warn | tail -7 ;;
