@@ -124,12 +124,14 @@ FORMS = {
     "bnb-int8": lambda: _bnb(load_in_8bit=True),
     "torchao-int4": lambda: _torchao("Int4WeightOnlyConfig", group_size=128),
     "torchao-float8": lambda: _torchao("Float8WeightOnlyConfig"),
-    # Forms that run the library's own kernels in our steps (docs/models.md), never measured on the GPU:
-    "quanto-int4": lambda: _quanto("qint4"),  # (no CUDA graphs: quanto's 2/4-bit kernels use the legacy stream)
+    # quanto's 4/2-bit forms: bf16 int4 in groups of 128 is quanto's tinygemm tensor, whose decode steps read
+    # copies of its codes (model/quanto_grouped.py); int2 stays quanto's plain tensor, read as stored.
+    "quanto-int4": lambda: _quanto("qint4"),
     # lm_head left in bf16, as transformers' QuantoConfig leaves the output embeddings: on an H100 stock
     # generate crashed with the head quantized ("Expected A.is_contiguous()": its prefill hands lm_head
     # the last position's slice of the hidden states, which quanto's 4-bit kernel refuses, presumably).
     "quanto-int4-head-bf16": lambda: _quanto("qint4", exclude="lm_head"),
+    "quanto-int2-head-bf16": lambda: _quanto("qint2", exclude="lm_head"),
     "bnb-fp4": lambda: _bnb(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16),
     "hqq-2bit": lambda: _hqq(64, nbits=2),
     "hqq-3bit": lambda: _hqq(64, nbits=3),

@@ -91,9 +91,9 @@ def grouped_calls(monkeypatch):
     calls = []
     real = skinny.skinny_linear_grouped
 
-    def counted(x, packed, scale, zero, group_size, *, bits=4, shape=None, config=None):
+    def counted(x, packed, scale, zero, group_size, *, bits=4, shape=None, dequant="hqq", config=None):
         calls.append((x.numel() // x.shape[-1], tuple(packed.shape), packed.dtype, bits))
-        return real(x, packed, scale, zero, group_size, bits=bits, shape=shape, config=config)
+        return real(x, packed, scale, zero, group_size, bits=bits, shape=shape, dequant=dequant, config=config)
 
     monkeypatch.setattr(decode_gemm, "skinny_linear_grouped", counted)
     return calls

@@ -181,9 +181,9 @@ def grouped_calls(monkeypatch):
     calls = []
     real = skinny.skinny_linear_grouped
 
-    def counted(x, packed, scale, zero, group_size, *, bits=4, shape=None, config=None):
+    def counted(x, packed, scale, zero, group_size, *, bits=4, shape=None, dequant="hqq", config=None):
         calls.append((x.numel() // x.shape[-1], tuple(packed.shape)))
-        return real(x, packed, scale, zero, group_size, bits=bits, shape=shape, config=config)
+        return real(x, packed, scale, zero, group_size, bits=bits, shape=shape, dequant=dequant, config=config)
 
     monkeypatch.setattr(decode_gemm, "skinny_linear_grouped", counted)
     return calls
@@ -293,7 +293,7 @@ def test_grouped_form_compiles_for_sm90():
                         dict(sig, out_ptr="*fp32" if split > 1 else "*bf16", w_ptr="*i32" if bits == 3 else "*u8"),
                         dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
                              EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=64,
-                             PRESCALED=False, CODEBOOK=0, BITS=bits),
+                             PRESCALED=False, CODEBOOK=0, BITS=bits, DEQUANT=0),
                         dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     assert_compiles_for_sm90(kernels)
 

@@ -242,7 +242,7 @@ def test_prescaled_form_compiles_for_sm90():
                             dict(sig, out_ptr="*fp32") if split > 1 else sig,
                             dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
                                  EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False, GROUP=0,
-                                 PRESCALED=True, CODEBOOK=0, BITS=4),
+                                 PRESCALED=True, CODEBOOK=0, BITS=4, DEQUANT=0),
                             dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     reduce = {"part_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "s_ptr": "*fp32", "total": "i32", "N": "i32"}
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_splitk_reduce_kernel", reduce,

@@ -132,7 +132,7 @@ def test_kernels_compile_for_sm90():
             kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel", sig,
                             dict(BLOCK_M=block_m(M), BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=4,
                                  EVEN_K=True, EVEN_N=True, HAS_BIAS=False, SWAP_AB=swap, IEEE=False, SCALED=False,
-                                 GROUP=0, PRESCALED=False, CODEBOOK=0, BITS=4),
+                                 GROUP=0, PRESCALED=False, CODEBOOK=0, BITS=4, DEQUANT=0),
                             dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_splitk_reduce_kernel", reduce,
                     dict(SPLIT_K=4, BLOCK=1024, HAS_BIAS=True, SCALED=False)))
@@ -141,7 +141,7 @@ def test_kernels_compile_for_sm90():
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel", dict(sig, w_ptr="*i8", b_ptr="*i8",
                                                                                    out_ptr="*bf16"),
                     dict(BLOCK_M=32, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=1, EVEN_K=True, EVEN_N=True,
-                         HAS_BIAS=False, SWAP_AB=False, IEEE=False, SCALED=True, GROUP=0, PRESCALED=False, CODEBOOK=0, BITS=4),
+                         HAS_BIAS=False, SWAP_AB=False, IEEE=False, SCALED=True, GROUP=0, PRESCALED=False, CODEBOOK=0, BITS=4, DEQUANT=0),
                     dict(num_warps=c["num_warps"], num_stages=c["num_stages"], divisible_by_16=aligned)))
     kernels.append(("hf_async_cb.kernels.skinny_gemm", "_splitk_reduce_kernel", dict(reduce, b_ptr="*fp32",
                                                                                      s_ptr="*bf16"),

@@ -186,7 +186,8 @@ class Engine(ServingAPI):
         use_graphs = self.config.cuda_graphs
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
-        routed = self.prepared_model.decode_gemms.llm_int8_modules() if self.prepared_model.decode_gemms else []
+        gemms = self.prepared_model.decode_gemms
+        routed = gemms.graph_routed_modules() if gemms else []
         unsafe = graph_unsafe_weights(model, routed) if use_graphs else []
         if unsafe:  # kernels on the legacy stream, which a graph does not record (model/graph_safety.py)
             logger.warning("hf_async_cb: %s runs without CUDA graphs: %d weights (e.g. %s, %s) run kernels a graph "
@@ -200,7 +201,7 @@ class Engine(ServingAPI):
             self.runner, self.config.max_running_requests, is_cuda=self.device.type == "cuda",
             prefill=self.config.prefill_graphs and (self.attention_backend == "triton" or self.device.type != "cuda"),
             tall_query_len=tall_query_len,
-            max_tokens=graph_token_cap(routed),  # (LLM.int8() linears: model/graph_safety.py)
+            max_tokens=graph_token_cap(routed),  # (LLM.int8(), quanto's plain 4-bit: model/graph_safety.py)
         ) if use_graphs else None
         self.runner.graphs = self.graphs
         logger.info("hf_async_cb engine: %d KV pages of %d tokens (%.1f MiB) on %s, %s attention", num_pages,

@@ -71,12 +71,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
                         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, IEEE: tl.constexpr,
                         SCALED: tl.constexpr, GROUP: tl.constexpr, PRESCALED: tl.constexpr,
-                        CODEBOOK: tl.constexpr, BITS: tl.constexpr):
+                        CODEBOOK: tl.constexpr, BITS: tl.constexpr, DEQUANT: tl.constexpr):
     """Program (n tile, k split): out[:, tile] (SPLIT_K = 1) or partial[split, :, tile] (fp32).
     The weight forms (kernels/skinny_gemm_forms.py): an int8 weight is converted to x's dtype exactly;
     SCALED: the rounded product times its output row's scale (s_ptr), rounded again (with split-K,
-    the reduce kernel does this); GROUP > 0: w_ptr BITS-bit weights packed as HQQ packs them, s_ptr
-    and z_ptr a scale and a zero per GROUP weights along K; PRESCALED: each int8 (or fp8) weight
+    the reduce kernel does this); GROUP > 0: w_ptr BITS-bit weights packed as HQQ (DEQUANT > 0: quanto) packs them,
+    s_ptr and z_ptr a scale and a zero per GROUP weights along K, rebuilt by the DEQUANT rule; PRESCALED: each int8 (or fp8) weight
     times its row's scale (s_ptr) before the product, so the partials of split-K are only added;
     CODEBOOK > 0: w_ptr two 4-bit codes per byte along K, z_ptr their 16 values, s_ptr an absmax
     per GROUP weights along K."""
@@ -93,7 +93,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
         w_ptrs, s_ptrs = _codebook_4bit_pointers(w_ptr, s_ptr, n0, k0, K, BLOCK_N, BLOCK_K, GROUP)
     elif GROUP > 0:
         w_ptrs, shift, s_ptrs, z_ptrs = _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N, BLOCK_K,
-                                                          GROUP, BITS)
+                                                          GROUP, BITS, DEQUANT)
     else:
         # The tile's first row in 64 bits (an lm_head may hold 2**31 elements or more); offsets inside it in 32.
         w_ptrs = w_ptr + n0.to(tl.int64) * K + offs_n[:, None] * K + (k0 + offs_k)[None, :]
@@ -116,7 +116,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, z_ptr, M, N, K, k_p
             s_ptrs += BLOCK_K // GROUP
         elif GROUP > 0:
             w = _grouped_tile(w_ptr, w_ptrs, s_ptrs, z_ptrs, shift, n0, n_ok, k0 + k, N, K, x_ptr.dtype.element_ty,
-                              BLOCK_N, BLOCK_K, GROUP, EVEN_K, EVEN_N, BITS)
+                              BLOCK_N, BLOCK_K, GROUP, EVEN_K, EVEN_N, BITS, DEQUANT)
             s_ptrs += BLOCK_K // GROUP
             z_ptrs += BLOCK_K // GROUP
         else:
@@ -318,7 +318,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def skinny_linear_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                           group_size: int, *, bits: int = 4, shape: tuple[int, int] | None = None,
-                          config: dict | None = None) -> torch.Tensor:
+                          dequant: str = "hqq", config: dict | None = None) -> torch.Tensor:
     """y = x @ w.T for a weight w [N, K] of `bits` (8, 4, 3, 2 or 1) bits per weight in HQQ's layout
     (axis=1; the "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8", "1bit_u8" packings): `packed` [N * bits / 8,
     K] uint8 holds 8 / bits parts of w's rows, the first N * bits / 8 rows in its highest bits (at 4
@@ -329,11 +329,13 @@ def skinny_linear_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     (N * K / group_size values in all). Each tile is rebuilt in x's dtype as HQQ's dequantize rounds
     ((q - zero) rounded, times scale, rounded), then multiplied as skinny_linear does (fp32
     accumulation, output in x's dtype). group_size: a power of two from 16 to 256 dividing K; a
-    config's BLOCK_K must be a multiple of it (the default is). Raises ValueError for what it does
-    not take."""
-    scale, zero, dims = check_grouped(x, packed, scale, zero, group_size, bits, shape)
-    return _launch(x, packed, None, config, WeightForm(grouped_word(bits), group_size, bits=bits), scale, zero,
-                   dims)
+    config's BLOCK_K must be a multiple of it (the default is). `dequant` other than "hqq" reads
+    optimum-quanto's 4- or 2-bit weights (skinny_gemm_forms.GROUPED_DEQUANTS): the parts of the rows
+    in a byte from its lowest bits up (row n < N / 2 in the low nibbles at 4 bits), each weight
+    rebuilt by that rule. Raises ValueError for what it does not take."""
+    scale, zero, dims = check_grouped(x, packed, scale, zero, group_size, bits, shape, dequant)
+    return _launch(x, packed, None, config, WeightForm(grouped_word(bits), group_size, bits=bits, dequant=dequant),
+                   scale, zero, dims)
 
 
 def skinny_linear_codebook_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -445,7 +447,7 @@ def _plan(M: int, N: int, K: int, dtype: torch.dtype, has_bias: bool, form: Weig
     gemm = dict(BLOCK_M=block_m(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=split * k_per_split == K,
                 EVEN_N=N % bn == 0, HAS_BIAS=has_bias and split == 1, SWAP_AB=bool(cfg["SWAP_AB"]),
                 IEEE=dtype == torch.float32, SCALED=form.scaled and split == 1, GROUP=form.group,
-                PRESCALED=form.prescaled, CODEBOOK=form.rounding(dtype), BITS=form.bits)
+                PRESCALED=form.prescaled, CODEBOOK=form.rounding(dtype), BITS=form.bits, DEQUANT=form.dequant_code)
     reduce = dict(SPLIT_K=split, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, SCALED=form.scaled) if split > 1 else None
     return cfg, k_per_split, gemm, reduce
 

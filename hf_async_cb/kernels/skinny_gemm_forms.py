@@ -6,6 +6,7 @@ are rebuilt in x's dtype, and the checks of its arguments (kernels/skinny_gemm.p
 - grouped (HQQ's layouts; `skinny_linear_grouped`): 8, 4, 3, 2 or 1 bits a weight, packed as HQQ
   packs them (8 // bits weights a byte, from rows N * bits / 8 apart; at 3 bits ten a 32-bit word),
   rebuilt tile by tile as HQQ's dequantize rounds them, with a scale and a zero per group along K;
+  its other `dequant` rules read optimum-quanto's 4- and 2-bit weights (GROUPED_DEQUANTS);
 - pre-scaled (optimum-quanto's int8 or float8_e4m3fn; `skinny_linear(..., row_scale=)`): each weight
   times its row's scale, rounded to x's dtype as qbytes_mm rounds `scale * weight`, before the product;
 - codebook 4-bit (bitsandbytes' nf4 and fp4; `skinny_linear_codebook_4bit`): two weights per byte
@@ -31,6 +32,14 @@ import triton.language as tl
 CODEBOOK_ROUNDING = (torch.bfloat16, torch.float16, torch.float32)  # what the codebook form's weights round to
 PRESCALED_WEIGHTS = (torch.int8, torch.float8_e4m3fn)  # the pre-scaled form's (quanto's qint8, qfloat8; torchao's float8)
 GROUPED_BITS = (8, 4, 3, 2, 1)  # the grouped form's widths: HQQ's "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8", "1bit_u8"
+# How the grouped form rebuilds a weight q (an unsigned field) from its group's scale s and zero z, by the
+# `dequant` name (the kernel's DEQUANT is its index), and where a byte holds its parts' rows:
+#  "hqq"          rnd(rnd(q - z) * s): HQQ's dequantize; the first part of the rows in the highest bits;
+#  "scale_shift"  rnd(rnd(q * s) - z): optimum-quanto's WeightQBitsTensor (z its shift); first part lowest;
+#  "fma"          rnd(q * s + z), one rounding: quanto's AWQ kernel (z its shift); first part lowest;
+#  "fma_centered" rnd((q - 2**(bits-1)) * s + z), one rounding: the tinygemm kernel quanto's bf16 int4
+#                 runs (z its zero); first part lowest.
+GROUPED_DEQUANTS = ("hqq", "scale_shift", "fma", "fma_centered")
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class WeightForm:
     codebook: bool = False  # the codebook 4-bit form (group: its absmax block along K)
     round_dtype: torch.dtype | None = None  # the codebook form's rebuilt weights' dtype (None: the activations')
     bits: int = 4  # the grouped form's bits per weight
+    dequant: str = "hqq"  # the grouped form's rule (GROUPED_DEQUANTS)
 
     def __post_init__(self) -> None:
         self.name  # noqa: B018 (raises for a combination no launch makes)
@@ -57,6 +67,11 @@ class WeightForm:
                                    and self.bits in GROUPED_BITS):
             raise ValueError(f"only the grouped form reads {self.bits}-bit weights (of {GROUPED_BITS}); "
                              f"got {self.bits} bits with {self.dtype}, group {self.group}, codebook={self.codebook}")
+        if self.dequant != "hqq" and not (self.dequant in GROUPED_DEQUANTS and self.bits in (4, 2)
+                                          and self.dtype == torch.uint8 and self.group > 0 and not self.codebook
+                                          and not self.prescaled and self.scale_dtype is None):
+            raise ValueError(f"the grouped form's {self.dequant!r} rule (of {GROUPED_DEQUANTS}) reads 4- or 2-bit "
+                             f"bytes in groups; got {self.bits} bits with {self.dtype}, group {self.group}")
         if self.codebook or self.round_dtype is not None:
             if (self.codebook and self.dtype == torch.uint8 and self.group > 0 and not self.prescaled
                     and self.scale_dtype is None and self.round_dtype in (None, *CODEBOOK_ROUNDING)):
@@ -67,7 +82,7 @@ class WeightForm:
             if self.dtype == torch.int8 and not self.group and not self.prescaled:
                 return "scaled_int8"
             if self.dtype == grouped_word(self.bits) and self.group > 0 and not self.prescaled:
-                return f"grouped_{self.bits}bit"
+                return f"grouped_{self.bits}bit" + ("" if self.dequant == "hqq" else f"_{self.dequant}")
             if self.dtype in PRESCALED_WEIGHTS and not self.group and self.prescaled:
                 return "prescaled"
         raise ValueError(f"no skinny GEMM weight form reads {self.dtype} with group {self.group}, "
@@ -83,6 +98,11 @@ class WeightForm:
         if self.round_dtype is None or self.round_dtype == dtype or self.round_dtype == torch.float32:
             return 1  # (an fp32 product rounded to fp32, then to dtype: one rounding, to dtype)
         return 2 + CODEBOOK_ROUNDING.index(self.round_dtype)
+
+    @property
+    def dequant_code(self) -> int:
+        """The kernel's DEQUANT constexpr: the grouped form's rule, by its index in GROUPED_DEQUANTS."""
+        return GROUPED_DEQUANTS.index(self.dequant)
 
     @property
     def scaled(self) -> bool:
@@ -132,12 +152,15 @@ def check_prescaled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def check_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                  group_size: int, bits: int, shape: tuple[int, int] | None = None
+                  group_size: int, bits: int, shape: tuple[int, int] | None = None, dequant: str = "hqq"
                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The grouped form's scale and zero, flat, and the weight's (N, K), once its arguments are
     checked (ValueError otherwise; skinny_linear_grouped says what it takes)."""
     if bits not in GROUPED_BITS:
         raise ValueError(f"skinny_linear_grouped reads {GROUPED_BITS} bits a weight, got {bits!r}")
+    if dequant not in GROUPED_DEQUANTS or (dequant != "hqq" and bits not in (4, 2)):
+        raise ValueError(f"skinny_linear_grouped: dequant {dequant!r} is not one of {GROUPED_DEQUANTS} "
+                         f"(other than 'hqq': 4 or 2 bits), at {bits} bits")
     if not (isinstance(group_size, int) and 16 <= group_size <= 256 and group_size & (group_size - 1) == 0):
         raise ValueError(f"skinny_linear_grouped takes a group size that is a power of two from 16 to 256, "
                          f"got {group_size!r}")
@@ -169,12 +192,13 @@ def check_grouped(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, ze
 
 @triton.jit
 def _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP: tl.constexpr, BITS: tl.constexpr):
+                      GROUP: tl.constexpr, BITS: tl.constexpr, DEQUANT: tl.constexpr):
     """A program's first grouped tile: (packed byte pointers, each row's shift, the groups' scale and
     zero pointers [BLOCK_N, BLOCK_K / GROUP]). HQQ packs 8 / BITS parts of N * BITS / 8 rows each into
     one byte, the first part in the highest bits: row n is in part p = n // (N * BITS / 8), held in
     packed row n - p * N * BITS / 8 at bit 8 - BITS * (p + 1) (BITS 4: row n < N / 2 in the high
-    nibbles of packed row n, the others in the low nibbles of row n - N / 2)."""
+    nibbles of packed row n, the others in the low nibbles of row n - N / 2). quanto's packing
+    (DEQUANT > 0) holds the parts the other way round: part p at bit BITS * p."""
     rows = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if BITS == 3:  # (its words are found tile by tile: _three_bit_words)
@@ -183,7 +207,10 @@ def _grouped_pointers(w_ptr, s_ptr, z_ptr, n0, k0, N, K, BLOCK_N: tl.constexpr, 
     else:
         part = tl.minimum(rows // (N // (8 // BITS)), 8 // BITS - 1)  # (rows past N: masked, a shift in range)
         w_ptrs = w_ptr + (rows - part * (N // (8 // BITS))).to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :]
-        shift = (8 - BITS * (part + 1)).to(tl.uint8)[:, None]
+        if DEQUANT == 0:
+            shift = (8 - BITS * (part + 1)).to(tl.uint8)[:, None]
+        else:
+            shift = (BITS * part).to(tl.uint8)[:, None]
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     g_offs = rows.to(tl.int64)[:, None] * (K // GROUP) + (k0 // GROUP + offs_g)[None, :]  # weight n's groups
     return w_ptrs, shift, s_ptr + g_offs, z_ptr + g_offs
@@ -207,7 +234,7 @@ def _three_bit_words(w_ptr, n0, k_at, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 @triton.jit
 def _grouped_tile(w_ptr, w_ptrs, s_ptrs, z_ptrs, shift, n0, n_ok, k_at, N, K, dtype: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                  EVEN_N: tl.constexpr, BITS: tl.constexpr):
+                  EVEN_N: tl.constexpr, BITS: tl.constexpr, DEQUANT: tl.constexpr):
     """The grouped tile at K offset `k_at` in `dtype`: its packed bytes (3 bits: words), zeros and
     scales loaded (masked past N, and past K unless EVEN_K), rebuilt by _dequantize_grouped."""
     if BITS == 3:
@@ -227,18 +254,30 @@ def _grouped_tile(w_ptr, w_ptrs, s_ptrs, z_ptrs, shift, n0, n_ok, k_at, N, K, dt
         packed = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
         zero = tl.load(z_ptrs, mask=g_ok, other=0.0)
         scale = tl.load(s_ptrs, mask=g_ok, other=0.0)
-    return _dequantize_grouped(packed, shift, zero, scale, dtype, BLOCK_N, BLOCK_K, GROUP, BITS)
+    return _dequantize_grouped(packed, shift, zero, scale, dtype, BLOCK_N, BLOCK_K, GROUP, BITS, DEQUANT)
 
 
 @triton.jit
 def _dequantize_grouped(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, DEQUANT: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] weight tile in `dtype` from its packed bytes or words (the BITS at `shift`)
-    and its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded as HQQ's dequantize rounds:
-    (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..255, is exact in any of them)."""
+    and its groups' zero and scale ([BLOCK_N, BLOCK_K / GROUP]), rounded by the DEQUANT rule
+    (GROUPED_DEQUANTS): HQQ's (q - zero) rounded to dtype, times scale, rounded to dtype (q, 0..255, is
+    exact in any of them); quanto's q * scale rounded, minus zero, rounded; or q * scale + zero (q
+    centred first for tinygemm's) in fp32, rounded once (the product of a 16-bit scale and a small
+    integer is exact in fp32, so fp32's rounding of the sum is the only one before dtype's)."""
     q = ((packed >> shift) & ((1 << BITS) - 1)).to(tl.float32)
-    d = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) - zero.to(tl.float32)[:, :, None]
-    w = d.to(dtype).to(tl.float32) * scale.to(tl.float32)[:, :, None]
+    q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    s = scale.to(tl.float32)[:, :, None]
+    z = zero.to(tl.float32)[:, :, None]
+    if DEQUANT == 0:
+        w = (q - z).to(dtype).to(tl.float32) * s
+    elif DEQUANT == 1:
+        w = (q * s).to(dtype).to(tl.float32) - z
+    elif DEQUANT == 2:
+        w = q * s + z
+    else:
+        w = (q - (1 << (BITS - 1))) * s + z
     return tl.reshape(w.to(dtype), (BLOCK_N, BLOCK_K))
 
 

@@ -12,7 +12,8 @@ per output row) take the kernel's scaled int8 form for every decode bucket witho
 it reads a fifth of the bytes the module's own path moves (which converts the whole weight to the
 activations' dtype at every call), with the same rounding steps. HQQ's HQQLinear at 8, 4, 3, 2 or 1 bits
 (`hqq_grouped` says which) takes the grouped form alike: it reads the packed bytes, where HQQ's forward
-dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it. Frozen
+dequantizes the whole weight at every call, and rebuilds each weight as HQQ rounds it; frozen
+optimum-quanto QLinears of 4- or 2-bit weights (model/quanto_grouped.py) take it with quanto's rules. Frozen
 optimum-quanto QLinears of int8 (or float8_e4m3fn) weights (`quanto_bytes` says which) and torchao's
 weight-only float8 linears (`torchao_float8`) take the pre-scaled form: the library scales the whole
 weight before its matmul at every call, the kernel scales each tile as it is read, rounding each
@@ -46,8 +47,9 @@ from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_li
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.attention import current_metadata
 from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, copies_fit, copy_bytes, takes_a_copy, word_hashes
+from hf_async_cb.model.quanto_grouped import TinyGemmCopy, quanto_grouped, tinygemm_copy_bytes, tinygemm_weight
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
-    Bnb4bit, BnbInt8, HqqGrouped, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
+    Bnb4bit, BnbInt8, GroupedWeight, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
     hqq_grouped, quanto_bytes, scaled_int8, torchao_float8)
 from hf_async_cb.model.weight_kinds import is_plain
 
@@ -129,22 +131,24 @@ class _ScaledInt8Projection(_QuantizedProjection):
         return skinny_linear(x, self.qdata, None, scale=scale)
 
 
-class _HqqGroupedProjection(_QuantizedProjection):
-    """An HQQ linear (hqq_grouped) through the kernel's grouped form: it reads the packed weight as it is
-    stored (plus a scale and a zero per group), where HQQ's own forward
-    writes and reads a dequantized copy of the whole weight every call. The bias is added to the
-    rounded product, as HQQ's forward adds it."""
+class _GroupedProjection(_QuantizedProjection):
+    """An HQQ linear (hqq_grouped) or an optimum-quanto 4/2-bit QLinear (quanto_grouped) through the
+    kernel's grouped form: it reads the packed weight as it is stored (plus a scale and a zero per
+    group), where the library's own forward writes and reads a dequantized copy of the whole weight
+    every call (or, quanto's bf16 int4, runs the tinygemm kernel, made for a row or two). The bias is
+    added to the rounded product, as both libraries add it."""
 
-    def __init__(self, module: nn.Module, found: HqqGrouped) -> None:
+    def __init__(self, module: nn.Module, found: GroupedWeight) -> None:
         super().__init__(module, found.packed)
         self.found = found
 
     def takes(self, dtype: torch.dtype) -> bool:
-        return dtype == self.found.scale.dtype  # HQQ's compute dtype (its own forward takes no other)
+        return dtype == self.found.scale.dtype  # the compute dtype (their own forwards take no other)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         f = self.found
-        out = skinny_linear_grouped(x, f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape)
+        out = skinny_linear_grouped(x, f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape,
+                                    dequant=f.dequant)
         if f.bias is not None:
             out += f.bias
         return out
@@ -270,12 +274,19 @@ class DecodeGemms:
         self._groups = [] if fusion is None else [g for g in fusion.groups() if _eligible(g.weight)]
         self._int8 = [(m, found) for m in model.modules() if (found := scaled_int8(m)) is not None]
         self._hqq = [(m, found) for m in model.modules() if (found := hqq_grouped(m)) is not None]
-        # HQQ's 3-bit words read through 4-bit copies where they fit (model/hqq_four_bit_copy.py).
+        # HQQ's 3-bit words read through 4-bit copies, and quanto's tinygemm codes through copies in
+        # quanto's own layout, where they all fit (model/hqq_four_bit_copy.py, model/quanto_grouped.py).
         three_bit = [(m, found) for m, found in self._hqq if takes_a_copy(found)]
-        self.copies = [FourBitCopy(m, found) for m, found in three_bit] if copies_fit([f for _, f in three_bit]) else []
+        tinygemm = [(m, w) for m in model.modules() if (w := tinygemm_weight(m)) is not None]
+        sizes = [(f.packed.device, copy_bytes(f)) for _, f in three_bit]
+        sizes += [(w.device, tinygemm_copy_bytes(w)) for _, w in tinygemm]
+        self.copies = ([FourBitCopy(m, found) for m, found in three_bit] + [TinyGemmCopy(m, w) for m, w in tinygemm]
+                       if copies_fit(sizes) else [])
         self.refresh_copies()  # (made: their words' hashes in one transfer)
         by_module = {id(c.module): c.grouped for c in self.copies}
         self._hqq = [(m, by_module.get(id(m), found)) for m, found in self._hqq]
+        self._quanto_grouped = [(m, found) for m in model.modules() if (found := quanto_grouped(m)) is not None]
+        self._quanto_grouped += [(c.module, c.grouped) for c in self.copies if isinstance(c, TinyGemmCopy)]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
@@ -326,7 +337,8 @@ class DecodeGemms:
                  for w, b in [(m.weight, m.bias) for m in self._linears] + [(g.weight, g.bias) for g in self._groups]]
         picks += [KernelPick(qdata.shape[0], qdata.shape[1], False, SCALED_INT8, every_bucket, None)
                   for _, (qdata, _) in self._int8]
-        picks += [KernelPick(*f.shape, False, f.form, every_bucket, f.scale.dtype) for _, f in self._hqq]
+        picks += [KernelPick(*f.shape, False, f.form, every_bucket, f.scale.dtype)
+                  for _, f in self._hqq + self._quanto_grouped]
         picks += [KernelPick(f.data.shape[0], f.data.shape[1], False, f.form, every_bucket, f.dtype)
                   for _, f in self._quanto + self._float8]
         for m, f in self._bnb:  # (the model's dtype stands for the activations')
@@ -342,10 +354,11 @@ class DecodeGemms:
         return [(f.weight.shape[0], f.weight.shape[1], m.bias is not None, f.threshold > 0.0)
                 for m, f in self._llm_int8]
 
-    def llm_int8_modules(self) -> list[nn.Module]:
-        """The Linear8bitLt modules attach() routes: their steps of up to MAX_M rows run the kernels,
-        which a CUDA graph can hold."""
-        return [m for m, _ in self._llm_int8]
+    def graph_routed_modules(self) -> list[nn.Module]:
+        """The modules whose own forward no CUDA graph holds (LLM.int8()'s outliers found on the host,
+        quanto's plain 4/2-bit kernels on the legacy stream) that attach() routes: their steps of up
+        to MAX_M rows run the kernels, which a graph can hold (model/graph_safety.py)."""
+        return [m for m, _ in self._llm_int8] + [m for m, f in self._quanto_grouped if f.dequant == "scale_shift"]
 
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
@@ -368,8 +381,8 @@ class DecodeGemms:
         for module, (qdata, scale) in self._int8:
             module.forward = _ScaledInt8Projection(module, qdata, scale)
             self._attached.append(module)
-        for module, found in self._hqq:
-            module.forward = _HqqGroupedProjection(module, found)
+        for module, found in self._hqq + self._quanto_grouped:
+            module.forward = _GroupedProjection(module, found)
             self._attached.append(module)
         for module, found in self._quanto + self._float8:
             module.forward = _PrescaledProjection(module, found)
@@ -389,8 +402,11 @@ class DecodeGemms:
         if not copies:
             return 0
         versions = [c.version() for c in copies]  # (before the words are read: a write in between is seen next time)
-        hashes = word_hashes([c.source.packed for c in copies])
-        return sum(c.refresh(v, h) for c, v, h in zip(copies, versions, hashes))
+        words = [c.words() for c in copies]
+        flat = iter(word_hashes([w for each in words for w in each]))
+        hashes = [tuple(next(flat) for _ in each) for each in words]
+        orders: dict = {}  # (quanto's int4 packing read back once per shape: model/quanto_grouped.py)
+        return sum(c.refresh(v, h, orders) for c, v, h in zip(copies, versions, hashes))
 
     def detach(self) -> None:
         for item in self._attached:
@@ -407,9 +423,18 @@ class DecodeGemms:
         grouped = "".join(f"; {sum(f.bits == b and id(m) not in copied for m, f in self._hqq)} HQQ {b}-bit "
                           f"projections read as {b}-bit" for b in widths
                           if any(f.bits == b and id(m) not in copied for m, f in self._hqq))
-        if self.copies:
-            grouped += (f"; {len(self.copies)} HQQ 3-bit projections read as 4-bit (copies of "
-                        f"{sum(copy_bytes(c.source) for c in self.copies) / 2**20:.1f} MiB)")
+        hqq_copies = [c for c in self.copies if isinstance(c, FourBitCopy)]
+        if hqq_copies:
+            grouped += (f"; {len(hqq_copies)} HQQ 3-bit projections read as 4-bit (copies of "
+                        f"{sum(copy_bytes(c.source) for c in hqq_copies) / 2**20:.1f} MiB)")
+        for bits in (4, 2):
+            plain = sum(f.bits == bits and f.dequant == "scale_shift" for _, f in self._quanto_grouped)
+            if plain:
+                grouped += f"; {plain} quanto int{bits} projections read as {bits}-bit"
+        tinygemm = [c for c in self.copies if isinstance(c, TinyGemmCopy)]
+        if tinygemm:
+            grouped += (f"; {len(tinygemm)} quanto int4 (tinygemm) projections read as 4-bit (copies of "
+                        f"{sum(tinygemm_copy_bytes(c.weight) for c in tinygemm) / 2**20:.1f} MiB)")
         int8 = sum(f.data.dtype == torch.int8 for _, f in self._quanto)
         quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
         if len(self._quanto) > int8:

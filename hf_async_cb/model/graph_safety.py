@@ -14,7 +14,9 @@ failed, and the failed capture left torch's CUDA generator marked as capturing, 
 random draw of the process raised (engine/captured_graph.py now also repairs that). Where the engine
 routes such linears through kernels/llm_int8.py (their steps of up to 256 rows: model/decode_gemm.py),
 those steps are captured and larger ones run eagerly (`graph_token_cap`); other such models run
-without CUDA graphs from the start.
+without CUDA graphs from the start. quanto's plain 4- and 2-bit linears that the engine routes through
+the skinny GEMM's grouped form (model/quanto_grouped.py) are alike: their steps of up to 256 rows run
+the kernel on the current stream and are captured, larger ones run quanto's forward eagerly.
 """
 
 from __future__ import annotations
@@ -45,22 +47,29 @@ def splits_outliers_on_host(module: torch.nn.Module) -> bool:
 def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Module] = ()) -> list[str]:
     """Names of the CUDA weights whose kernels a CUDA graph would not record or cannot capture;
     `routed`: modules whose small steps run kernels a graph holds (not counted)."""
-    unsafe = [name for name, weight in model.named_parameters()
-              if weight.device.type == "cuda" and launches_off_stream(weight)]
     routed_ids = {id(m) for m in routed}
+    unsafe = []
     for name, module in model.named_modules():
+        if id(module) in routed_ids:
+            continue
+        for key, weight in module.named_parameters(prefix=name, recurse=False):
+            if weight.device.type == "cuda" and launches_off_stream(weight):
+                unsafe.append(key)
         weight = getattr(module, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module)
-                and id(module) not in routed_ids):
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module):
             unsafe.append(f"{name}.weight" if name else "weight")
     return unsafe
 
 
 def graph_token_cap(routed: Collection[torch.nn.Module]) -> int | None:
-    """The most tokens a captured step may hold: where some of `routed` split outliers on the host in
-    their own forward, which they run over the kernels' rows (kernels/skinny_gemm.MAX_M) and no graph
-    may hold, that many; else None (no cap)."""
-    if not any(splits_outliers_on_host(m) for m in routed):
+    """The most tokens a captured step may hold: where some of `routed` split outliers on the host, or
+    run kernels off the stream, in their own forward, which they run over the kernels' rows
+    (kernels/skinny_gemm.MAX_M) and no graph may hold, that many; else None (no cap)."""
+    def escapes(m: torch.nn.Module) -> bool:
+        weight = getattr(m, "weight", None)
+        return splits_outliers_on_host(m) or (isinstance(weight, torch.Tensor) and launches_off_stream(weight))
+
+    if not any(escapes(m) for m in routed):
         return None
     from hf_async_cb.kernels.skinny_gemm import MAX_M  # (imports Triton: only for such models)
 

@@ -28,41 +28,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_async_cb.model.quantized_linears import HqqGrouped
+from hf_async_cb.model.quantized_linears import GroupedWeight
 
 FREE_MEMORY_SHARE = 0.25  # the most of the device's free memory the copies may take together
 
 
-def copy_bytes(found: HqqGrouped) -> int:
+def copy_bytes(found: GroupedWeight) -> int:
     """The device bytes a 4-bit copy of `found` takes."""
     n, k = found.shape
     return n * k // 2
 
 
-def takes_a_copy(found: HqqGrouped) -> bool:
+def takes_a_copy(found: GroupedWeight) -> bool:
     """Whether `found` (a 3-bit HQQ projection) can be read through a 4-bit copy: HQQ's 4-bit layout
     holds whole rows in each nibble, so N must be even."""
     return found.bits == 3 and found.shape[0] % 2 == 0
 
 
-def copies_fit(found: list[HqqGrouped]) -> bool:
-    """Whether 4-bit copies of every projection in `found` fit in FREE_MEMORY_SHARE of their device's
-    free memory (always off CUDA: the interpreter's tests)."""
-    if not found:
+def copies_fit(sizes: list[tuple[torch.device, int]]) -> bool:
+    """Whether copies of these (device, bytes) sizes (this module's, quanto_grouped's) fit in
+    FREE_MEMORY_SHARE of their device's free memory (always off CUDA: the interpreter's tests)."""
+    if not sizes:
         return False
-    if found[0].packed.device.type != "cuda":
-        return True
     needed: dict[torch.device, int] = {}
-    for f in found:  # (a model spread over several devices: each one's copies against its own memory)
-        needed[f.packed.device] = needed.get(f.packed.device, 0) + copy_bytes(f)
-    return all(size <= FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0] for device, size in needed.items())
+    for device, size in sizes:  # (a model spread over several devices: each one's copies against its own memory)
+        needed[device] = needed.get(device, 0) + size
+    return all(device.type != "cuda" or size <= FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]
+               for device, size in needed.items())
 
 
 ROWS_AT_ONCE = 1 << 24  # weights unpacked at once while a copy is made (bounds its temporaries)
 
 
 @torch.no_grad()
-def three_bit_rows(found: HqqGrouped, first: int, last: int) -> torch.Tensor:
+def three_bit_rows(found: GroupedWeight, first: int, last: int) -> torch.Tensor:
     """The 3-bit values [last - first, K] (uint8) of the weight's rows first..last - 1 from HQQ's
     "3bit_32" words [step, group]: part p of the flat groups [N * K / group, group] sits in bits
     27 - 3p of the words, group g at word row g - p * step (the last part padded past the weight)."""
@@ -76,7 +75,7 @@ def three_bit_rows(found: HqqGrouped, first: int, last: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write_four_bit(found: HqqGrouped, out: torch.Tensor) -> None:
+def write_four_bit(found: GroupedWeight, out: torch.Tensor) -> None:
     """`found`'s values in HQQ's 4-bit layout, written into `out` [N / 2, K] a slice of rows at a time."""
     n, k = found.shape
     half = n // 2
@@ -119,16 +118,20 @@ def word_hashes(words: list[torch.Tensor]) -> list[int]:
 class FourBitCopy:
     """The 4-bit copy of one 3-bit HQQ projection, and the state of the words it was made from."""
 
-    def __init__(self, module: nn.Module, found: HqqGrouped) -> None:
+    def __init__(self, module: nn.Module, found: GroupedWeight) -> None:
         self.module, self.source = module, found
         n, k = found.shape
         self.copy = torch.empty(n // 2, k, dtype=torch.uint8, device=found.packed.device)
         self._made_from: tuple | None = None  # (version, hash) of the words it holds; None: not written yet
 
     @property
-    def grouped(self) -> HqqGrouped:
+    def grouped(self) -> GroupedWeight:
         """What the grouped form reads instead of `source`: the copy, at 4 bits."""
         return self.source._replace(packed=self.copy, bits=4)
+
+    def words(self) -> list[torch.Tensor]:
+        """The tensors the copy is made from (for word_hashes)."""
+        return [self.source.packed]
 
     def version(self) -> int | None:
         """The words' version counter; None for an inference tensor, which keeps none."""
@@ -141,11 +144,11 @@ class FourBitCopy:
         version = self.version()
         return version is None or self._made_from is None or version != self._made_from[0]
 
-    def refresh(self, version: int | None, words_hash: int) -> bool:
+    def refresh(self, version: int | None, words_hash, orders: dict | None = None) -> bool:
         """Rebuild the copy in place unless `version` (the words' counter, read before `words_hash`,
         their hash now) and the hash are those it was made from; True if it was rebuilt. On CUDA the
         device is synchronized around the write: a serving loop's step may be reading the copy, and
-        the next one must read the new values."""
+        the next one must read the new values. (`orders`: quanto_grouped.TinyGemmCopy's, unused here.)"""
         made = self._made_from  # (FourBitCopy(...) writes nothing: DecodeGemms refreshes all of them at once)
         if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False

@@ -56,21 +56,23 @@ def scaled_int8(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     return qdata, scale
 
 
-class HqqGrouped(NamedTuple):
-    """What the grouped form reads of an HQQ linear (skinny_linear_grouped's arguments)."""
+class GroupedWeight(NamedTuple):
+    """What the grouped form reads of an HQQ linear, or of optimum-quanto's 4- and 2-bit weights
+    (skinny_linear_grouped's arguments)."""
 
     packed: torch.Tensor  # uint8 [N * bits / 8, K]: 8 / bits parts of the rows, the first in the highest
-    # bits; at 3 bits HQQ's int32 words [ceil(N * K / group_size / 10), group_size]
-    scale: torch.Tensor  # [N * K / group_size], HQQ's compute dtype
+    # bits (quanto's: in the lowest); at 3 bits HQQ's int32 words [ceil(N * K / group_size / 10), group_size]
+    scale: torch.Tensor  # [N * K / group_size], the library's compute dtype
     zero: torch.Tensor  # the same
     group_size: int
     bits: int  # 8, 4, 3, 2 or 1 (GROUPED_BITS): the packing's field width
     bias: torch.Tensor | None
     shape: tuple[int, int]  # the weight's (N, K)
+    dequant: str = "hqq"  # the rule that rebuilds a weight (skinny_gemm_forms.GROUPED_DEQUANTS)
 
     @property
     def form(self) -> WeightForm:
-        return WeightForm(grouped_word(self.bits), self.group_size, bits=self.bits)
+        return WeightForm(grouped_word(self.bits), self.group_size, bits=self.bits, dequant=self.dequant)
 
 
 _HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x, dequantize().t()) (+= bias)
@@ -79,7 +81,7 @@ _HQQ_OWN_FORWARDS = ("forward_pytorch", "forward_pytorch_backprop")  # matmul(x,
 _HQQ_PACKINGS = {"8bit_u8": 8, "4bit_u8": 4, "3bit_32": 3, "2bit_u8": 2, "1bit_u8": 1}
 
 
-def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
+def hqq_grouped(module: nn.Module) -> GroupedWeight | None:
     """The packed weight, scales and zeros of an hqq HQQLinear (hqq 0.2.8) that the grouped form
     reproduces exactly, else None. Taken: weights packed as "8bit_u8", "4bit_u8", "3bit_32", "2bit_u8"
     or "1bit_u8" (nbits 8, 6, 5, 4, 3, 2, 1.58, 1; not viewed as float), the byte packings' parts whole
@@ -123,7 +125,7 @@ def hqq_grouped(module: nn.Module) -> HqqGrouped | None:
                                  and tuple(bias.shape) == (N,) and bias.device == packed.device):
         return None
     packed = packed.detach() if bits == 3 else packed.detach().reshape(N * bits // 8, K)
-    return HqqGrouped(packed, scale.reshape(-1), zero.reshape(-1), group, bits, None if bias is None else bias.detach(),
+    return GroupedWeight(packed, scale.reshape(-1), zero.reshape(-1), group, bits, None if bias is None else bias.detach(),
                       (N, K))
 
 

@@ -1,0 +1,233 @@
+"""optimum-quanto's 4- and 2-bit weights through the skinny GEMM's grouped form.
+
+A frozen quanto QLinear of qint4 / qint2 weights holds one of three tensors, chosen by quanto for the
+device and dtype (optimum-quanto 0.2.7, `WeightQBitsTensor.create`):
+
+- `WeightQBitsTensor` (fp32 and fp16, and bf16 groups other than 128): the codes packed along the rows
+  of the grouped weight, part p of them in bits BITS * p, a float scale and shift per group; its linear
+  dequantizes the whole weight, `scale * q` rounded, minus the shift, rounded, then multiplies. On CUDA
+  its unpacking runs on the legacy stream, which a CUDA graph does not record (model/graph_safety.py).
+  The grouped form reads its bytes and groups as they are (`quanto_grouped`, the "scale_shift" rule).
+- `TinyGemmWeightQBitsTensor` (bf16, groups of 128: what an 8B bf16 model quantized to int4 holds): the
+  codes in the layout of torch's int4 matmul (`_weight_int4pack_mm`, made for a row or two), which no
+  other kernel reads, with its scale and zero per group. The grouped form reads a copy of the codes in
+  quanto's own layout and of the groups (`TinyGemmCopy`, the "fma_centered" rule: (q - 8) * scale + zero).
+- `AWQWeightQBitsTensor` (fp16 on CUDA with quanto's extension): left to its own forward.
+
+A copy costs N * K / 2 bytes and two values a group on the device, beside the weight (which quanto's own
+forward, for prefill steps and stock, keeps reading); `copies_fit` (model/hqq_four_bit_copy.py) takes the
+copies only where they fit a quarter of the free memory. It is never stale: refreshed as HQQ's 3-bit
+copies are, by version counters and a hash of the codes and groups (DecodeGemms.refresh_copies).
+
+The layout of torch's int4 packing is not documented and depends on the device. `tinygemm_codes`
+reads it back through the packing itself: it packs the digits of every position's index, so that each
+packed nibble names the weight it came from, checks that this is a permutation, and checks a few
+columns against the matmul's own reading of the codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_async_cb.kernels.skinny_gemm import runs_on
+from hf_async_cb.model.quantized_linears import GroupedWeight
+from hf_async_cb.model.weight_kinds import is_plain
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_QUANTO = "optimum.quanto."
+
+
+def _frozen_qbits(module: nn.Module, kind: str):
+    """The weight of a frozen quanto QLinear whose weight's class is exactly `kind` (4- or 2-bit, along
+    the output rows, groups along K of a power-of-two size from 16 to 256), with no activation
+    quantization and no hooks, and a bias (if any) of its dtype; else None."""
+    cls = type(module)
+    if cls.__name__ != "QLinear" or not cls.__module__.startswith(_QUANTO):
+        return None
+    w, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(w).__name__ != kind or not type(w).__module__.startswith(_QUANTO):
+        return None
+    if (getattr(module, "activation_qtype", None) is not None or module._forward_pre_hooks or module._forward_hooks
+            or w.dim() != 2):
+        return None
+    bits = getattr(getattr(w, "qtype", None), "bits", None)
+    n, k = w.shape
+    group = _group(w)
+    if not (bits in (4, 2) and getattr(w, "axis", None) == 0 and isinstance(group, int) and 16 <= group <= 256
+            and group & (group - 1) == 0 and k % group == 0 and n % (8 // bits) == 0 and w.dtype in _DTYPES
+            and runs_on(w.device)):
+        return None
+    if bias is not None and not (is_plain(bias) and bias.dtype == w.dtype and tuple(bias.shape) == (n,)
+                                 and bias.device == w.device):
+        return None
+    return w
+
+
+def _group(w) -> int:
+    """A quanto weight's group along K: its group size, or K itself where it has one scale a row
+    (quanto's choice for in_features of 128 or less, or without a divisor of 32 to 128)."""
+    return getattr(w, "_group_size", None) or w.shape[1]
+
+
+def quanto_grouped(module: nn.Module) -> GroupedWeight | None:
+    """What the grouped form reads of a frozen quanto QLinear holding a plain `WeightQBitsTensor`
+    (the "scale_shift" rule, its own bytes and groups, no copy), else None."""
+    w = _frozen_qbits(module, "WeightQBitsTensor")
+    if w is None:
+        return None
+    bits, group, (n, k) = w.qtype.bits, _group(w), w.shape
+    packed, scale, shift = getattr(w._data, "_data", None), getattr(w, "_scale", None), getattr(w, "_shift", None)
+    if not (type(w._data).__name__ == "PackedTensor" and getattr(w._data, "_bits", bits) == bits
+            and isinstance(packed, torch.Tensor) and is_plain(packed) and packed.dtype == torch.uint8
+            and packed.is_contiguous() and packed.numel() * (8 // bits) == n * k):
+        return None
+    for t in (scale, shift):  # (an integer shift is a zero-point: another rounding)
+        if not (isinstance(t, torch.Tensor) and is_plain(t) and t.dtype == w.dtype and t.numel() == n * k // group
+                and t.device == packed.device and t.is_contiguous()):
+            return None
+    bias = module.bias
+    return GroupedWeight(packed.detach().reshape(n * bits // 8, k), scale.detach().reshape(-1),
+                         shift.detach().reshape(-1), group, bits, None if bias is None else bias.detach(), (n, k),
+                         "scale_shift")
+
+
+def tinygemm_weight(module: nn.Module):
+    """The `TinyGemmWeightQBitsTensor` of a frozen quanto QLinear that a `TinyGemmCopy` can stand
+    for (4-bit, bf16, its scale and zero one pair a group), else None."""
+    w = _frozen_qbits(module, "TinyGemmWeightQBitsTensor")
+    if w is None or w.qtype.bits != 4:
+        return None
+    n, k = w.shape
+    data, pairs = getattr(w._data, "_data", None), getattr(w, "_scale_shift", None)
+    if not (isinstance(data, torch.Tensor) and is_plain(data) and isinstance(pairs, torch.Tensor) and is_plain(pairs)
+            and tuple(pairs.shape) == (k // _group(w), n, 2) and pairs.dtype == w.dtype
+            and data.device == pairs.device and data.element_size() * data.numel() * 2 == n * k):
+        return None
+    return w
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit fields of a packed tensor in storage order (each byte's low nibble first)."""
+    b = packed.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack((b & 15, b >> 4), dim=1).reshape(-1)
+
+
+def _pack_like_tinygemm(codes: torch.Tensor) -> torch.Tensor:
+    """torch's int4 packing of uint8 codes [N, K] on their device, as quanto packs them."""
+    from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
+
+    return TinyGemmPackedTensor.pack(codes)._data
+
+
+@torch.no_grad()
+def tinygemm_order(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """For each 4-bit field of torch's int4 packing of an [n, k] weight on `device`, in storage order,
+    the flat index (row * k + column) of the code it holds: the packing of each hex digit of every
+    index, read back. Raises RuntimeError where the packing is not a permutation of the codes."""
+    count = n * k
+    kind = torch.int32 if count < 1 << 31 else torch.int64
+    index = torch.arange(count, device=device, dtype=kind)
+    order = torch.zeros(count, device=device, dtype=kind)
+    for digit in range(0, max(1, (count - 1).bit_length()), 4):
+        codes = ((index >> digit) & 15).to(torch.uint8).reshape(n, k)
+        order |= _nibbles(_pack_like_tinygemm(codes)).to(kind) << digit
+    del index
+    seen = torch.zeros(count, dtype=torch.bool, device=device)
+    if order.numel() == count and bool((order >= 0).all()) and bool((order < count).all()):
+        seen[order] = True  # (count indices in range covering every position: a permutation)
+    if not bool(seen.all()):
+        raise RuntimeError(f"torch's int4 packing of a ({n}, {k}) weight on {device} is not a permutation of its codes")
+    return order
+
+
+@torch.no_grad()
+def tinygemm_codes(w, order: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit codes [N, K] (uint8) of a TinyGemmWeightQBitsTensor, read through `order`
+    (tinygemm_order of its shape and device), checked against the int4 matmul's own reading of 16 of
+    its columns (an identity's rows times the codes: RuntimeError if they differ)."""
+    n, k = w.shape
+    data = w._data._data
+    order = tinygemm_order(n, k, data.device) if order is None else order
+    codes = torch.empty(n * k, dtype=torch.uint8, device=data.device)
+    codes[order] = _nibbles(data)
+    codes = codes.reshape(n, k)
+    columns = torch.linspace(0, k - 1, 16, device=data.device).long()
+    eye = torch.zeros(16, k, dtype=torch.bfloat16, device=data.device)
+    eye[torch.arange(16, device=data.device), columns] = 1
+    unit = torch.ones(k // 32, n, 2, dtype=torch.bfloat16, device=data.device)
+    unit[:, :, 1] = 8  # ((q - 8) * 1 + 8: each code as it is)
+    if data.device.type == "cpu":
+        read = torch._weight_int4pack_mm_for_cpu(eye, data, 32, unit)
+    else:
+        read = torch._weight_int4pack_mm(eye, data, 32, unit)
+    if not torch.equal(read.t().to(torch.uint8), codes[:, columns]):
+        raise RuntimeError("the codes read back from torch's int4 packing differ from its matmul's")
+    return codes
+
+
+def tinygemm_copy_bytes(weight) -> int:
+    """The device bytes a TinyGemmCopy of `weight` takes: half a byte a weight, two values a group."""
+    n, k = weight.shape
+    return n * k // 2 + 2 * (n * k // _group(weight)) * weight.element_size()
+
+
+class TinyGemmCopy:
+    """The grouped form's copy of one quanto TinyGemm weight (codes in quanto's own 4-bit layout,
+    scales and zeros per group in its dtype), and the state of the tensors it was made from. The
+    interface of hqq_four_bit_copy.FourBitCopy: DecodeGemms refreshes both alike."""
+
+    def __init__(self, module: nn.Module, weight) -> None:
+        self.module, self.weight = module, weight
+        n, k = weight.shape
+        device = weight._data._data.device
+        groups = n * k // _group(weight)
+        self.packed = torch.empty(n // 2, k, dtype=torch.uint8, device=device)
+        self.scale = torch.empty(groups, dtype=weight.dtype, device=device)
+        self.zero = torch.empty(groups, dtype=weight.dtype, device=device)
+        self._made_from: tuple | None = None
+
+    @property
+    def grouped(self) -> GroupedWeight:
+        bias = self.module.bias
+        return GroupedWeight(self.packed, self.scale, self.zero, _group(self.weight), 4,
+                             None if bias is None else bias.detach(), tuple(self.weight.shape), "fma_centered")
+
+    def words(self) -> list[torch.Tensor]:
+        """The tensors the copy is made from, as 2-D integer views (for word_hashes)."""
+        data, pairs = self.weight._data._data, self.weight._scale_shift
+        return [data.reshape(data.shape[0], -1), pairs.view(torch.int16).reshape(pairs.shape[0], -1)]
+
+    def version(self) -> tuple | None:
+        tensors = (self.weight._data._data, self.weight._scale_shift)
+        return None if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
+
+    def moved(self) -> bool:
+        version = self.version()
+        return version is None or self._made_from is None or version != self._made_from[0]
+
+    @torch.no_grad()
+    def refresh(self, version: tuple | None, words_hash: tuple, orders: dict | None = None) -> bool:
+        """Rebuild the copy in place unless `version` and `words_hash` are those it was made from;
+        True if it was rebuilt (the device synchronized around the write, as FourBitCopy's). `orders`:
+        the packing's orders by (N, K, device), shared by the copies one refresh rebuilds."""
+        made = self._made_from
+        if made is not None and words_hash == made[1] and (version is None or version == made[0]):
+            return False
+        w, device = self.weight, self.packed.device
+        n, k = w.shape
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        orders = {} if orders is None else orders
+        order = orders.get((n, k, device))
+        if order is None:
+            order = orders[(n, k, device)] = tinygemm_order(n, k, device)
+        codes = tinygemm_codes(w, order)
+        self.packed.copy_(codes[: n // 2] | (codes[n // 2:] << 4))
+        pairs = w._scale_shift  # [K / group, N, 2]
+        self.scale.copy_(pairs[:, :, 0].t().reshape(-1))
+        self.zero.copy_(pairs[:, :, 1].t().reshape(-1))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self._made_from = (version, words_hash)
+        return True
