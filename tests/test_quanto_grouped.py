@@ -18,8 +18,7 @@ import hf_async_cb.model.decode_gemm as decode_gemm
 import hf_async_cb.model.quanto_grouped as quanto_grouped_module
 from hf_async_cb.kernels.skinny_gemm_forms import WeightForm
 from hf_async_cb.model.decode_gemm import DecodeGemms
-from hf_async_cb.model.quanto_grouped import (TinyGemmCopy, quanto_grouped, tinygemm_codes, tinygemm_order,
-                                              tinygemm_weight)
+from hf_async_cb.model.quanto_grouped import QuantoCopy, copied_weight, packing_order, quanto_grouped, tinygemm_codes
 
 quanto = pytest.importorskip("optimum.quanto")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,10 +109,10 @@ def test_which_quanto_modules_are_taken():
     module = _linear(32, 128)
     module.bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float64, device=DEVICE))  # quanto would promote
     assert quanto_grouped(module) is None
-    assert quanto_grouped(torch.nn.Linear(128, 32)) is None and tinygemm_weight(torch.nn.Linear(128, 32)) is None
+    assert quanto_grouped(torch.nn.Linear(128, 32)) is None and copied_weight(torch.nn.Linear(128, 32)) is None
     bf16 = _linear(32, 256, dtype=torch.bfloat16)  # groups of 128 in bf16: quanto's tinygemm tensor
     assert type(bf16.weight).__name__ == "TinyGemmWeightQBitsTensor"
-    assert quanto_grouped(bf16) is None and tinygemm_weight(bf16) is bf16.weight
+    assert quanto_grouped(bf16) is None and copied_weight(bf16) is bf16.weight
     model = _model()
     layers = model.config.num_hidden_layers
     found = [m for m in model.modules() if quanto_grouped(m) is not None]
@@ -127,10 +126,10 @@ def test_tinygemm_codes_are_quantos(n, k):
     matmul times an identity) gives, and the copy holds them in quanto's plain layout with the
     tinygemm scales and zeros per group."""
     module = _linear(n, k, dtype=torch.bfloat16, seed=n)
-    w = tinygemm_weight(module)
+    w = copied_weight(module)
     codes = tinygemm_codes(w)
     assert codes.dtype == torch.uint8 and torch.equal(codes, w._data.unpack())
-    made = TinyGemmCopy(module, w)
+    made = QuantoCopy(module, w)
     made.refresh(made.version(), (0,))
     found = made.grouped
     assert found.dequant == "fma_centered" and found.packed.shape == (n // 2, k)
@@ -144,7 +143,7 @@ def test_the_fma_centered_rule_is_tinygemms_reading():
     """The weights the tinygemm matmul reads (its product with an identity, bf16) are (q - 8) * scale +
     zero rounded once, of the copy's codes and groups (checked in fp32: the interpreter has no bf16)."""
     module = _linear(96, 512, dtype=torch.bfloat16, seed=4)
-    made = TinyGemmCopy(module, tinygemm_weight(module))
+    made = QuantoCopy(module, copied_weight(module))
     made.refresh(made.version(), (0,))
     found = made.grouped
     with torch.no_grad():
@@ -159,13 +158,13 @@ def test_the_fma_centered_rule_is_tinygemms_reading():
 def test_a_packing_that_is_no_permutation_is_refused(monkeypatch):
     module = _linear(32, 256, dtype=torch.bfloat16)
     real = quanto_grouped_module._pack_like_tinygemm
-    monkeypatch.setattr(quanto_grouped_module, "_pack_like_tinygemm", lambda codes: real(codes & 7))
+    monkeypatch.setitem(quanto_grouped_module.PACKINGS, "tinygemm", lambda codes: real(codes & 7))
     with pytest.raises(RuntimeError, match="not a permutation"):
-        tinygemm_order(32, 256, torch.device(DEVICE))
+        packing_order("tinygemm", 32, 256, torch.device(DEVICE))
     monkeypatch.undo()
-    order = tinygemm_order(32, 256, torch.device(DEVICE))
+    order = packing_order("tinygemm", 32, 256, torch.device(DEVICE))
     with pytest.raises(RuntimeError, match="differ"):  # a permutation, but not the packing's
-        tinygemm_codes(tinygemm_weight(module), order.flip(0))
+        tinygemm_codes(copied_weight(module), order.flip(0))
 
 
 def test_the_copy_follows_writes_to_its_source():
@@ -286,3 +285,27 @@ def test_cuda_tinygemm_model_through_the_copies(mode, grouped_calls):
     ours = model.generate(ids, attention_mask=mask, batching=mode, batching_config=config, max_new_tokens=6).cpu()
     assert ours.shape == stock.shape
     assert (ours == stock.cpu()).float().mean() > 0.8  # (near-ties of a random bf16 model aside)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="quanto makes AWQ tensors on CUDA only (fp16, groups of 128)")
+def test_cuda_awq_copy_holds_quantos_codes_and_groups():
+    """An fp16 quanto int4 linear on CUDA holds quanto's AWQ tensor (its kernels on the legacy stream):
+    the copy holds its codes (quanto's own unpacking) and groups, the kernel rebuilds q * scale + shift
+    rounded once (its fma's rounding), and the module is routed, so its decode steps may be captured.
+    (Quanto's AWQ matmul itself builds an extension on first use: not run here.)"""
+    module = _linear(256, 512, dtype=torch.float16, seed=9)
+    w = module.weight
+    if type(w).__name__ != "AWQWeightQBitsTensor":
+        pytest.skip(f"quanto chose {type(w).__name__} on this machine")
+    assert copied_weight(module) is w
+    made = QuantoCopy(module, w)
+    made.refresh(made.version(), (0,))
+    found = made.grouped
+    codes = w._data.unpack()
+    assert found.dequant == "fma" and torch.equal(torch.cat((found.packed & 15, found.packed >> 4)), codes)
+    scale, shift = w._scale.t(), w._shift.t()  # [N, K / 128]
+    assert torch.equal(found.scale.reshape(256, -1), scale) and torch.equal(found.zero.reshape(256, -1), shift)
+    expected = (codes.float().reshape(256, 4, 128) * scale.float()[:, :, None] + shift.float()[:, :, None])
+    assert torch.equal(_rebuilt(found, torch.float16), expected.reshape(256, 512).to(torch.float16))
+    gemms = DecodeGemms(torch.nn.Sequential(module), None)
+    assert gemms.graph_routed_modules() == [module] and "quanto int4 (awq)" in gemms.summary()

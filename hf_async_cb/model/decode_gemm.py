@@ -46,8 +46,9 @@ from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_li
                                               skinny_linear_grouped)
 from hf_async_cb.kernels.skinny_gemm_forms import PLAIN, SCALED_INT8, WeightForm
 from hf_async_cb.model.attention import current_metadata
+from hf_async_cb.model.graph_safety import launches_off_stream
 from hf_async_cb.model.hqq_four_bit_copy import FourBitCopy, copies_fit, copy_bytes, takes_a_copy, word_hashes
-from hf_async_cb.model.quanto_grouped import TinyGemmCopy, quanto_grouped, tinygemm_copy_bytes, tinygemm_weight
+from hf_async_cb.model.quanto_grouped import QuantoCopy, copied_weight, quanto_copy_bytes, quanto_grouped
 from hf_async_cb.model.quantized_linears import (  # noqa: F401 (the pickers, importable from here too)
     Bnb4bit, BnbInt8, GroupedWeight, PrescaledWeight, bnb_4bit, bnb_4bit_form, bnb_compute_dtype, bnb_int8,
     hqq_grouped, quanto_bytes, scaled_int8, torchao_float8)
@@ -277,16 +278,16 @@ class DecodeGemms:
         # HQQ's 3-bit words read through 4-bit copies, and quanto's tinygemm codes through copies in
         # quanto's own layout, where they all fit (model/hqq_four_bit_copy.py, model/quanto_grouped.py).
         three_bit = [(m, found) for m, found in self._hqq if takes_a_copy(found)]
-        tinygemm = [(m, w) for m in model.modules() if (w := tinygemm_weight(m)) is not None]
+        copied = [(m, w) for m in model.modules() if (w := copied_weight(m)) is not None]
         sizes = [(f.packed.device, copy_bytes(f)) for _, f in three_bit]
-        sizes += [(w.device, tinygemm_copy_bytes(w)) for _, w in tinygemm]
-        self.copies = ([FourBitCopy(m, found) for m, found in three_bit] + [TinyGemmCopy(m, w) for m, w in tinygemm]
+        sizes += [(w.device, quanto_copy_bytes(w)) for _, w in copied]
+        self.copies = ([FourBitCopy(m, found) for m, found in three_bit] + [QuantoCopy(m, w) for m, w in copied]
                        if copies_fit(sizes) else [])
         self.refresh_copies()  # (made: their words' hashes in one transfer)
         by_module = {id(c.module): c.grouped for c in self.copies}
         self._hqq = [(m, by_module.get(id(m), found)) for m, found in self._hqq]
         self._quanto_grouped = [(m, found) for m in model.modules() if (found := quanto_grouped(m)) is not None]
-        self._quanto_grouped += [(c.module, c.grouped) for c in self.copies if isinstance(c, TinyGemmCopy)]
+        self._quanto_grouped += [(c.module, c.grouped) for c in self.copies if isinstance(c, QuantoCopy)]
         self._quanto = [(m, found) for m in model.modules() if (found := quanto_bytes(m)) is not None]
         self._float8 = [(m, found) for m in model.modules() if (found := torchao_float8(m)) is not None]
         self._bnb = [(m, found) for m in model.modules() if (found := bnb_4bit(m)) is not None
@@ -358,7 +359,7 @@ class DecodeGemms:
         """The modules whose own forward no CUDA graph holds (LLM.int8()'s outliers found on the host,
         quanto's plain 4/2-bit kernels on the legacy stream) that attach() routes: their steps of up
         to MAX_M rows run the kernels, which a graph can hold (model/graph_safety.py)."""
-        return [m for m, _ in self._llm_int8] + [m for m, f in self._quanto_grouped if f.dequant == "scale_shift"]
+        return [m for m, _ in self._llm_int8] + [m for m, _ in self._quanto_grouped if launches_off_stream(m.weight)]
 
     def wins(self) -> int:
         """How many (weight, rows bucket) pairs run the kernel (scaled int8 weights not counted)."""
@@ -431,10 +432,11 @@ class DecodeGemms:
             plain = sum(f.bits == bits and f.dequant == "scale_shift" for _, f in self._quanto_grouped)
             if plain:
                 grouped += f"; {plain} quanto int{bits} projections read as {bits}-bit"
-        tinygemm = [c for c in self.copies if isinstance(c, TinyGemmCopy)]
-        if tinygemm:
-            grouped += (f"; {len(tinygemm)} quanto int4 (tinygemm) projections read as 4-bit (copies of "
-                        f"{sum(tinygemm_copy_bytes(c.weight) for c in tinygemm) / 2**20:.1f} MiB)")
+        for layout in ("tinygemm", "awq"):
+            copies = [c for c in self.copies if isinstance(c, QuantoCopy) and c.layout == layout]
+            if copies:
+                grouped += (f"; {len(copies)} quanto int4 ({layout}) projections read as 4-bit (copies of "
+                            f"{sum(quanto_copy_bytes(c.weight) for c in copies) / 2**20:.1f} MiB)")
         int8 = sum(f.data.dtype == torch.int8 for _, f in self._quanto)
         quanto = f"; {int8} quanto int8 projections read as int8" if int8 else ""
         if len(self._quanto) > int8:

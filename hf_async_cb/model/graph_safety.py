@@ -14,9 +14,9 @@ failed, and the failed capture left torch's CUDA generator marked as capturing, 
 random draw of the process raised (engine/captured_graph.py now also repairs that). Where the engine
 routes such linears through kernels/llm_int8.py (their steps of up to 256 rows: model/decode_gemm.py),
 those steps are captured and larger ones run eagerly (`graph_token_cap`); other such models run
-without CUDA graphs from the start. quanto's plain 4- and 2-bit linears that the engine routes through
-the skinny GEMM's grouped form (model/quanto_grouped.py) are alike: their steps of up to 256 rows run
-the kernel on the current stream and are captured, larger ones run quanto's forward eagerly.
+without CUDA graphs from the start. quanto's plain 4- and 2-bit linears and its AWQ ones that the engine
+routes through the skinny GEMM's grouped form (model/quanto_grouped.py) are alike: their steps of up to
+256 rows run the kernel on the current stream and are captured, larger ones run quanto's forward eagerly.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class FourBitCopy:
         """Rebuild the copy in place unless `version` (the words' counter, read before `words_hash`,
         their hash now) and the hash are those it was made from; True if it was rebuilt. On CUDA the
         device is synchronized around the write: a serving loop's step may be reading the copy, and
-        the next one must read the new values. (`orders`: quanto_grouped.TinyGemmCopy's, unused here.)"""
+        the next one must read the new values. (`orders`: quanto_grouped.QuantoCopy's, unused here.)"""
         made = self._made_from  # (FourBitCopy(...) writes nothing: DecodeGemms refreshes all of them at once)
         if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False

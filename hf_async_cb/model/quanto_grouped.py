@@ -11,18 +11,20 @@ device and dtype (optimum-quanto 0.2.7, `WeightQBitsTensor.create`):
 - `TinyGemmWeightQBitsTensor` (bf16, groups of 128: what an 8B bf16 model quantized to int4 holds): the
   codes in the layout of torch's int4 matmul (`_weight_int4pack_mm`, made for a row or two), which no
   other kernel reads, with its scale and zero per group. The grouped form reads a copy of the codes in
-  quanto's own layout and of the groups (`TinyGemmCopy`, the "fma_centered" rule: (q - 8) * scale + zero).
-- `AWQWeightQBitsTensor` (fp16 on CUDA with quanto's extension): left to its own forward.
+  quanto's own layout and of the groups (`QuantoCopy`, the "fma_centered" rule: (q - 8) * scale + zero).
+- `AWQWeightQBitsTensor` (fp16 on CUDA, groups of 128): the codes in the interleaved layout of quanto's AWQ
+  kernels, which run on the legacy stream; read through a copy alike (the "fma" rule: q * scale + its
+  negated shift, rounded once, as the kernel's half-precision fma rounds).
 
 A copy costs N * K / 2 bytes and two values a group on the device, beside the weight (which quanto's own
 forward, for prefill steps and stock, keeps reading); `copies_fit` (model/hqq_four_bit_copy.py) takes the
 copies only where they fit a quarter of the free memory. It is never stale: refreshed as HQQ's 3-bit
 copies are, by version counters and a hash of the codes and groups (DecodeGemms.refresh_copies).
 
-The layout of torch's int4 packing is not documented and depends on the device. `tinygemm_codes`
-reads it back through the packing itself: it packs the digits of every position's index, so that each
-packed nibble names the weight it came from, checks that this is a permutation, and checks a few
-columns against the matmul's own reading of the codes.
+The layout of torch's int4 packing is not documented and depends on the device. `packing_order` reads
+it (and AWQ's) back through the packing itself: it packs the digits of every position's index, so that
+each packed nibble names the weight it came from, and checks that this is a permutation;
+`tinygemm_codes` also checks a few columns against the int4 matmul's own reading of the codes.
 """
 
 from __future__ import annotations
@@ -92,19 +94,41 @@ def quanto_grouped(module: nn.Module) -> GroupedWeight | None:
                          "scale_shift")
 
 
-def tinygemm_weight(module: nn.Module):
-    """The `TinyGemmWeightQBitsTensor` of a frozen quanto QLinear that a `TinyGemmCopy` can stand
-    for (4-bit, bf16, its scale and zero one pair a group), else None."""
-    w = _frozen_qbits(module, "TinyGemmWeightQBitsTensor")
-    if w is None or w.qtype.bits != 4:
-        return None
+def copied_weight(module: nn.Module):
+    """The weight of a frozen quanto QLinear that a `QuantoCopy` can stand for, else None: a
+    `TinyGemmWeightQBitsTensor` (bf16) with its scale and zero one pair a group, or an
+    `AWQWeightQBitsTensor` (fp16 on CUDA) in its second packing with a scale and shift a group."""
+    for kind, check in (("TinyGemmWeightQBitsTensor", _tinygemm_tensors), ("AWQWeightQBitsTensor", _awq_tensors)):
+        w = _frozen_qbits(module, kind)
+        if w is not None:
+            tensors = check(w) if w.qtype.bits == 4 else None
+            ok = tensors is not None and all(isinstance(t, torch.Tensor) and is_plain(t) for t in tensors)
+            if ok and all(t.device == tensors[0].device for t in tensors) and _nbytes(tensors[0]) * 2 == w.numel():
+                return w
+    return None
+
+
+def _tinygemm_tensors(w):
     n, k = w.shape
-    data, pairs = getattr(w._data, "_data", None), getattr(w, "_scale_shift", None)
-    if not (isinstance(data, torch.Tensor) and is_plain(data) and isinstance(pairs, torch.Tensor) and is_plain(pairs)
-            and tuple(pairs.shape) == (k // _group(w), n, 2) and pairs.dtype == w.dtype
-            and data.device == pairs.device and data.element_size() * data.numel() * 2 == n * k):
+    pairs = getattr(w, "_scale_shift", None)
+    if not (isinstance(pairs, torch.Tensor) and tuple(pairs.shape) == (k // _group(w), n, 2) and pairs.dtype == w.dtype):
         return None
-    return w
+    return getattr(w._data, "_data", None), pairs
+
+
+def _awq_tensors(w):
+    n, k = w.shape
+    scale, shift = getattr(w, "_scale", None), getattr(w, "_shift", None)
+    if str(getattr(w._data, "_packing", None)) != "AWQPacking.V2" or w._data._data.dtype != torch.int16:
+        return None
+    for t in (scale, shift):
+        if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (k // _group(w), n) and t.dtype == w.dtype):
+            return None
+    return w._data._data, scale, shift
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.element_size() * t.numel()
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -120,38 +144,53 @@ def _pack_like_tinygemm(codes: torch.Tensor) -> torch.Tensor:
     return TinyGemmPackedTensor.pack(codes)._data
 
 
+def _pack_like_awq(codes: torch.Tensor) -> torch.Tensor:
+    """quanto's second AWQ packing of uint8 codes [N, K] (CUDA only)."""
+    from optimum.quanto.tensor.weights.awq.packed import pack_v2
+
+    return pack_v2(codes)
+
+
+PACKINGS = {"tinygemm": _pack_like_tinygemm, "awq": _pack_like_awq}
+
+
 @torch.no_grad()
-def tinygemm_order(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """For each 4-bit field of torch's int4 packing of an [n, k] weight on `device`, in storage order,
-    the flat index (row * k + column) of the code it holds: the packing of each hex digit of every
-    index, read back. Raises RuntimeError where the packing is not a permutation of the codes."""
+def packing_order(layout: str, n: int, k: int, device: torch.device) -> torch.Tensor:
+    """For each 4-bit field of `layout`'s packing (PACKINGS) of an [n, k] weight on `device`, in
+    storage order, the flat index (row * k + column) of the code it holds: the packing of each hex
+    digit of every index, read back. Raises RuntimeError where the packing is not a permutation."""
     count = n * k
     kind = torch.int32 if count < 1 << 31 else torch.int64
     index = torch.arange(count, device=device, dtype=kind)
     order = torch.zeros(count, device=device, dtype=kind)
     for digit in range(0, max(1, (count - 1).bit_length()), 4):
         codes = ((index >> digit) & 15).to(torch.uint8).reshape(n, k)
-        order |= _nibbles(_pack_like_tinygemm(codes)).to(kind) << digit
+        order |= _nibbles(PACKINGS[layout](codes)).to(kind) << digit
     del index
     seen = torch.zeros(count, dtype=torch.bool, device=device)
     if order.numel() == count and bool((order >= 0).all()) and bool((order < count).all()):
         seen[order] = True  # (count indices in range covering every position: a permutation)
     if not bool(seen.all()):
-        raise RuntimeError(f"torch's int4 packing of a ({n}, {k}) weight on {device} is not a permutation of its codes")
+        raise RuntimeError(f"quanto's {layout} packing of a ({n}, {k}) weight on {device} is not a permutation "
+                           f"of its codes")
     return order
+
+
+def _codes(data: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    codes = torch.empty(n * k, dtype=torch.uint8, device=data.device)
+    codes[order] = _nibbles(data)
+    return codes.reshape(n, k)
 
 
 @torch.no_grad()
 def tinygemm_codes(w, order: torch.Tensor | None = None) -> torch.Tensor:
     """The 4-bit codes [N, K] (uint8) of a TinyGemmWeightQBitsTensor, read through `order`
-    (tinygemm_order of its shape and device), checked against the int4 matmul's own reading of 16 of
+    (packing_order of its shape and device), checked against the int4 matmul's own reading of 16 of
     its columns (an identity's rows times the codes: RuntimeError if they differ)."""
     n, k = w.shape
     data = w._data._data
-    order = tinygemm_order(n, k, data.device) if order is None else order
-    codes = torch.empty(n * k, dtype=torch.uint8, device=data.device)
-    codes[order] = _nibbles(data)
-    codes = codes.reshape(n, k)
+    order = packing_order("tinygemm", n, k, data.device) if order is None else order
+    codes = _codes(data, order, n, k)
     columns = torch.linspace(0, k - 1, 16, device=data.device).long()
     eye = torch.zeros(16, k, dtype=torch.bfloat16, device=data.device)
     eye[torch.arange(16, device=data.device), columns] = 1
@@ -166,19 +205,20 @@ def tinygemm_codes(w, order: torch.Tensor | None = None) -> torch.Tensor:
     return codes
 
 
-def tinygemm_copy_bytes(weight) -> int:
-    """The device bytes a TinyGemmCopy of `weight` takes: half a byte a weight, two values a group."""
+def quanto_copy_bytes(weight) -> int:
+    """The device bytes a QuantoCopy of `weight` takes: half a byte a weight, two values a group."""
     n, k = weight.shape
     return n * k // 2 + 2 * (n * k // _group(weight)) * weight.element_size()
 
 
-class TinyGemmCopy:
-    """The grouped form's copy of one quanto TinyGemm weight (codes in quanto's own 4-bit layout,
+class QuantoCopy:
+    """The grouped form's copy of one quanto TinyGemm or AWQ weight (codes in quanto's own 4-bit layout,
     scales and zeros per group in its dtype), and the state of the tensors it was made from. The
     interface of hqq_four_bit_copy.FourBitCopy: DecodeGemms refreshes both alike."""
 
     def __init__(self, module: nn.Module, weight) -> None:
         self.module, self.weight = module, weight
+        self.layout = "tinygemm" if type(weight).__name__.startswith("TinyGemm") else "awq"
         n, k = weight.shape
         device = weight._data._data.device
         groups = n * k // _group(weight)
@@ -189,17 +229,24 @@ class TinyGemmCopy:
 
     @property
     def grouped(self) -> GroupedWeight:
+        """What the grouped form reads: the copy, by tinygemm's rule ((q - 8) * scale + zero) or AWQ's
+        kernel's (q * scale + its negated shift), each rounded once."""
         bias = self.module.bias
         return GroupedWeight(self.packed, self.scale, self.zero, _group(self.weight), 4,
-                             None if bias is None else bias.detach(), tuple(self.weight.shape), "fma_centered")
+                             None if bias is None else bias.detach(), tuple(self.weight.shape),
+                             "fma_centered" if self.layout == "tinygemm" else "fma")
+
+    def _sources(self) -> tuple:
+        w = self.weight
+        return (w._data._data, w._scale_shift) if self.layout == "tinygemm" else (w._data._data, w._scale, w._shift)
 
     def words(self) -> list[torch.Tensor]:
         """The tensors the copy is made from, as 2-D integer views (for word_hashes)."""
-        data, pairs = self.weight._data._data, self.weight._scale_shift
-        return [data.reshape(data.shape[0], -1), pairs.view(torch.int16).reshape(pairs.shape[0], -1)]
+        data, *groups = self._sources()
+        return [data.reshape(data.shape[0], -1)] + [g.view(torch.int16).reshape(g.shape[0], -1) for g in groups]
 
     def version(self) -> tuple | None:
-        tensors = (self.weight._data._data, self.weight._scale_shift)
+        tensors = self._sources()
         return None if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
 
     def moved(self) -> bool:
@@ -210,7 +257,7 @@ class TinyGemmCopy:
     def refresh(self, version: tuple | None, words_hash: tuple, orders: dict | None = None) -> bool:
         """Rebuild the copy in place unless `version` and `words_hash` are those it was made from;
         True if it was rebuilt (the device synchronized around the write, as FourBitCopy's). `orders`:
-        the packing's orders by (N, K, device), shared by the copies one refresh rebuilds."""
+        the packings' orders by (layout, N, K, device), shared by the copies one refresh rebuilds."""
         made = self._made_from
         if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False
@@ -219,14 +266,20 @@ class TinyGemmCopy:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         orders = {} if orders is None else orders
-        order = orders.get((n, k, device))
+        key = (self.layout, n, k, device)
+        order = orders.get(key)
         if order is None:
-            order = orders[(n, k, device)] = tinygemm_order(n, k, device)
-        codes = tinygemm_codes(w, order)
+            order = orders[key] = packing_order(self.layout, n, k, device)
+        data, *groups = self._sources()
+        if self.layout == "tinygemm":
+            codes = tinygemm_codes(w, order)
+            scale, zero = groups[0][:, :, 0], groups[0][:, :, 1]  # ([K / group, N, 2])
+        else:
+            codes = _codes(data, order, n, k)
+            scale, zero = groups  # ([K / group, N] each; the shift negated: q * scale + shift)
         self.packed.copy_(codes[: n // 2] | (codes[n // 2:] << 4))
-        pairs = w._scale_shift  # [K / group, N, 2]
-        self.scale.copy_(pairs[:, :, 0].t().reshape(-1))
-        self.zero.copy_(pairs[:, :, 1].t().reshape(-1))
+        self.scale.copy_(scale.t().reshape(-1))
+        self.zero.copy_(zero.t().reshape(-1))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self._made_from = (version, words_hash)
