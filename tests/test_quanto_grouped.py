@@ -156,15 +156,37 @@ def test_the_fma_centered_rule_is_tinygemms_reading():
 
 
 def test_a_packing_that_is_no_permutation_is_refused(monkeypatch):
-    module = _linear(32, 256, dtype=torch.bfloat16)
     real = quanto_grouped_module._pack_like_tinygemm
     monkeypatch.setitem(quanto_grouped_module.PACKINGS, "tinygemm", lambda codes: real(codes & 7))
     with pytest.raises(RuntimeError, match="not a permutation"):
         packing_order("tinygemm", 32, 256, torch.device(DEVICE))
-    monkeypatch.undo()
-    order = packing_order("tinygemm", 32, 256, torch.device(DEVICE))
-    with pytest.raises(RuntimeError, match="differ"):  # a permutation, but not the packing's
-        tinygemm_codes(copied_weight(module), order.flip(0))
+
+
+def test_codes_that_do_not_pack_back_are_refused(monkeypatch):
+    """An order that is a permutation but not the packing's: the block's codes do not pack into the
+    weight's bytes, so the whole weight's order is read back (and is right); where that fails too, the
+    weight is refused."""
+    module = _linear(64, 256, dtype=torch.bfloat16, seed=3)
+    data = module.weight._data._data
+    real = quanto_grouped_module.packing_order
+    orders = {("tinygemm", 64, 256, data.device): real("tinygemm", 64, 256, data.device).flip(0)}
+    assert torch.equal(tinygemm_codes(module.weight, orders), module.weight._data.unpack())
+    monkeypatch.setattr(quanto_grouped_module, "packing_order", lambda *a: real(*a).flip(0))
+    with pytest.raises(RuntimeError, match="could not be read back"):
+        tinygemm_codes(module.weight)
+
+
+@pytest.mark.parametrize("n", [2048, 96])
+def test_the_order_of_a_block_serves_every_block(n, monkeypatch):
+    """A tall weight's codes are read through the order of a block of rows (a few KiB to read back),
+    in slices of rows for the check (REPACK_BYTES). 96 rows: a block of 32 first (on the CPU its packing
+    takes larger blocks: the codes do not pack back, and the whole weight's order is read)."""
+    monkeypatch.setattr(quanto_grouped_module, "REPACK_BYTES", 1 << 16)
+    module = _linear(n, 256, dtype=torch.bfloat16, seed=n)
+    orders: dict = {}
+    assert torch.equal(tinygemm_codes(module.weight, orders), module.weight._data.unpack())
+    rows = [key[1] for key in orders]
+    assert rows == [256] if n == 2048 else rows[0] == 32
 
 
 def test_the_copy_follows_writes_to_its_source():

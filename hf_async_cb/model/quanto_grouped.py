@@ -22,9 +22,11 @@ copies only where they fit a quarter of the free memory. It is never stale: refr
 copies are, by version counters and a hash of the codes and groups (DecodeGemms.refresh_copies).
 
 The layout of torch's int4 packing is not documented and depends on the device. `packing_order` reads
-it (and AWQ's) back through the packing itself: it packs the digits of every position's index, so that
-each packed nibble names the weight it came from, and checks that this is a permutation;
-`tinygemm_codes` also checks a few columns against the int4 matmul's own reading of the codes.
+it (and AWQ's) back through the packing itself, for a block of rows: it packs the digits of every
+position's index, so that each packed nibble names the weight it came from, and checks that this is a
+permutation. `read_codes` applies it to every block of a weight and checks that the codes pack into the
+weight's bytes again, byte for byte; `tinygemm_codes` also checks a few columns against the int4
+matmul's own reading of the codes.
 """
 
 from __future__ import annotations
@@ -176,21 +178,53 @@ def packing_order(layout: str, n: int, k: int, device: torch.device) -> torch.Te
     return order
 
 
-def _codes(data: torch.Tensor, order: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    codes = torch.empty(n * k, dtype=torch.uint8, device=data.device)
-    codes[order] = _nibbles(data)
-    return codes.reshape(n, k)
+REPACK_BYTES = 1 << 26  # codes re-packed at once by read_codes' check (bounds its temporaries)
+
+
+def _probe_rows(n: int) -> int:
+    """The rows whose packing is read back for an [n, k] weight: a block of at most 256 rows that
+    divides n (the packings place blocks of 8 (tinygemm) or 4 (AWQ) rows after one another)."""
+    return next((r for r in (256, 128, 64, 32, 16, 8) if n % r == 0), n)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
 
 
 @torch.no_grad()
-def tinygemm_codes(w, order: torch.Tensor | None = None) -> torch.Tensor:
-    """The 4-bit codes [N, K] (uint8) of a TinyGemmWeightQBitsTensor, read through `order`
-    (packing_order of its shape and device), checked against the int4 matmul's own reading of 16 of
-    its columns (an identity's rows times the codes: RuntimeError if they differ)."""
+def read_codes(layout: str, data: torch.Tensor, n: int, k: int, orders: dict | None = None) -> torch.Tensor:
+    """The 4-bit codes [n, k] (uint8) that `layout`'s packing turned into `data`. The order is read
+    back for a block of rows (`packing_order`, kept in `orders` by (layout, rows, k, device)) and
+    applied to every block; the codes must then pack into `data` again, byte for byte (packed a slice
+    of rows at a time). Where they do not (a packing whose blocks are larger), the whole weight's order
+    is read back instead; RuntimeError if its codes do not pack into `data` either."""
+    orders = {} if orders is None else orders
+    nibbles = _nibbles(data)
+    rows = _probe_rows(n)
+    for attempt in range(2):
+        key = (layout, rows, k, data.device)
+        if attempt or key not in orders:  # (the second time the whole weight's, read afresh)
+            orders[key] = packing_order(layout, rows, k, data.device)
+        codes = torch.empty(n // rows, rows * k, dtype=torch.uint8, device=data.device)
+        codes[:, orders[key]] = nibbles.reshape(n // rows, rows * k)
+        codes = codes.reshape(n, k)
+        step = max(rows, REPACK_BYTES // k // rows * rows)
+        packed = _bytes(data)
+        if all(torch.equal(_bytes(PACKINGS[layout](codes[first:first + step])),
+                           packed[first * k // 2:(first + step) * k // 2]) for first in range(0, n, step)):
+            return codes
+        rows = n
+    raise RuntimeError(f"quanto's {layout} packing of a ({n}, {k}) weight on {data.device} could not be read back")
+
+
+@torch.no_grad()
+def tinygemm_codes(w, orders: dict | None = None) -> torch.Tensor:
+    """The 4-bit codes [N, K] (uint8) of a TinyGemmWeightQBitsTensor (read_codes), checked as well
+    against the int4 matmul's own reading of 16 of its columns (an identity's rows times the codes:
+    RuntimeError if they differ)."""
     n, k = w.shape
     data = w._data._data
-    order = packing_order("tinygemm", n, k, data.device) if order is None else order
-    codes = _codes(data, order, n, k)
+    codes = read_codes("tinygemm", data, n, k, orders)
     columns = torch.linspace(0, k - 1, 16, device=data.device).long()
     eye = torch.zeros(16, k, dtype=torch.bfloat16, device=data.device)
     eye[torch.arange(16, device=data.device), columns] = 1
@@ -257,7 +291,7 @@ class QuantoCopy:
     def refresh(self, version: tuple | None, words_hash: tuple, orders: dict | None = None) -> bool:
         """Rebuild the copy in place unless `version` and `words_hash` are those it was made from;
         True if it was rebuilt (the device synchronized around the write, as FourBitCopy's). `orders`:
-        the packings' orders by (layout, N, K, device), shared by the copies one refresh rebuilds."""
+        the packings' orders read back (read_codes), shared by the copies one refresh rebuilds."""
         made = self._made_from
         if made is not None and words_hash == made[1] and (version is None or version == made[0]):
             return False
@@ -265,17 +299,12 @@ class QuantoCopy:
         n, k = w.shape
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        orders = {} if orders is None else orders
-        key = (self.layout, n, k, device)
-        order = orders.get(key)
-        if order is None:
-            order = orders[key] = packing_order(self.layout, n, k, device)
         data, *groups = self._sources()
         if self.layout == "tinygemm":
-            codes = tinygemm_codes(w, order)
+            codes = tinygemm_codes(w, orders)
             scale, zero = groups[0][:, :, 0], groups[0][:, :, 1]  # ([K / group, N, 2])
         else:
-            codes = _codes(data, order, n, k)
+            codes = read_codes("awq", data, n, k, orders)
             scale, zero = groups  # ([K / group, N] each; the shift negated: q * scale + shift)
         self.packed.copy_(codes[: n // 2] | (codes[n // 2:] << 4))
         self.scale.copy_(scale.t().reshape(-1))
