@@ -184,6 +184,18 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
         sync_s, sync = timing.timed(lambda: model.generate(ids, batching="sync", **options), device, unseen=model)
         row.update(sync_s=round(sync_s, 3),
                    sync_rows_equal=int((stock == sync).all(dim=1).sum()) if stock is not None else None)
+    if "quanto-own" in paths and name.startswith("quanto-int"):  # the A/B: quanto's own forward in every step
+        from hf_async_cb.model import quanto_grouped
+
+        hf_async_cb.release(model)
+        quanto_grouped.ROUTED = False
+        try:
+            timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
+            own_s, _ = timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
+            row["quanto_own_forward_async_s"] = round(own_s, 3)
+        finally:
+            quanto_grouped.ROUTED = True
+            hf_async_cb.release(model)
     if "kernels" in paths:  # where a step's device time goes: one more async call, profiled
         row["kernels"] = top_kernels(lambda: model.generate(ids, batching="async", **options), device, new)
     from hf_async_cb.generate import runtime
@@ -268,7 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--budget", type=float, default=540.0, help="seconds; forms left after it are skipped")
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
-    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, kernels (a profiled call: top "
+    p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, quanto-own (quanto's 4/2-bit "
+                   "linears on their own forward: the grouped form's A/B), kernels (a profiled call: top "
                    "kernels per step), first-profile (the first call under cProfile: its slowest functions)")
     p.add_argument("--bnb-4bit-buckets", default=None,
                    help="rows buckets at which bitsandbytes' Linear4bit takes the codebook form (e.g. 2,4,8; "

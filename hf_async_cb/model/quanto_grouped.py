@@ -40,6 +40,7 @@ from hf_async_cb.model.weight_kinds import is_plain
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _QUANTO = "optimum.quanto."
+ROUTED = True  # False: quanto's 4/2-bit linears run their own forward in every step (an A/B for benchmarks)
 
 
 def _frozen_qbits(module: nn.Module, kind: str):
@@ -47,7 +48,7 @@ def _frozen_qbits(module: nn.Module, kind: str):
     the output rows, groups along K of a power-of-two size from 16 to 256), with no activation
     quantization and no hooks, and a bias (if any) of its dtype; else None."""
     cls = type(module)
-    if cls.__name__ != "QLinear" or not cls.__module__.startswith(_QUANTO):
+    if not ROUTED or cls.__name__ != "QLinear" or not cls.__module__.startswith(_QUANTO):
         return None
     w, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if type(w).__name__ != kind or not type(w).__module__.startswith(_QUANTO):
