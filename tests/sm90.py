@@ -12,8 +12,9 @@ import tempfile
 
 import pytest
 
-# Reads one request a line (the repr of (kernels, options)), answers "compiled NAME SHARED" per kernel
-# and "error TRACEBACK" if one fails, then "end".
+# Reads one request a line (the repr of (kernels, options, needles)), answers "compiled NAME SHARED COUNTS"
+# per kernel (COUNTS: how often each needle occurs in its PTX, comma-separated) and "error TRACEBACK" if
+# one fails, then "end".
 _SERVER = r"""
 import importlib, sys, traceback
 import triton
@@ -22,7 +23,7 @@ from triton.compiler import ASTSource
 
 for request in sys.stdin:
     try:
-        kernels, options = eval(request)
+        kernels, options, needles = eval(request)
         for module, name, signature, constexprs, *own in kernels:
             fn = getattr(importlib.import_module(module), name)
             signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -30,7 +31,8 @@ for request in sys.stdin:
             attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in own.pop("divisible_by_16", ())}
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=GPUTarget("cuda", 90, 64), options={**options, **own})
-            print("compiled", name, kernel.metadata.shared, flush=True)
+            counts = ",".join(str(kernel.asm["ptx"].count(needle)) for needle in needles) or "-"
+            print("compiled", name, kernel.metadata.shared, counts, flush=True)
     except Exception:
         print("error", repr(traceback.format_exc()[-3000:]), flush=True)
     print("end", flush=True)
@@ -57,9 +59,19 @@ def assert_compiles_for_sm90(kernels: list[tuple], options: dict | None = None) 
     kernel's own options over `options`, e.g. num_warps, and "divisible_by_16": the arguments a launch
     would see 16-divisible (aligned pointers, sizes), without which Triton does not pipeline loads
     through shared memory]). Returns each kernel's shared memory in bytes."""
+    return [shared for shared, _ in _compile(kernels, options, ())]
+
+
+def ptx_counts(kernels: list[tuple], needles: tuple[str, ...], options: dict | None = None) -> list[list[int]]:
+    """Per kernel (as assert_compiles_for_sm90 takes them), how often each of `needles` occurs in its
+    sm_90 PTX (e.g. "fma.rn.f32": which products the compiler fused into an add)."""
+    return [counts for _, counts in _compile(kernels, options, tuple(needles))]
+
+
+def _compile(kernels: list[tuple], options: dict | None, needles: tuple[str, ...]) -> list[tuple[int, list[int]]]:
     pytest.importorskip("triton.backends.nvidia")
     server = _compiler()
-    server.stdin.write(repr((list(kernels), options or {})).replace("\n", " ") + "\n")
+    server.stdin.write(repr((list(kernels), options or {}, needles)).replace("\n", " ") + "\n")
     server.stdin.flush()
     lines = []
     for line in server.stdout:
@@ -73,4 +85,4 @@ def assert_compiles_for_sm90(kernels: list[tuple], options: dict | None = None) 
     assert not errors, eval(errors[0][len("error "):])
     compiled = [line.split() for line in lines if line.startswith("compiled ")]
     assert len(compiled) == len(kernels), lines
-    return [int(line[2]) for line in compiled]
+    return [(int(line[2]), [int(c) for c in line[3].split(",")] if line[3] != "-" else []) for line in compiled]

@@ -287,6 +287,24 @@ def test_the_rules_compile_for_sm90():
     assert max(shared) <= 227 * 1024
 
 
+def test_the_scale_shift_rule_rounds_twice_in_fp32_on_the_gpu():
+    """quanto's plain fp32 weights round `scale * q`, then the difference with the shift: compiled for an
+    H200, the fp32 kernel must not fuse that product into the subtraction (Triton fuses a product and
+    an add into one rounding, which the interpreter does not show); its PTX holds as many fused
+    multiply-adds as HQQ's rule (the product's) and a product and a difference per weight of its own."""
+    from sm90 import ptx_counts
+
+    sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "b_ptr": "*u8", "out_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32"}
+    kernels = [("hf_async_cb.kernels.skinny_gemm", "_skinny_gemm_kernel", sig,
+                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, EVEN_K=True, EVEN_N=True, HAS_BIAS=False,
+                     SWAP_AB=False, IEEE=True, SCALED=False, GROUP=128, PRESCALED=False, CODEBOOK=0, BITS=4,
+                     DEQUANT=WeightForm(torch.uint8, 128, dequant=dequant).dequant_code))
+               for dequant in ("hqq", "scale_shift")]
+    (hqq_fma, hqq_mul), (quanto_fma, quanto_mul) = ptx_counts(kernels, ("fma.rn.f32", "mul.f32"))
+    assert quanto_fma == hqq_fma and quanto_mul == hqq_mul > 0
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="quanto's bf16 int4 on CUDA (tinygemm): the interpreter has no bf16")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_cuda_tinygemm_model_through_the_copies(mode, grouped_calls):

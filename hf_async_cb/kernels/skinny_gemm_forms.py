@@ -273,7 +273,10 @@ def _dequantize_grouped(packed, shift, zero, scale, dtype: tl.constexpr, BLOCK_N
     if DEQUANT == 0:
         w = (q - z).to(dtype).to(tl.float32) * s
     elif DEQUANT == 1:
-        w = (q * s).to(dtype).to(tl.float32) - z
+        p = q * s
+        if dtype == tl.float32:  # (a select between the two keeps them apart: fused, they round once, not twice)
+            p = tl.where(p == p, p, s)
+        w = p.to(dtype).to(tl.float32) - z
     elif DEQUANT == 2:
         w = q * s + z
     else:
