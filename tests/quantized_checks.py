@@ -27,6 +27,19 @@ def assert_engine_greedy_matches_stock(model, mode: str, calls: list) -> None:
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def quanto_linear(n: int, k: int, weights, *, dtype, bias=False, activations=None, frozen=True, seed=0):
+    """A QLinear of optimum-quanto's `weights` qtype from a seeded random [n, k] linear on DEVICE in `dtype`
+    (frozen: its quantized tensor in place of the float weight)."""
+    from optimum import quanto
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(DEVICE, dtype)
+    quanto.quantize(model, weights=weights, activations=activations)
+    if frozen:
+        quanto.freeze(model)
+    return model[0]
+
+
 def routed_logits(model, calls: list) -> tuple[torch.Tensor, torch.Tensor]:
     """(expected, got): the model's logits for 2 x 9 tokens from its own forward, then with its
     projections routed (DecodeGemms attached: 18 decode-sized rows through the kernel). Routed

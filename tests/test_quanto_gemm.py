@@ -11,7 +11,7 @@ import pytest
 import torch
 from models import tiny_model
 from quantized_checks import (assert_engine_greedy_matches_stock, engine_launches_and_listing, interpreter_launches,
-                              routed_logits)
+                              quanto_linear, routed_logits)
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -44,13 +44,8 @@ def _formula(x, w, scale, bias=None):
     return out if bias is None else out + bias
 
 
-def _quanto_linear(n: int, k: int, *, weights=None, bias=False, activations=None, frozen=True, dtype=DTYPE, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(DEVICE, dtype)
-    quanto.quantize(model, weights=weights or quanto.qint8, activations=activations)
-    if frozen:
-        quanto.freeze(model)
-    return model[0]
+def _quanto_linear(n: int, k: int, *, weights=None, dtype=DTYPE, **options):
+    return quanto_linear(n, k, weights or quanto.qint8, dtype=dtype, **options)
 
 
 def _quanto_model(family: str = "llama", weights=None) -> torch.nn.Module:

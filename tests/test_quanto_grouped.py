@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 from models import tiny_model
-from quantized_checks import assert_engine_greedy_matches_stock, engine_launches_and_listing, routed_logits
+from quantized_checks import (assert_engine_greedy_matches_stock, engine_launches_and_listing, quanto_linear,
+                              routed_logits)
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -24,13 +25,8 @@ quanto = pytest.importorskip("optimum.quanto")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _linear(n: int, k: int, *, weights=None, dtype=torch.float32, bias=False, frozen=True, activations=None, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias)).to(DEVICE, dtype)
-    quanto.quantize(model, weights=weights or quanto.qint4, activations=activations)
-    if frozen:
-        quanto.freeze(model)
-    return model[0]
+def _linear(n: int, k: int, *, weights=None, dtype=torch.float32, **options):
+    return quanto_linear(n, k, weights or quanto.qint4, dtype=dtype, **options)
 
 
 def _model(weights=None, dtype=torch.float32) -> torch.nn.Module:

@@ -112,6 +112,7 @@ def copied_weight(module: nn.Module):
 
 
 def _tinygemm_tensors(w):
+    """(codes, [K / group, N, 2] scale and zero pairs) of a TinyGemm weight, or None."""
     n, k = w.shape
     pairs = getattr(w, "_scale_shift", None)
     if not (isinstance(pairs, torch.Tensor) and tuple(pairs.shape) == (k // _group(w), n, 2) and pairs.dtype == w.dtype):
@@ -120,23 +121,30 @@ def _tinygemm_tensors(w):
 
 
 def _awq_tensors(w):
+    """(codes, [K / group, N] scale, [K / group, N] negated shift) of an AWQ weight in its second
+    packing, or None."""
     n, k = w.shape
-    scale, shift = getattr(w, "_scale", None), getattr(w, "_shift", None)
-    if str(getattr(w._data, "_packing", None)) != "AWQPacking.V2" or w._data._data.dtype != torch.int16:
+    data, scale, shift = getattr(w._data, "_data", None), getattr(w, "_scale", None), getattr(w, "_shift", None)
+    if (str(getattr(w._data, "_packing", None)) != "AWQPacking.V2" or not isinstance(data, torch.Tensor)
+            or data.dtype != torch.int16):
         return None
     for t in (scale, shift):
         if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (k // _group(w), n) and t.dtype == w.dtype):
             return None
-    return w._data._data, scale, shift
+    return data, scale, shift
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.element_size() * t.numel()
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The 4-bit fields of a packed tensor in storage order (each byte's low nibble first)."""
-    b = packed.contiguous().view(torch.uint8).reshape(-1)
+    b = _bytes(packed)
     return torch.stack((b & 15, b >> 4), dim=1).reshape(-1)
 
 
@@ -186,10 +194,6 @@ def _probe_rows(n: int) -> int:
     """The rows whose packing is read back for an [n, k] weight: a block of at most 256 rows that
     divides n (the packings place blocks of 8 (tinygemm) or 4 (AWQ) rows after one another)."""
     return next((r for r in (256, 128, 64, 32, 16, 8) if n % r == 0), n)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
 
 
 @torch.no_grad()
@@ -272,8 +276,12 @@ class QuantoCopy:
                              "fma_centered" if self.layout == "tinygemm" else "fma")
 
     def _sources(self) -> tuple:
-        w = self.weight
-        return (w._data._data, w._scale_shift) if self.layout == "tinygemm" else (w._data._data, w._scale, w._shift)
+        """(codes, groups...) of the weight, as copied_weight checked them."""
+        found = (_tinygemm_tensors if self.layout == "tinygemm" else _awq_tensors)(self.weight)
+        if found is None:
+            raise RuntimeError(f"the quanto {self.layout} weight of {type(self.module).__name__} no longer holds "
+                               f"the tensors its copy was made from")
+        return found
 
     def words(self) -> list[torch.Tensor]:
         """The tensors the copy is made from, as 2-D integer views (for word_hashes)."""
