@@ -43,14 +43,16 @@ class _NoEvent:
 
 
 class Streams:
-    """Three non-default streams: h2d (inputs up), compute (forward + sampling), d2h (tokens down)."""
+    """Three streams: h2d (inputs up), compute (forward + sampling), d2h (tokens down), each its own
+    non-default stream, but for `compute_on_default`: compute on the device's default (legacy) stream,
+    for models whose kernels launch there whatever stream is current (model/graph_safety.py)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, compute_on_default: bool = False) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.h2d = torch.cuda.Stream(device)
-            self.compute = torch.cuda.Stream(device)
+            self.compute = torch.cuda.default_stream(device) if compute_on_default else torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
         else:
             self.h2d = self.compute = self.d2h = None

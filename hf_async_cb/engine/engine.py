@@ -48,7 +48,7 @@ from hf_async_cb.kernels.shared_prefix_attention import prefix_tiles_hold
 from hf_async_cb.model import attention
 from hf_async_cb.model.checks import model_dtype, step_token_cap, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
-from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights
+from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights, holds_off_stream_kernels
 from hf_async_cb.engine.distributed import TensorParallel
 from hf_async_cb.model.kv_fingerprint import kv_fingerprint, runs_user_code
 from hf_async_cb.model.kv_layout import measured_layout
@@ -178,7 +178,11 @@ class Engine(ServingAPI):
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
                                     attention_backend=self.attention_backend,
                                     groups_prefixes=prefix_tiles_hold(self.layout, text_config))
-        self.streams = Streams(self.device)
+        off_stream = holds_off_stream_kernels(model) if self.device.type == "cuda" else []
+        if off_stream:  # (model/graph_safety.py)
+            logger.info("hf_async_cb: %s computes on the default stream: %d modules (e.g. %s) launch kernels there",
+                        type(model).__name__, len(off_stream), off_stream[0])
+        self.streams = Streams(self.device, compute_on_default=bool(off_stream))
         self._pipelines: dict[str, Pipeline] = {}
         self.runner = ModelRunner(model, self.cache, self.prepared_model, hold_model=self._owns_preparation)
         self._online_seed: int | None = None  # the engine seed of the background loop's requests
@@ -191,8 +195,7 @@ class Engine(ServingAPI):
         unsafe = graph_unsafe_weights(model, routed) if use_graphs else []
         if unsafe:  # kernels on the legacy stream, which a graph does not record (model/graph_safety.py)
             logger.warning("hf_async_cb: %s runs without CUDA graphs: %d weights (e.g. %s, %s) run kernels a graph "
-                           "cannot record", type(model).__name__, len(unsafe), unsafe[0],
-                           type(dict(model.named_parameters())[unsafe[0]]).__name__)
+                           "cannot record", type(model).__name__, len(unsafe), *unsafe[0])
             use_graphs = False
         tall_query_len = None
         if self.attention_backend == "triton":

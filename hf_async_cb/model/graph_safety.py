@@ -1,4 +1,4 @@
-"""Quantized weights whose kernels a CUDA graph cannot record: such a model's steps run eagerly.
+"""Quantized weights whose kernels ignore the current stream or a capture: where they run, and how.
 
 A CUDA graph records the kernels launched on the stream it captures. optimum-quanto's 2- and 4-bit
 weights (WeightQBitsTensor, and its AWQ form) unpack and multiply with CUDA kernels launched on
@@ -17,6 +17,16 @@ those steps are captured and larger ones run eagerly (`graph_token_cap`); other 
 without CUDA graphs from the start. quanto's plain 4- and 2-bit linears and its AWQ ones that the engine
 routes through the skinny GEMM's grouped form (model/quanto_grouped.py) are alike: their steps of up to
 256 rows run the kernel on the current stream and are captured, larger ones run quanto's forward eagerly.
+
+gptqmodel's ExLlamaV2 linears (GPTQ and AWQ) and its AWQ GEMM and fast-GEMV linears launch their kernels
+on the legacy stream too (read from its CUDA sources, 7.7); its Marlin, Machete, Triton and torch linears
+use the current stream.
+
+A kernel on the legacy stream is not ordered with the engine's compute stream either (torch's streams do
+not wait for the legacy one, nor it for them): run eagerly, it could read an activation not yet written,
+or write a buffer the caching allocator handed out while queued work still read it. So an engine whose
+model holds any such module computes on the legacy default stream itself (`holds_off_stream_kernels`;
+devices.Streams), where they are ordered with everything else of the step, as in stock generate.
 """
 
 from __future__ import annotations
@@ -27,12 +37,37 @@ import torch
 
 # (module prefix, class names) of weight classes whose CUDA kernels ignore the current stream.
 _OFF_STREAM_WEIGHTS = (("optimum.quanto", ("WeightQBitsTensor", "AWQWeightQBitsTensor")),)
+# (module prefix, class names) of module classes whose CUDA kernels ignore the current stream.
+_OFF_STREAM_MODULES = (("gptqmodel.nn_modules.qlinear", ("ExllamaV2Linear", "AwqExllamaV2Linear", "AwqGEMMLinear",
+                                                          "AwqGEMVFastLinear", "LLMAwqLinear")),)
+
+
+def _listed(cls: type, listing) -> bool:
+    return any(cls.__module__.startswith(prefix) and cls.__name__ in names for prefix, names in listing)
 
 
 def launches_off_stream(weight: torch.Tensor) -> bool:
     """Whether `weight`'s class runs CUDA kernels on the legacy stream rather than the current one."""
-    cls = type(weight)
-    return any(cls.__module__.startswith(prefix) and cls.__name__ in names for prefix, names in _OFF_STREAM_WEIGHTS)
+    return _listed(type(weight), _OFF_STREAM_WEIGHTS)
+
+
+def module_launches_off_stream(module: torch.nn.Module) -> bool:
+    """Whether `module`'s own forward runs CUDA kernels on the legacy stream (its class's, or its
+    weight's)."""
+    weight = getattr(module, "weight", None)
+    return _listed(type(module), _OFF_STREAM_MODULES) or (isinstance(weight, torch.Tensor)
+                                                          and launches_off_stream(weight))
+
+
+def _on_cuda(module: torch.nn.Module) -> bool:
+    """Whether `module` holds a tensor of its own (parameter or buffer) on a CUDA device."""
+    return any(t.device.type == "cuda" for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+def holds_off_stream_kernels(model: torch.nn.Module) -> list[str]:
+    """Names of the modules on CUDA whose own forward launches kernels on the legacy stream (routed
+    or not: a routed one still runs its own forward for larger steps)."""
+    return [name for name, module in model.named_modules() if _on_cuda(module) and module_launches_off_stream(module)]
 
 
 def splits_outliers_on_host(module: torch.nn.Module) -> bool:
@@ -44,20 +79,19 @@ def splits_outliers_on_host(module: torch.nn.Module) -> bool:
             and float(getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0) > 0.0)
 
 
-def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Module] = ()) -> list[str]:
-    """Names of the CUDA weights whose kernels a CUDA graph would not record or cannot capture;
-    `routed`: modules whose small steps run kernels a graph holds (not counted)."""
+def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Module] = ()) -> list[tuple[str, str]]:
+    """(name, class) of the CUDA weights, or modules, whose kernels a CUDA graph would not record or
+    cannot capture; `routed`: modules whose small steps run kernels a graph holds (not counted)."""
     routed_ids = {id(m) for m in routed}
     unsafe = []
     for name, module in model.named_modules():
-        if id(module) in routed_ids:
+        if id(module) in routed_ids or not _on_cuda(module):
             continue
-        for key, weight in module.named_parameters(prefix=name, recurse=False):
-            if weight.device.type == "cuda" and launches_off_stream(weight):
-                unsafe.append(key)
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.device.type == "cuda" and splits_outliers_on_host(module):
-            unsafe.append(f"{name}.weight" if name else "weight")
+        if _listed(type(module), _OFF_STREAM_MODULES) or splits_outliers_on_host(module):
+            unsafe.append((name, type(module).__name__))
+            continue
+        unsafe += [(key, type(weight).__name__) for key, weight in module.named_parameters(prefix=name, recurse=False)
+                   if weight.device.type == "cuda" and launches_off_stream(weight)]
     return unsafe
 
 
@@ -65,11 +99,7 @@ def graph_token_cap(routed: Collection[torch.nn.Module]) -> int | None:
     """The most tokens a captured step may hold: where some of `routed` split outliers on the host, or
     run kernels off the stream, in their own forward, which they run over the kernels' rows
     (kernels/skinny_gemm.MAX_M) and no graph may hold, that many; else None (no cap)."""
-    def escapes(m: torch.nn.Module) -> bool:
-        weight = getattr(m, "weight", None)
-        return splits_outliers_on_host(m) or (isinstance(weight, torch.Tensor) and launches_off_stream(weight))
-
-    if not any(escapes(m) for m in routed):
+    if not any(splits_outliers_on_host(m) or module_launches_off_stream(m) for m in routed):
         return None
     from hf_async_cb.kernels.skinny_gemm import MAX_M  # (imports Triton: only for such models)
 
