@@ -151,10 +151,23 @@ def test_suppressed_tokens_given_as_tensors_or_arrays_are_suppressed(form, monke
 
 
 def test_an_empty_bad_word_bans_nothing_as_in_stock(monkeypatch):
-    """bad_words_ids=[[5], [7, 8], []]: stock runs it (the empty entry bans nothing); it was refused."""
+    """bad_words_ids=[[5], [7, 8], []]: stock runs it (the empty entry bans nothing); it was refused.
+    (transformers 5.17's own processor raises IndexError on the empty entry: there the engine's tokens
+    are those of the entries without it, as newer versions give.)"""
     prompts = random_prompts(6, 2, 30, seed=31)
+    without = on_the_device(monkeypatch, prompts, max_new_tokens=12, bad_words_ids=[[5], [7, 8]])
+    ids, mask = left_pad(prompts)
+    try:
+        tiny_model("llama").generate(ids, attention_mask=mask, batching="off", max_new_tokens=12,
+                                     bad_words_ids=[[5], [7, 8], []])
+    except IndexError:
+        for mode in MODES:
+            got = tiny_model("llama").generate(ids, attention_mask=mask, batching=mode, max_new_tokens=12,
+                                               bad_words_ids=[[5], [7, 8], []])
+            assert torch.equal(got, without), mode
+        return
     with_empty = on_the_device(monkeypatch, prompts, max_new_tokens=12, bad_words_ids=[[5], [7, 8], []])
-    assert torch.equal(with_empty, on_the_device(monkeypatch, prompts, max_new_tokens=12, bad_words_ids=[[5], [7, 8]]))
+    assert torch.equal(with_empty, without)
 
 
 class EvenOnly(LogitsProcessor):

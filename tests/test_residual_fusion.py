@@ -4,6 +4,7 @@ stale stash, falls back to the original forward where it must, and restores clea
 
 import copy
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -23,6 +24,13 @@ from hf_async_cb.model import elementwise_fusion as ew
 from hf_async_cb.model import residual_fusion as rf
 from hf_async_cb.model.elementwise_fusion import fuse_elementwise
 from hf_async_cb.model.fusion import fuse_projections
+
+# What the installed transformers' layers look like: 5.24 renamed the layers' `past_key_values` to
+# `cache` (the old name still taken, through a deprecate_kwarg wrapper), and from some 5.2x on
+# GradientCheckpointingLayer wraps forward where older versions (5.17) override __call__.
+CACHE_KEYWORD = "cache" if "cache" in inspect.signature(modeling_llama.LlamaDecoderLayer.forward).parameters \
+    else "past_key_values"
+FORWARD_WRAPPED = "__call__" not in vars(transformers.modeling_layers.GradientCheckpointingLayer)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU run of the interpreted kernels (CUDA runs test_gpu.py)")
@@ -102,8 +110,9 @@ def test_matcher_accepts_plain_prenorm_layers(modeling):
     layer = next(c for n, c in vars(modeling).items() if n.endswith("DecoderLayer"))
     form = rf.plain_prenorm(layer)
     assert form is not None and form.hidden == form.attn_keyword == "hidden_states"
-    assert ("cache", "cache") in form.passes and form.var_keyword == "kwargs"
-    assert form.deprecated == ("past_key_values",)  # 5.24 renames it to `cache`
+    assert (CACHE_KEYWORD, CACHE_KEYWORD) in form.passes and form.var_keyword == "kwargs"
+    assert form.deprecated == (("past_key_values",) if CACHE_KEYWORD == "cache" else ())
+    assert form.checkpointing == FORWARD_WRAPPED
 
 
 @pytest.mark.parametrize("modeling", [modeling_granite, modeling_phi3, modeling_gemma2, modeling_cohere])
@@ -126,7 +135,7 @@ def test_gemma_norms_are_left_alone():
 
 def test_matcher_accepts_the_5_17_form(tmp_path):
     form = rf.plain_prenorm(load_layer(tmp_path, "form_5_17", FORM_5_17))
-    assert form is not None and form.deprecated == ("past_key_value",) and form.checkpointing
+    assert form is not None and form.deprecated == ("past_key_value",) and form.checkpointing == FORWARD_WRAPPED
     assert dict(form.passes) == {n: n for n in ("attention_mask", "position_ids", "past_key_values", "use_cache",
                                                 "cache_position", "position_embeddings")}
 
@@ -258,21 +267,24 @@ def test_fallbacks(monkeypatch):
     model.model.layers[0](model.model.embed_tokens(x), position_embeddings=model.model.rotary_emb(
         model.model.embed_tokens(x), torch.arange(8)[None])).sum().backward()
     assert calls["add_rms_norm"] == 0 and model.model.layers[0].mlp.down_proj.weight.grad is not None
-    # A deprecated keyword name: the decorated original renames it, so the original runs.
+    # A deprecated keyword name (5.24 on): the decorated original renames it, so the original runs.
     layer, stock = model.model.layers[1], original.model.layers[1]
-    with torch.no_grad():
-        h = torch.randn(2, 8, 64)
-        pe = model.model.rotary_emb(h, torch.arange(8)[None])
-        with pytest.warns(FutureWarning):
-            out = layer(h, position_embeddings=pe, past_key_values=None)
-        assert calls["add_rms_norm"] == 0
-        torch.testing.assert_close(out, stock(h, position_embeddings=pe), rtol=1e-5, atol=1e-5)
-        layer(h, position_embeddings=pe, cache=None)
-        assert calls["add_rms_norm"] == 2
-        with pytest.raises(TypeError):  # as the original: an unknown positional argument does not bind
-            layer(h, None, None, None, None, pe, "extra")
-    elementwise.restore()
-    projections.restore()
+    try:
+        with torch.no_grad():
+            h = torch.randn(2, 8, 64)
+            pe = model.model.rotary_emb(h, torch.arange(8)[None])
+            if CACHE_KEYWORD == "cache":
+                with pytest.warns(FutureWarning):
+                    out = layer(h, position_embeddings=pe, past_key_values=None)
+                assert calls["add_rms_norm"] == 0
+                torch.testing.assert_close(out, stock(h, position_embeddings=pe), rtol=1e-5, atol=1e-5)
+            layer(h, position_embeddings=pe, **{CACHE_KEYWORD: None})
+            assert calls["add_rms_norm"] == 2
+            with pytest.raises(TypeError):  # as the original: an unknown positional argument does not bind
+                layer(h, None, None, None, None, pe, "extra")
+    finally:
+        elementwise.restore()
+        projections.restore()
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # 5.24's attention, given 5.17's past_key_values
