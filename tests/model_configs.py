@@ -280,3 +280,11 @@ def tiny_model(model_type: str, seed: int = 0):
             if p.dim() > 1:
                 p.mul_(4.0)
     return model, ""
+
+
+def routes_attention(model: torch.nn.Module) -> bool:
+    """Whether the installed transformers' modeling module of `model` routes its attention through the
+    attention interface (GPT-J's and CodeGen's did not before 5.2x: the engine refuses them there)."""
+    import sys
+
+    return "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[type(model).__module__])

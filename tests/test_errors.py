@@ -58,6 +58,7 @@ def test_every_fixed_position_table_is_a_limit_up_front(family):
     pos_encoding, CodeGen's and GPT-J's precomputed rotary table) are limits too: a request running past one is refused before any work, so it
     cannot fail a step that other requests share (stock raises IndexError mid-run); one that
     ends at the table's last position runs."""
+    from model_configs import routes_attention
     from model_configs import tiny_model as sweep_model
 
     from hf_async_cb.model.checks import has_learned_positions, max_positions
@@ -66,6 +67,10 @@ def test_every_fixed_position_table_is_a_limit_up_front(family):
     assert model is not None, why
     assert has_learned_positions(model)
     limit = max_positions(model.config)
+    if not routes_attention(model):  # (GPT-J's and CodeGen's attention before 5.2x: refused by name)
+        with pytest.raises(ValueError, match="bypasses the attention interface"):
+            Engine(model, BatchingConfig(mode="sync"))
+        return
     engine = Engine(model, BatchingConfig(mode="sync"))
     with pytest.raises(ValueError, match="positions of its position table"):
         engine.generate([[5] * (limit - 5)], max_new_tokens=20)

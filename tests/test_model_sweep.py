@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 from family_sweep import OUTCOMES, generate, run_family, stock
-from model_configs import MODEL_TYPES, tiny_model
+from model_configs import MODEL_TYPES, routes_attention, tiny_model
 
 from hf_async_cb.model.kv_cache import PagedKVCache
 
@@ -94,7 +94,9 @@ def test_family_is_exact_or_refused(model_type):
             pytest.xfail(f"{model_type} ({mode}): {outcome.reason}")
         assert outcome.kind != "differs", f"{model_type} ({mode}) is silently wrong: {outcome.reason}"
         assert outcome.kind in ("exact", "refused"), outcome
-    if model_type in MUST_BE_EXACT:
+    if model_type in MUST_BE_EXACT and not routes_attention(model):  # (GPT-J's and CodeGen's before 5.2x)
+        assert verdict.kind == "refused" and "bypasses the attention interface" in verdict.reason, verdict
+    elif model_type in MUST_BE_EXACT:
         assert verdict.kind == "exact", f"{model_type} must run token-exact by default: {verdict.reason}"
     if verdict.kind == "refused" or any(o.kind == "refused" for o in per_mode.values()):
         # A refusal comes before any work: the model is left as it was found.
