@@ -10,7 +10,8 @@ import copy
 
 import pytest
 import torch
-from models import tiny_model
+import transformers
+from models import COMMON, tiny_model
 from quantized_checks import (assert_engine_greedy_matches_stock, engine_launches_and_listing, quanto_linear,
                               routed_logits)
 
@@ -29,8 +30,16 @@ def _linear(n: int, k: int, *, weights=None, dtype=torch.float32, **options):
     return quanto_linear(n, k, weights or quanto.qint4, dtype=dtype, **options)
 
 
-def _model(weights=None, dtype=torch.float32) -> torch.nn.Module:
-    model = copy.deepcopy(tiny_model("llama")).to(DEVICE, dtype)
+def _model(weights=None, dtype=torch.float32, wide=False) -> torch.nn.Module:
+    """The tiny Llama quantized by quanto; `wide`: its widths doubled and quadrupled, so that every
+    projection's K is at least 256, where quanto's bf16 int4 on CUDA takes tinygemm's layout (below it
+    keeps its plain tensor)."""
+    if wide:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
+        model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, dtype)
+    else:
+        model = copy.deepcopy(tiny_model("llama")).to(DEVICE, dtype)
     quanto.quantize(model, weights=weights or quanto.qint4)
     quanto.freeze(model)
     return model
@@ -310,7 +319,8 @@ def test_cuda_tinygemm_model_through_the_copies(mode, grouped_calls):
     from hf_async_cb import BatchingConfig
     from models import left_pad, random_prompts, stock_generate
 
-    model = _model(dtype=torch.bfloat16)
+    model = _model(dtype=torch.bfloat16, wide=True)
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "TinyGemmWeightQBitsTensor"
     expected, got = routed_logits(model, grouped_calls)
     assert {d for *_, d in grouped_calls} == {"fma_centered"}
     torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05)
