@@ -194,7 +194,7 @@ class Engine(ServingAPI):
         routed = gemms.graph_routed_modules() if gemms else []
         unsafe = graph_unsafe_weights(model, routed) if use_graphs else []
         if unsafe:  # kernels on the legacy stream, which a graph does not record (model/graph_safety.py)
-            logger.warning("hf_async_cb: %s runs without CUDA graphs: %d weights (e.g. %s, %s) run kernels a graph "
+            logger.warning("hf_async_cb: %s runs without CUDA graphs: %d modules (e.g. %s, %s) run kernels a graph "
                            "cannot record", type(model).__name__, len(unsafe), *unsafe[0])
             use_graphs = False
         tall_query_len = None

@@ -51,12 +51,19 @@ def launches_off_stream(weight: torch.Tensor) -> bool:
     return _listed(type(weight), _OFF_STREAM_WEIGHTS)
 
 
+def _off_stream_class(module: torch.nn.Module) -> str | None:
+    """The class (the module's, or its weight's) that makes `module`'s own forward run CUDA kernels on
+    the legacy stream, or None."""
+    if _listed(type(module), _OFF_STREAM_MODULES):
+        return type(module).__name__
+    weight = getattr(module, "weight", None)
+    return type(weight).__name__ if isinstance(weight, torch.Tensor) and launches_off_stream(weight) else None
+
+
 def module_launches_off_stream(module: torch.nn.Module) -> bool:
     """Whether `module`'s own forward runs CUDA kernels on the legacy stream (its class's, or its
     weight's)."""
-    weight = getattr(module, "weight", None)
-    return _listed(type(module), _OFF_STREAM_MODULES) or (isinstance(weight, torch.Tensor)
-                                                          and launches_off_stream(weight))
+    return _off_stream_class(module) is not None
 
 
 def _on_cuda(module: torch.nn.Module) -> bool:
@@ -80,18 +87,17 @@ def splits_outliers_on_host(module: torch.nn.Module) -> bool:
 
 
 def graph_unsafe_weights(model: torch.nn.Module, routed: Collection[torch.nn.Module] = ()) -> list[tuple[str, str]]:
-    """(name, class) of the CUDA weights, or modules, whose kernels a CUDA graph would not record or
-    cannot capture; `routed`: modules whose small steps run kernels a graph holds (not counted)."""
+    """(name, class) of the CUDA modules whose kernels a CUDA graph would not record or cannot capture
+    (the class that makes them so: the module's or its weight's); `routed`: modules whose small steps
+    run kernels a graph holds (not counted)."""
     routed_ids = {id(m) for m in routed}
     unsafe = []
     for name, module in model.named_modules():
         if id(module) in routed_ids or not _on_cuda(module):
             continue
-        if _listed(type(module), _OFF_STREAM_MODULES) or splits_outliers_on_host(module):
-            unsafe.append((name, type(module).__name__))
-            continue
-        unsafe += [(key, type(weight).__name__) for key, weight in module.named_parameters(prefix=name, recurse=False)
-                   if weight.device.type == "cuda" and launches_off_stream(weight)]
+        why = _off_stream_class(module) or (type(module).__name__ if splits_outliers_on_host(module) else None)
+        if why is not None:
+            unsafe.append((name, why))
     return unsafe
 
 
