@@ -45,7 +45,7 @@ from hf_async_cb.engine.stack_chunk import above_a_large_stack_chunk
 from hf_async_cb.errors import explain_out_of_memory
 from hf_async_cb.kernels.precompile import note_first_use, precompile
 from hf_async_cb.kernels.shared_prefix_attention import prefix_tiles_hold
-from hf_async_cb.model import attention
+from hf_async_cb.model import attention, stream_probe
 from hf_async_cb.model.checks import model_dtype, step_token_cap, text_config_of
 from hf_async_cb.model.eval_mode import as_in_eval
 from hf_async_cb.model.graph_safety import graph_token_cap, graph_unsafe_weights, holds_off_stream_kernels
@@ -178,6 +178,8 @@ class Engine(ServingAPI):
         self.builder = BatchBuilder(page_size, trash_slot=num_pages * page_size, page_table=self.scheduler.page_table,
                                     attention_backend=self.attention_backend,
                                     groups_prefixes=prefix_tiles_hold(self.layout, text_config))
+        if self.device.type == "cuda":  # classes not on graph_safety's lists, run once (model/stream_probe.py)
+            stream_probe.probe(model, self.dtype)
         off_stream = holds_off_stream_kernels(model) if self.device.type == "cuda" else []
         if off_stream:  # (model/graph_safety.py)
             logger.info("hf_async_cb: %s computes on the default stream: %d modules (e.g. %s) launch kernels there",

@@ -20,7 +20,9 @@ routes through the skinny GEMM's grouped form (model/quanto_grouped.py) are alik
 
 gptqmodel's ExLlamaV2 linears (GPTQ and AWQ) and its AWQ GEMM and fast-GEMV linears launch their kernels
 on the legacy stream too (read from its CUDA sources, 7.7); its Marlin, Machete, Triton and torch linears
-use the current stream.
+use the current stream. A class on neither list is checked by running it (model/stream_probe.py: the
+engine probes one module of each class from outside torch and transformers, or with a tensor-subclass
+weight, on CUDA), and the verdict counts here beside the lists.
 
 A kernel on the legacy stream is not ordered with the engine's compute stream either (torch's streams do
 not wait for the legacy one, nor it for them): run eagerly, it could read an activation not yet written,
@@ -34,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
+
+from hf_async_cb.model import stream_probe
 
 # (module prefix, class names) of weight classes whose CUDA kernels ignore the current stream.
 _OFF_STREAM_WEIGHTS = (("optimum.quanto", ("WeightQBitsTensor", "AWQWeightQBitsTensor")),)
@@ -53,8 +57,8 @@ def launches_off_stream(weight: torch.Tensor) -> bool:
 
 def _off_stream_class(module: torch.nn.Module) -> str | None:
     """The class (the module's, or its weight's) that makes `module`'s own forward run CUDA kernels on
-    the legacy stream, or None."""
-    if _listed(type(module), _OFF_STREAM_MODULES):
+    the legacy stream (listed, or seen by a probe of its class: model/stream_probe.py), or None."""
+    if _listed(type(module), _OFF_STREAM_MODULES) or stream_probe.verdict(module):
         return type(module).__name__
     weight = getattr(module, "weight", None)
     return type(weight).__name__ if isinstance(weight, torch.Tensor) and launches_off_stream(weight) else None
