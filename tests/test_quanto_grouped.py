@@ -33,14 +33,15 @@ def _linear(n: int, k: int, *, weights=None, dtype=torch.float32, **options):
 def _model(weights=None, dtype=torch.float32, wide=False) -> torch.nn.Module:
     """The tiny Llama quantized by quanto; `wide`: its widths doubled and quadrupled, so that every
     projection's K is at least 256, where quanto's bf16 int4 on CUDA takes tinygemm's layout (below it
-    keeps its plain tensor)."""
+    keeps its plain tensor), and its lm_head left in `dtype` (stock generate slices the hidden states
+    before the head, and quanto's tinygemm matmul refuses a strided input)."""
     if wide:
         torch.manual_seed(0)
         config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
         model = transformers.LlamaForCausalLM(config).eval().to(DEVICE, dtype)
     else:
         model = copy.deepcopy(tiny_model("llama")).to(DEVICE, dtype)
-    quanto.quantize(model, weights=weights or quanto.qint4)
+    quanto.quantize(model, weights=weights or quanto.qint4, exclude="lm_head" if wide else None)
     quanto.freeze(model)
     return model
 

@@ -69,7 +69,8 @@ def _device_events(module: torch.nn.Module, dtype: torch.dtype, device: torch.de
     stream = torch.cuda.Stream(device)
     inputs = [torch.randn(1, rows, module.in_features, dtype=dtype, device=device) for rows in _PROBE_ROWS]
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.cuda.stream(stream), torch.inference_mode():
+    # (no_grad, not inference_mode: quanto's weight subclasses cannot be used under inference_mode)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.cuda.stream(stream), torch.no_grad():
         torch.cuda._sleep(1000)
         for x in inputs:
             module(x)
