@@ -201,15 +201,13 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
         # (after the summary above: the runtime is rebuilt without the grouped form)
         from hf_async_cb.model import quanto_grouped
 
-        hf_async_cb.release(model)
-        quanto_grouped.ROUTED = False
-        try:
-            timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
-            own_s, _ = timing.timed(lambda: model.generate(ids, batching="async", **options), device, unseen=model)
-            row["quanto_own_forward_async_s"] = round(own_s, 3)
-        finally:
-            quanto_grouped.ROUTED = True
-            hf_async_cb.release(model)
+        row["quanto_own_forward_async_s"] = _async_s_with(model, lambda: model.generate(ids, batching="async", **options),
+                                                          device, quanto_grouped, "ROUTED", False)
+    if "library-prefill" in paths:  # the A/B: grouped projections' prefill steps on the library's own forward
+        from hf_async_cb.model import decode_gemm
+
+        row["library_prefill_async_s"] = _async_s_with(model, lambda: model.generate(ids, batching="async", **options),
+                                                       device, decode_gemm, "GROUPED_DENSE_ABOVE_MAX_M", False)
     hf_async_cb.release(model)
     if "hf-cb" in paths:  # transformers' own continuous batching on the same quantized model
         try:
@@ -220,6 +218,21 @@ def run_form(name: str, make, base, path, device, prompts, new: int, bandwidth: 
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def _async_s_with(model, call, device: torch.device, module, name: str, value) -> float:
+    """Seconds of `call` (prefix cache emptied, after one untimed call) with `module.name` set to `value`,
+    on a runtime built for it (released before and after: the row's summary was read before)."""
+    saved = getattr(module, name)
+    hf_async_cb.release(model)
+    setattr(module, name, value)
+    try:
+        timing.timed(call, device, unseen=model)
+        seconds, _ = timing.timed(call, device, unseen=model)
+        return round(seconds, 3)
+    finally:
+        setattr(module, name, saved)
+        hf_async_cb.release(model)
 
 
 def top_kernels(call, device: torch.device, steps: int, top: int = 12) -> list[dict]:
@@ -283,7 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a check that the script runs (no floor)")
     p.add_argument("--paths", default="", help="also run beside async: sync, hf-cb, quanto-own (quanto's 4/2-bit "
                    "linears on their own forward: the grouped form's A/B), kernels (a profiled call: top "
-                   "kernels per step), first-profile (the first call under cProfile: its slowest functions)")
+                   "kernels per step), first-profile (the first call under cProfile: its slowest functions), "
+                   "library-prefill (HQQ's and quanto's grouped projections' prefill steps on their own forward "
+                   "instead of the weight rebuilt whole: kernels/grouped_dequant.py's A/B)")
     p.add_argument("--bnb-4bit-buckets", default=None,
                    help="rows buckets at which bitsandbytes' Linear4bit takes the codebook form (e.g. 2,4,8; "
                         "default: decode_gemm.BNB_4BIT_CUDA_BUCKETS)")

@@ -27,6 +27,24 @@ def assert_engine_greedy_matches_stock(model, mode: str, calls: list) -> None:
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def hqq_linear(n: int, k: int, *, dtype, bias=False, seed=0, nbits=4, group_size=64, axis=1, round_zero=None,
+               **settings):
+    """An HQQLinear of a seeded random [n, k] linear (weights times 4) on DEVICE, `dtype` its compute dtype;
+    round_zero False: fractional zeros (the rounding steps then matter)."""
+    from hqq.core import quantize
+
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias).to(DEVICE)
+    with torch.no_grad():
+        linear.weight.mul_(4)
+        if bias:
+            linear.bias.uniform_(-1, 1)
+    config = quantize.BaseQuantizeConfig(nbits=nbits, group_size=group_size, axis=axis, **settings)
+    if round_zero is not None:  # (4 bits round the zeros by default: fractional ones round in the subtraction)
+        config["weight_quant_params"]["round_zero"] = round_zero
+    return quantize.HQQLinear(linear, config, compute_dtype=dtype, device=DEVICE)
+
+
 def quanto_linear(n: int, k: int, weights, *, dtype, bias=False, activations=None, frozen=True, seed=0):
     """A QLinear of optimum-quanto's `weights` qtype from a seeded random [n, k] linear on DEVICE in `dtype`
     (frozen: its quantized tensor in place of the float weight)."""

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 from models import hqq_in_place, tiny_model
-from quantized_checks import (assert_engine_greedy_matches_stock, engine_launches_and_listing, interpreter_launches,
-                              routed_logits)
+from quantized_checks import (assert_engine_greedy_matches_stock, engine_launches_and_listing, hqq_linear,
+                              interpreter_launches, routed_logits)
 
 import hf_async_cb.kernels.skinny_gemm as skinny
 import hf_async_cb.model.decode_gemm as decode_gemm
@@ -24,18 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
-def _hqq_linear(n: int, k: int, *, dtype=DTYPE, bias=False, seed=0, nbits=4, group_size=64, axis=1,
-                round_zero=None, **settings):
-    torch.manual_seed(seed)
-    linear = torch.nn.Linear(k, n, bias=bias).to(DEVICE)
-    with torch.no_grad():
-        linear.weight.mul_(4)
-        if bias:
-            linear.bias.uniform_(-1, 1)
-    config = quantize.BaseQuantizeConfig(nbits=nbits, group_size=group_size, axis=axis, **settings)
-    if round_zero is not None:  # (4 bits round the zeros by default: fractional ones round in the subtraction)
-        config["weight_quant_params"]["round_zero"] = round_zero
-    return quantize.HQQLinear(linear, config, compute_dtype=dtype, device=DEVICE)
+def _hqq_linear(n: int, k: int, **options):
+    return hqq_linear(n, k, **{"dtype": DTYPE, **options})
 
 
 def _hqq_model(family: str = "llama") -> torch.nn.Module:
@@ -264,7 +254,10 @@ def test_model_variants_list_the_hqq_projections():
     assert {(g.n, g.k) for g in grouped} == {(n, k) for n, k, _ in shapes}
     assert {g.bucket for g in grouped} == {1 << i for i in range(9)}
     listed = model_variants.model_variants(facts)
-    assert {(v.args[7], v.args[8]) for v in listed if v.constexprs.get("GROUP") == 64} == {(n, k) for n, k, _ in shapes}
+    gemm = [v for v in listed if v.name == "skinny_gemm._skinny_gemm_kernel" and v.constexprs.get("GROUP") == 64]
+    assert {(v.args[7], v.args[8]) for v in gemm} == {(n, k) for n, k, _ in shapes}
+    whole = [v for v in listed if v.name == "grouped_dequant._dequantize_grouped_kernel"]  # (prefill steps)
+    assert {(v.args[4], v.args[5]) for v in whole} == {(n, k) for n, k, _ in shapes}
 
 
 @pytest.mark.parametrize("nbits", [4, 3])

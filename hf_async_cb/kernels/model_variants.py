@@ -84,8 +84,8 @@ def _meta(pool: torch.Tensor) -> torch.Tensor:
 
 def model_variants(facts: ModelFacts) -> list[Variant]:
     """Every variant `facts` implies, each once (a pure function: no GPU, nothing compiled)."""
-    from hf_async_cb.kernels import (draw_greedy, draw_sampled, elementwise, llm_int8, paged_attention, skinny_gemm,
-                                     store_kv)
+    from hf_async_cb.kernels import (draw_greedy, draw_sampled, elementwise, grouped_dequant, llm_int8, paged_attention,
+                                     skinny_gemm, store_kv)
 
     device = torch.device(facts.device_type)
     on_gpu = facts.device_type == "cuda"
@@ -106,6 +106,8 @@ def model_variants(facts: ModelFacts) -> list[Variant]:
         found += elementwise.silu_mul_variants(width, facts.dtype, gelu, use_libdevice=on_gpu)
     for g in facts.gemms:
         found += skinny_gemm.variants(g.n, g.k, g.dtype or facts.dtype, g.bias, g.bucket, dict(g.config), g.form)
+        if g.form.group and not g.form.codebook:  # (its steps above MAX_M rows rebuild the weight whole)
+            found += grouped_dequant.variants(g.n, g.k, g.dtype or facts.dtype, g.form)
     for n, k, bias, outliers in facts.llm_int8:  # every rows bucket: decode steps and prefills of up to MAX_M tokens
         for bucket in (1 << i for i in range(skinny_gemm.MAX_M.bit_length())):
             found += llm_int8.variants(n, k, facts.dtype, facts.dtype if bias else None, outliers, bucket, on_gpu)

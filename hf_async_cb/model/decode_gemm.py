@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels import llm_int8
+from hf_async_cb.kernels.grouped_dequant import dequantize_grouped
 from hf_async_cb.kernels.gemm_choice import GemmChoice
 from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_codebook_4bit,
                                               skinny_linear_grouped)
@@ -61,6 +62,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # and two rows its GEMV, from 128 rows its dequantize + cuBLAS were faster: benchmarks/codebook_gemm_probe.py,
 # docs/benchmarks.md). Off CUDA every bucket takes it.
 BNB_4BIT_CUDA_BUCKETS: frozenset[int] = frozenset({4, 8, 16, 32, 64})
+# Grouped projections' steps of more than MAX_M rows: the weight rebuilt whole in one pass, then cuBLAS
+# (kernels/grouped_dequant.py); False: the library's own forward (an A/B for benchmarks).
+GROUPED_DENSE_ABOVE_MAX_M = True
 try:  # what a recorded config that this machine cannot build raises
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
@@ -136,12 +140,30 @@ class _GroupedProjection(_QuantizedProjection):
     """An HQQ linear (hqq_grouped) or an optimum-quanto 4/2-bit QLinear (quanto_grouped) through the
     kernel's grouped form: it reads the packed weight as it is stored (plus a scale and a zero per
     group), where the library's own forward writes and reads a dequantized copy of the whole weight
-    every call (or, quanto's bf16 int4, runs the tinygemm kernel, made for a row or two). The bias is
-    added to the rounded product, as both libraries add it."""
+    every call (or, quanto's bf16 int4, runs the tinygemm kernel, made for a row or two). Steps of more
+    rows rebuild the whole weight in one pass by the same rule and multiply it with cuBLAS, as HQQ's and
+    quanto's own dequantize-then-matmul forwards do (kernels/grouped_dequant.py). The bias is added to the
+    rounded product, as both libraries add it."""
 
     def __init__(self, module: nn.Module, found: GroupedWeight) -> None:
         super().__init__(module, found.packed)
         self.found = found
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if (rows > MAX_M and GROUPED_DENSE_ABOVE_MAX_M and self.takes(x.dtype) and x.device == self.qdata.device
+                and (x.device.type == "cuda" or x.dtype != torch.bfloat16)  # (the interpreter has no bf16)
+                and not torch.is_autocast_enabled(x.device.type)):
+            return self.dense(x)
+        return super().__call__(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.found
+        out = F.linear(x, dequantize_grouped(f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape,
+                                             dequant=f.dequant))
+        if f.bias is not None:
+            out += f.bias
+        return out
 
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype == self.found.scale.dtype  # the compute dtype (their own forwards take no other)
