@@ -167,7 +167,38 @@ def test_the_whole_weight_rebuild_compiles_for_sm90():
                                                                                       (2, "scale_shift", 96, 320)]:
         constexprs = grouped_dequant._constexprs(n, k, 64, bits, dequant)
         sig = {"w_ptr": "*i32" if bits == 3 else "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
-               "N": "i32", "K": "i32"}
+               "N": "i32", "K": "i32", "row0": "i32"}
         kernels.append(("hf_async_cb.kernels.grouped_dequant", "_dequantize_grouped_kernel", sig, constexprs,
                         dict(num_warps=4, divisible_by_16=["w_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K"])))
     assert_compiles_for_sm90(kernels)
+
+
+def test_rows_of_the_weight_rebuilt_alone():
+    module = _hqq_linear(160, 192, nbits=4, seed=8)
+    found, whole = hqq_grouped(module), module.dequantize()
+    for rows in [(0, 64), (64, 160), (128, 160)]:
+        got = grouped_dequant.dequantize_grouped(found.packed, found.scale, found.zero, 64, bits=4, shape=found.shape,
+                                                 dequant="hqq", rows=rows)
+        assert torch.equal(got, whole[rows[0]:rows[1]])
+    for rows in [(32, 64), (0, 100), (64, 64), (0, 192)]:
+        with pytest.raises(ValueError, match="rows"):
+            grouped_dequant.dequantize_grouped(found.packed, found.scale, found.zero, 64, bits=4, shape=found.shape,
+                                               dequant="hqq", rows=rows)
+
+
+def test_a_large_weight_is_rebuilt_in_slices(dense_calls, monkeypatch):
+    """Above REBUILT_ELEMENTS weights (a quantized lm_head) the rebuild goes slice by slice of rows, with
+    the same product."""
+    monkeypatch.setattr(decode_gemm, "REBUILT_ELEMENTS", 64 * 128)
+    module = _hqq_linear(160, 128, dtype=torch.float32, bias=True, seed=6)
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    gemms = DecodeGemms(torch.nn.Sequential(module), None)
+    with torch.no_grad():
+        expected = module(x)
+        gemms.attach()
+        try:
+            got = module(x)
+        finally:
+            gemms.detach()
+    assert dense_calls == [(80, 128)] * 3  # rows 0-64, 64-128, 128-160
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

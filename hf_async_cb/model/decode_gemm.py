@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_async_cb.kernels import llm_int8
-from hf_async_cb.kernels.grouped_dequant import dequantize_grouped
+from hf_async_cb.kernels.grouped_dequant import BLOCK_N, dequantize_grouped
 from hf_async_cb.kernels.gemm_choice import GemmChoice
 from hf_async_cb.kernels.skinny_gemm import (MAX_M, m_bucket, runs_on, skinny_linear, skinny_linear_codebook_4bit,
                                               skinny_linear_grouped)
@@ -65,6 +65,7 @@ BNB_4BIT_CUDA_BUCKETS: frozenset[int] = frozenset({4, 8, 16, 32, 64})
 # Grouped projections' steps of more than MAX_M rows: the weight rebuilt whole in one pass, then cuBLAS
 # (kernels/grouped_dequant.py); False: the library's own forward (an A/B for benchmarks).
 GROUPED_DENSE_ABOVE_MAX_M = True
+REBUILT_ELEMENTS = 1 << 26  # the most weights rebuilt at once (128 MiB in 16 bits: the 8B shape's projections whole)
 try:  # what a recorded config that this machine cannot build raises
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
@@ -158,9 +159,15 @@ class _GroupedProjection(_QuantizedProjection):
         return super().__call__(x)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T with w rebuilt whole; a weight of more than REBUILT_ELEMENTS (a quantized lm_head) in
+        slices of rows, so that no more of it is held at once."""
         f = self.found
-        out = F.linear(x, dequantize_grouped(f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape,
-                                             dequant=f.dequant))
+        n, k = f.shape
+        step = max(BLOCK_N, REBUILT_ELEMENTS // k // BLOCK_N * BLOCK_N)
+        parts = [F.linear(x, dequantize_grouped(f.packed, f.scale, f.zero, f.group_size, bits=f.bits, shape=f.shape,
+                                                dequant=f.dequant, rows=(start, min(n, start + step))))
+                 for start in range(0, n, step)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if f.bias is not None:
             out += f.bias
         return out
