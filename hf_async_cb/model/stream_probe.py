@@ -13,7 +13,8 @@ class comes from outside torch, transformers and this package, or whose weight i
 (torchao's, quanto's): plain torch operations always launch on the current stream. Each is run on one
 and on 320 rows (a library may pick another kernel for a prefill step). A probe that cannot run (the
 forward wants other inputs, a profiler is already running, no marker seen) decides nothing, and the
-list stands alone.
+list stands alone. Kernels another thread of the process launches meanwhile are seen too: such a false
+finding only costs speed (the engine computes on the default stream), never tokens.
 """
 
 from __future__ import annotations
