@@ -109,7 +109,8 @@ def test_the_probe_agrees_with_the_list_on_quantos_packed_weights():
     model = copy.deepcopy(tiny_model("llama")).cuda()
     quanto.quantize(model, weights=quanto.qint4)
     quanto.freeze(model)
-    stream_probe.probe(model, torch.float32)
+    assert stream_probe.probe(model, torch.float32) == {}  # (listed: not probed)
+    stream_probe.probe(model, torch.float32, listed_too=True)
     for name, module in model.named_modules():
         if graph_safety.module_launches_off_stream(module) and stream_probe.is_candidate(module):
             assert stream_probe.verdict(module), name

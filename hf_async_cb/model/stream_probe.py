@@ -81,15 +81,19 @@ def _device_events(module: torch.nn.Module, dtype: torch.dtype, device: torch.de
     return [(e.name, e.device_resource_id) for e in events]
 
 
-def probe(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, tuple[str, ...]]:
+def probe(model: torch.nn.Module, dtype: torch.dtype, listed_too: bool = False) -> dict[str, tuple[str, ...]]:
     """Probe one CUDA module of every candidate class pair of `model` not probed yet (activations in
-    `dtype`); returns {module name: off-stream kernels} of those it found running any."""
+    `dtype`; `listed_too`: those graph_safety names as well, a check of the probe itself); returns
+    {module name: off-stream kernels} of those it found running any."""
+    from hf_async_cb.model.graph_safety import module_launches_off_stream
+
     if not torch.autograd.kineto_available() or torch.autograd.profiler._is_profiler_enabled:
         return {}
     found = {}
     for name, module in model.named_modules():
-        if key(module) in _VERDICTS or not is_candidate(module):
-            continue
+        if key(module) in _VERDICTS or not is_candidate(module) or (module_launches_off_stream(module)
+                                                                    and not listed_too):
+            continue  # (probed, nothing of its own, or listed already)
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.device.type != "cuda":
             continue
