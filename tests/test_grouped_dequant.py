@@ -119,9 +119,21 @@ def test_off_the_switch_the_librarys_forward_runs(dense_calls, monkeypatch):
     assert dense_calls == []
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_prefill_steps_above_max_m_rows_give_stocks_tokens(mode, dense_calls):
-    model = hqq_in_place(copy.deepcopy(tiny_model("llama")).to(DEVICE, torch.float32), quantize)
+def _quantized_model(kind: str) -> torch.nn.Module:
+    model = copy.deepcopy(tiny_model("llama")).to(DEVICE, torch.float32)
+    if kind.startswith("hqq"):
+        return hqq_in_place(model, quantize, nbits=int(kind[3:]))
+    quanto = pytest.importorskip("optimum.quanto")
+    quanto.quantize(model, weights=getattr(quanto, kind))
+    quanto.freeze(model)
+    return model
+
+
+@pytest.mark.parametrize("kind, mode", [("hqq4", "sync"), ("hqq4", "async"), ("hqq3", "async"), ("qint4", "sync"),
+                                        ("qint2", "async")])
+def test_prefill_steps_above_max_m_rows_give_stocks_tokens(kind, mode, dense_calls):
+    """HQQ at 4 bits, and at 3 through its 4-bit copies; quanto's plain 4- and 2-bit tensors."""
+    model = _quantized_model(kind)
     prompts = random_prompts(4, 100, 160, seed=7)  # one prefill step of ~500 tokens
     expected = stock_generate(model, prompts, max_new_tokens=5)
     ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
