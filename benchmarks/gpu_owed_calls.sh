@@ -10,7 +10,9 @@
 #  vlm       issue 31 on an H200: Qwen2.5-VL-7B beside stock (targets 8x, 0.70 of the roofline; ~5 min);
 #  prefix8b  issue 28 on an H200: the 8B group table beside stock and transformers' CB (~9 min; few-shot's stock
 #            runs out of memory in its 256 x 2,112-token prefill on any card);
-#  rates     issue 30: 8B serving at 32 and 64 req/s, sync and async (~7 min).
+#  rates     issue 30: 8B serving at 32 and 64 req/s, sync and async (~7 min);
+#  grouped   issue 27: the grouped form's config sweep at the 8B shapes, 4 bits (benchmarks/tune_grouped.py; a
+#            few minutes of compiles; prediction: a config 1.3-2x faster than the default on the large shapes).
 set -uo pipefail
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,6 +34,9 @@ for step in $STEPS; do
     prefix8b)
       timeout 540 python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads group \
         --paths stock,hf-cb-sync,cache-off,cache-on --calls 2 --json "$OUT/prefix8b.json" 2>&1 | grep -v -i warn | tail -8 ;;
+    grouped)
+      timeout 540 python3 benchmarks/tune_grouped.py --m 32 --forms fma_centered:4:128,hqq:4:64 2>&1 \
+        | grep -v -i warn | tee "$OUT/tune_grouped.txt" | grep -E "^[a-z]|default|step" | cut -c1-260 ;;
     rates)
       timeout 480 python3 benchmarks/serving_rates.py --shape llama3-8b --rates 64,32 --paths sync,async --peer-rate 0 \
         --budget 420 --json "$OUT/rates.json" 2>&1 | grep -v -i warn | tail -8 ;;
