@@ -328,3 +328,25 @@ def test_every_hqq_packing_is_read_by_the_grouped_form():
     from hf_async_cb.kernels.skinny_gemm_forms import GROUPED_BITS
 
     assert set(_HQQ_PACKINGS.values()) == set(GROUPED_BITS)
+
+
+def test_the_next_call_reuses_the_prompts_pages():
+    """HQQ's quantizer leaves some of its tensors as inference tensors (the zeros), which keep no version
+    counter: their values, read once a call, tell the next call that the model is unchanged, and it
+    reuses the prompts' pages."""
+    import hf_async_cb
+    from models import left_pad, random_prompts, stock_generate
+
+    model = _hqq_model()
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.meta["zero"].is_inference()
+    prompts = random_prompts(3, 40, 60, seed=2)
+    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
+    stock = stock_generate(model, prompts, max_new_tokens=4)
+    hits = []
+    for _ in range(2):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, batching="sync")
+        assert torch.equal(out.cpu(), stock.cpu())
+        hits.append(hf_async_cb.prefix_cache_stats(model)["hit_tokens"] - sum(hits))
+    assert hits[0] == 0 and hits[1] >= 3 * 32  # (every prompt's whole pages)
+    hf_async_cb.release(model)

@@ -219,13 +219,24 @@ def test_what_changes_outputs_while_a_loop_serves_is_never_served_stale(change):
         engine.shutdown()
 
 
-def test_a_model_made_under_inference_mode_runs_and_caches_within_a_call():
-    """Inference tensors keep no version counter: the parity check and the cache do without."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_model_made_under_inference_mode_caches_across_calls_and_sees_its_writes(mode):
+    """Inference tensors keep no version counter (HQQ quantizes into such tensors): the parity check
+    does without, the next call reuses the prompts' pages (their values are read once a call), and a
+    write in place under inference_mode, which no counter sees, empties the cache: stock's new tokens."""
     with torch.inference_mode():
         model = fresh_model(seed=6)
     prompts = shared_prompts(groups=1, rows=3, prefix=32, own=4, seed=10)
-    for _ in range(2):
-        assert generate_rows(model, prompts, 6, "sync") == expected(model, prompts, 6)
+    assert generate_rows(model, prompts, 6, mode) == expected(model, prompts, 6)
+    first = hf_async_cb.prefix_cache_stats(model)["hit_tokens"]  # (rows 2 and 3 take row 1's prefix)
+    assert generate_rows(model, prompts, 6, mode) == expected(model, prompts, 6)
+    second = hf_async_cb.prefix_cache_stats(model)["hit_tokens"] - first
+    assert second >= first + 32  # (and row 1 takes the first call's)
+    before = expected(model, prompts, 6)
+    with torch.inference_mode():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(-2)
+    now = expected(model, prompts, 6)
+    assert now != before and generate_rows(model, prompts, 6, mode) == now
     hf_async_cb.release(model)
 
 

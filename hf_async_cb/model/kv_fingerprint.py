@@ -21,11 +21,14 @@ compute. A call compares this fingerprint with the last one and empties the cach
   buffers: a steering vector a custom module adds), by identity, storage and version counter;
 - the call's arithmetic (model/numeric_context.py): autocast, the matmul precisions.
 
-Tensors made under `torch.inference_mode()` keep no version counter, and forward hooks of the
-user's, or a forward of the user's patched onto a module instance, may hold anything (a steering
-vector changed in place between calls), and torch.ao's quantized Linears keep their weights in
-TorchScript objects that no tensor read reaches (`set_weight_bias()`): for such a model the fingerprint
-is None, "unknown", and the cache lives for one call only.
+Tensors made under `torch.inference_mode()` keep no version counter (HQQ quantizes into such
+tensors): with `content=True` their values are read as every weight's are, so a write to one (only
+possible under inference_mode) is seen at the next call; a serving loop's reading of the counters
+alone cannot see it, so there the fingerprint of such a model is None. Forward hooks of the user's,
+or a forward of the user's patched onto a module instance, may hold anything (a steering vector
+changed in place between calls), and torch.ao's quantized Linears keep their weights in TorchScript
+objects that no tensor read reaches (`set_weight_bias()`): for such a model the fingerprint is None,
+"unknown", and the cache lives for one call only.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ def kv_fingerprint(model: torch.nn.Module, content: bool = False) -> tuple | Non
         return None
     tensors = model_tensors(model, modules)
     counters = versions(tensors)
-    if counters is None:
-        return None
+    if counters is None:  # inference tensors: none kept; their values are read below (content) or nothing is known
+        if not content:
+            return None
+        counters = [0 if t.is_inference() else t._version for t in tensors]
     try:
         settings = hash(numerics_key(model, named))
     except Exception:  # noqa: BLE001 - settings it cannot read: unknown
