@@ -104,6 +104,28 @@ def test_a_held_engine_on_a_peft_wrapper_says_to_pass_the_base_model():
     assert got == expected[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("kind", ["lora", "prefix tuning"])
+def test_the_runtime_functions_reach_a_peft_wrappers_runtime(kind):
+    """PEFT's generate runs on its base model, whose generate runtime holds the pool: release(),
+    clear_prefix_cache(), prefix_cache_stats() and runtime_info() given the wrapper reach it (release
+    frees it, as a user freeing memory for training expects)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    torch.manual_seed(1)
+    config = _lora() if kind == "lora" else peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = peft.get_peft_model(_llama(), config).eval()
+    ids = torch.tensor([list(range(3, 40))])
+    assert hf_async_cb.release(model) is False and hf_async_cb.prefix_cache_stats(model) is None
+    for _ in range(2):
+        model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, batching="sync")
+    assert hf_async_cb.prefix_cache_stats(model)["hit_tokens"] >= 32  # (the second call took the first's pages)
+    assert hf_async_cb.runtime_info(model) is not None
+    assert hf_async_cb.clear_prefix_cache(model) is True
+    assert hf_async_cb.prefix_cache_stats(model)["clears"] >= 1
+    assert hf_async_cb.release(model) is True
+    assert not [m for m in model.modules() if m in runtime_module._RUNTIMES]
+    assert hf_async_cb.release(model) is False
+
+
 def test_lora_added_after_a_fused_engine_existed_is_exact():
     peft = pytest.importorskip("peft", reason="peft is not installed")
     model = _llama()

@@ -152,51 +152,65 @@ def runtime_engine(model: torch.nn.Module, config: BatchingConfig, pages_needed:
 
 
 def release(model: torch.nn.Module) -> bool:
-    """Free the model's generate runtime (KV pool, CUDA graphs, fused weights) now. Returns whether
-    there was one. The next generate(batching=...) call builds it again."""
-    _check_module(model, "release")
-    guard = model_guard(model, create=False)
-    if guard is None:
-        return False
-    with guard.held("release", kind="outer"):  # (the engine's close() holds it again, inside)
-        with _RUNTIMES_LOCK:
-            runtime = _RUNTIMES.pop(model, None)
-        if runtime is None:
-            return False
-        device = runtime.prepared.device
-        runtime.close()
-    _free_device_memory(device)
-    return True
+    """Free the model's generate runtime (KV pool, CUDA graphs, fused weights) now; for a wrapper whose
+    generate runs on a model inside it (a PEFT model's base model), that one's. Returns whether there
+    was one. The next generate(batching=...) call builds it again."""
+    released = False
+    for holder in _holders(model, "release"):
+        guard = model_guard(holder, create=False)
+        if guard is None:
+            continue
+        with guard.held("release", kind="outer"):  # (the engine's close() holds it again, inside)
+            with _RUNTIMES_LOCK:
+                runtime = _RUNTIMES.pop(holder, None)
+            if runtime is None:
+                continue
+            device = runtime.prepared.device
+            runtime.close()
+        _free_device_memory(device)
+        released = True
+    return released
 
 
 def clear_prefix_cache(model: torch.nn.Module) -> bool:
     """Forget the prefixes the model's generate runtime cached (e.g. after writing its weights
-    through `.data`, which the runtime cannot see). Returns whether it had a runtime."""
-    _check_module(model, "clear_prefix_cache")
-    guard = model_guard(model, create=False)
-    if guard is None:
-        return False
-    with guard.held("clear_prefix_cache"):
-        runtime = _RUNTIMES.get(model)
-        if runtime is None or runtime.engine is None:
-            return False
-        runtime.engine.clear_prefix_cache()
-    return True
+    through `.data`, which the runtime cannot see); a wrapper's, as release() finds it. Returns
+    whether it had a runtime."""
+    cleared = False
+    for holder in _holders(model, "clear_prefix_cache"):
+        guard = model_guard(holder, create=False)
+        if guard is None:
+            continue
+        with guard.held("clear_prefix_cache"):
+            runtime = _RUNTIMES.get(holder)
+            if runtime is None or runtime.engine is None:
+                continue
+            runtime.engine.clear_prefix_cache()
+            cleared = True
+    return cleared
 
 
 def prefix_cache_stats(model: torch.nn.Module) -> dict | None:
-    """The counters of the model's generate runtime's prefix cache (Engine.prefix_cache_stats), or
-    None without a runtime or with prefix caching off."""
-    _check_module(model, "prefix_cache_stats")
-    runtime = _RUNTIMES.get(model)
+    """The counters of the model's generate runtime's prefix cache (Engine.prefix_cache_stats; a
+    wrapper's, as release() finds it), or None without a runtime or with prefix caching off."""
+    runtime = next((_RUNTIMES.get(h) for h in _holders(model, "prefix_cache_stats")), None)
     return None if runtime is None or runtime.engine is None else runtime.engine.prefix_cache_stats()
 
 
 def runtime_info(model: torch.nn.Module) -> str | None:
-    """What the model's generate runtime holds (pool, graphs, calls), or None if it has none."""
-    _check_module(model, "runtime_info")
-    runtime = _RUNTIMES.get(model)
+    """What the model's generate runtime holds (pool, graphs, calls; a wrapper's, as release() finds
+    it), or None if it has none."""
+    runtime = next((_RUNTIMES.get(h) for h in _holders(model, "runtime_info")), None)
     return None if runtime is None else runtime.describe()
+
+
+def _holders(model, name: str) -> list[torch.nn.Module]:
+    """The modules whose generate runtime `model` names: itself if generate ran on it, else those
+    inside it that generate ran on (a wrapper's generate, as PEFT's, calls its base model's)."""
+    _check_module(model, name)
+    if model in _RUNTIMES:
+        return [model]
+    return [m for m in model.modules() if m is not model and m in _RUNTIMES]
 
 
 def _check_module(model, name: str) -> None:
