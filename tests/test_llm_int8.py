@@ -342,3 +342,32 @@ def test_an_int8_model_is_captured_up_to_the_kernels_rows(saved_llama, int8_call
     assert graphs.num_captured > 0 and graphs.num_replays > 0
     hf_async_cb.release(model)
     assert torch.equal(got.cpu(), expected.cpu())
+
+
+def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(saved_llama):
+    """Each LLM.int8() forward stores its outlier columns in the module's state (a new `idx` tensor a
+    call): scratch, not a weight. The next generate call keeps the runtime (no second parity check,
+    pool or graphs) and reuses the prompts' pages, with stock's tokens; a write into the int8 weights
+    is still seen."""
+    import hf_async_cb
+    from hf_async_cb.generate import runtime as runtime_module
+    from models import left_pad, random_prompts, stock_generate
+
+    model = _int8_model(saved_llama)
+    prompts = random_prompts(3, 40, 60, seed=2)
+    ids, mask = (t.to(DEVICE) for t in left_pad(prompts))
+
+    def call():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, batching="sync")
+        assert torch.equal(out.cpu(), stock_generate(model, prompts, max_new_tokens=4).cpu())
+        return runtime_module._RUNTIMES[model], hf_async_cb.prefix_cache_stats(model)
+
+    first, stats = call()
+    hits = stats["hit_tokens"]
+    second, stats = call()
+    assert second is first and stats["hit_tokens"] >= hits + 3 * 32
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1)  # (int8 codes negated: other tokens)
+    call()
+    assert hf_async_cb.prefix_cache_stats(model)["clears"] >= 1
+    hf_async_cb.release(model)

@@ -191,8 +191,10 @@ def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[to
             for item in v[:_HELD_ITEMS]:
                 walk(item, level + 1)
         elif not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not is_transformers_config(v):
-            for item in list(vars(v).values())[:_HELD_ITEMS]:
-                walk(item, level + 1)
+            scratch = _SCRATCH.get((type(v).__module__.split(".")[0], type(v).__name__), ())
+            for name, item in list(vars(v).items())[:_HELD_ITEMS]:
+                if name not in scratch:
+                    walk(item, level + 1)
 
     walk(value, depth)
     return found
@@ -200,6 +202,11 @@ def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[to
 
 _HELD_DEPTH = 3
 _HELD_ITEMS = 64
+# (package, class) -> attributes each forward writes for itself, read by nothing after it: not weights.
+# bitsandbytes' LLM.int8() state keeps the last call's outlier columns (`idx`, a new tensor every call;
+# `subB`, `outlier_pool`): counted as held tensors they made every call read as a changed model (its
+# runtime rebuilt, its prefix cache emptied, at each call).
+_SCRATCH = {("bitsandbytes", "MatmulLtState"): ("idx", "subB", "outlier_pool")}
 
 
 def is_transformers_config(value) -> bool:
