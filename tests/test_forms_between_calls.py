@@ -15,7 +15,6 @@ import hf_async_cb
 from hf_async_cb.generate import runtime as runtime_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-os.environ.setdefault("OUT", "")
 import gpu_model_stack as stack  # noqa: E402
 
 FORMS = ["plain", "bitsandbytes-int8", "bitsandbytes-nf4", "quanto-int8", "quanto-int4", "hqq-4bit",
