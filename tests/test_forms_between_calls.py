@@ -56,3 +56,27 @@ def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(form, saved_llama
     assert runtimes[1] is runtimes[0], "the runtime was rebuilt for the second call"
     assert hits[1] >= hits[0] + 3 * 32, "the second call did not take the first call's pages"
     hf_async_cb.release(model)
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f not in ("lora", "prefix-tuning")])
+def test_a_serving_loop_serves_request_after_request(form, saved_llama):
+    """A held Engine's background loop checks the model at each admission: what a forward leaves behind
+    must not read as a model changed since the build (which refuses the request)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's forms (the GPU's: benchmarks/gpu_model_stack.py)")
+    try:
+        model = stack.FORMS[form](saved_llama, "cpu").eval()
+    except stack.NotInstalled as error:
+        pytest.skip(str(error))
+    prompt = random_prompts(1, 40, 40, seed=3)[0]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    engine = hf_async_cb.Engine(model, hf_async_cb.BatchingConfig(mode="async"))
+    try:
+        engine.start()
+        for _ in range(3):
+            out = engine.add_request(prompt, max_new_tokens=4, eos_token_ids=()).result(timeout=120)
+            assert out.output_token_ids == expected
+    finally:
+        engine.shutdown(cancel=True, timeout=60)
+        engine.close()
