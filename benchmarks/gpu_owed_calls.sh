@@ -11,6 +11,8 @@
 #  prefix8b  issue 28 on an H200: the 8B group table beside stock and transformers' CB (~9 min; few-shot's stock
 #            runs out of memory in its 256 x 2,112-token prefill on any card);
 #  rates     issue 30: 8B serving at 32 and 64 req/s, sync and async (~7 min);
+#  stack     issue 27: every form a user loads on CUDA (benchmarks/gpu_model_stack.py: exact, refused, DIFFERS,
+#            REBUILT; bitsandbytes int8's runtime was rebuilt at every call before a033bfc) (~3 min);
 #  grouped   issue 27: the grouped form's config sweep at the 8B shapes, 4 bits (benchmarks/tune_grouped.py; a
 #            few minutes of compiles; prediction: a config 1.3-2x faster than the default on the large shapes).
 set -uo pipefail
@@ -34,6 +36,9 @@ for step in $STEPS; do
     prefix8b)
       timeout 540 python3 -m hf_async_cb.tools.shared_prefix --shape llama3-8b --workloads group \
         --paths stock,hf-cb-sync,cache-off,cache-on --calls 2 --json "$OUT/prefix8b.json" 2>&1 | grep -v -i warn | tail -8 ;;
+    stack)
+      timeout 400 python3 benchmarks/gpu_model_stack.py --out "$OUT/model_stack_gpu.json" 2>&1 | grep -v -i warn \
+        | grep -E "^[a-z0-9-]+ +[A-Za-z]|forms:" | cut -c1-200 ;;
     grouped)
       timeout 540 python3 benchmarks/tune_grouped.py --m 32 --forms fma_centered:4:128,hqq:4:64 2>&1 \
         | grep -v -i warn | tee "$OUT/tune_grouped.txt" | grep -E "^[a-z]|default|step" | cut -c1-260 ;;
