@@ -371,3 +371,22 @@ def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(saved_llama):
     call()
     assert hf_async_cb.prefix_cache_stats(model)["clears"] >= 1
     hf_async_cb.release(model)
+
+
+def test_the_outlier_columns_a_forward_leaves_read_as_no_change(saved_llama):
+    """A forward with outliers and one without leave `state.idx` of other lengths (and a new tensor each
+    time): the numerics key (the parity verdict's and the prefix cache's), the fingerprint and the
+    preparation's signature read the model the same after either."""
+    from hf_async_cb.model.kv_fingerprint import kv_fingerprint
+    from hf_async_cb.model.numerics_key import numerics_key
+    from hf_async_cb.model.prepared import signature
+
+    model = _int8_model(saved_llama)
+    q = model.model.layers[0].self_attn.q_proj
+    reads, lengths = [], []
+    for outliers in ([], [(1, 3), (4, 7)], []):
+        _own(q, _x(5, q.in_features, torch.float32, outliers))
+        lengths.append(q.state.idx.numel())
+        reads.append((numerics_key(model), kv_fingerprint(model, content=True), signature(model)))
+    assert lengths[1] > lengths[0] == lengths[2]  # (the state did change)
+    assert reads[0] == reads[1] == reads[2]

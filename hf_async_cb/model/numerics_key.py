@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hf_async_cb.model.compiled import compiled_wrappers
-from hf_async_cb.model.weight_kinds import is_plain, is_transformers_config
+from hf_async_cb.model.weight_kinds import is_plain, is_transformers_config, scratch_attributes
 
 _DEPTH = 4  # levels of objects inside objects read
 _LONGEST = 64  # items of a sequence or mapping read (and its length)
@@ -111,12 +111,13 @@ def _plain(value, depth: int = 0):
         return ("method", _name(type(value.__self__)), _plain(value.__func__, depth + 1))
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
         return ("function", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value):  # (less what each forward writes for itself: LLM.int8()'s outlier columns)
+        scratch = scratch_attributes(value)
         return (_name(type(value)), tuple((f.name, _plain(getattr(value, f.name, None), depth + 1))
-                                          for f in dataclasses.fields(value)))
+                                          for f in dataclasses.fields(value) if f.name not in scratch))
     state = getattr(value, "__dict__", None)
     if isinstance(state, dict):
-        return (_name(type(value)), _attributes(state, depth + 1, private=False))
+        return (_name(type(value)), _attributes(state, depth + 1, private=False, skip=scratch_attributes(value)))
     return _name(type(value))
 
 

@@ -191,7 +191,7 @@ def held_tensors(value, depth: int = 0, seen: set[int] | None = None) -> list[to
             for item in v[:_HELD_ITEMS]:
                 walk(item, level + 1)
         elif not callable(v) and isinstance(getattr(v, "__dict__", None), dict) and not is_transformers_config(v):
-            scratch = _SCRATCH.get((type(v).__module__.split(".")[0], type(v).__name__), ())
+            scratch = scratch_attributes(v)
             for name, item in list(vars(v).items())[:_HELD_ITEMS]:
                 if name not in scratch:
                     walk(item, level + 1)
@@ -207,6 +207,12 @@ _HELD_ITEMS = 64
 # `subB`, `outlier_pool`): counted as held tensors they made every call read as a changed model (its
 # runtime rebuilt, its prefix cache emptied, at each call).
 _SCRATCH = {("bitsandbytes", "MatmulLtState"): ("idx", "subB", "outlier_pool")}
+
+
+def scratch_attributes(value) -> tuple[str, ...]:
+    """The attributes of `value` that each forward writes for itself (_SCRATCH): neither weights nor
+    settings, so read by neither the fingerprints nor the numerics key."""
+    return _SCRATCH.get((type(value).__module__.split(".")[0], type(value).__name__), ())
 
 
 def is_transformers_config(value) -> bool:
