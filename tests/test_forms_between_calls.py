@@ -29,14 +29,19 @@ def saved_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(form, saved_llama):
+def _load(form: str, path: str) -> torch.nn.Module:
+    """The form's model on the CPU (the test skipped on CUDA, or where its library is absent)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU's forms (the GPU's: benchmarks/gpu_model_stack.py)")
     try:
-        model = stack.FORMS[form](saved_llama, "cpu").eval()
+        return stack.FORMS[form](path, "cpu").eval()
     except stack.NotInstalled as error:
         pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(form, saved_llama):
+    model = _load(form, saved_llama)
     prompts = random_prompts(3, 40, 60, seed=2)
     ids, mask = left_pad(prompts)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
@@ -62,12 +67,7 @@ def test_the_next_call_keeps_the_runtime_and_the_prompts_pages(form, saved_llama
 def test_a_serving_loop_serves_request_after_request(form, saved_llama):
     """A held Engine's background loop checks the model at each admission: what a forward leaves behind
     must not read as a model changed since the build (which refuses the request)."""
-    if torch.cuda.is_available():
-        pytest.skip("the CPU's forms (the GPU's: benchmarks/gpu_model_stack.py)")
-    try:
-        model = stack.FORMS[form](saved_llama, "cpu").eval()
-    except stack.NotInstalled as error:
-        pytest.skip(str(error))
+    model = _load(form, saved_llama)
     prompt = random_prompts(1, 40, 40, seed=3)[0]
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt):].tolist()
